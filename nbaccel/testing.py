@@ -1,0 +1,128 @@
+"""Run a test function on N real processes (CPU, gloo) and report every rank's failure.
+
+``run_on_ranks(fn, num_processes=2)`` starts fresh processes from a forkserver that has torch
+preloaded (a launch costs a fork, not an ``import torch``), sets the torchrun-style variables,
+calls ``fn(*args)`` on every rank and returns the per-rank results. If any rank fails, a
+:class:`RankFailures` error carries every failing rank's traceback; a rank that hangs past
+``timeout`` is killed and reported, so no test can hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["RankFailures", "free_port", "run_on_ranks"]
+
+_PRELOAD = ["torch", "torch.distributed", "nbaccel.state", "nbaccel.ops"]
+
+
+class RankFailures(AssertionError):
+    """One or more ranks failed; the message holds each failing rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(payload: bytes, rank: int, env: dict[str, str], conn: Any) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        fn, args = cloudpickle.loads(payload)
+        result = ("ok", cloudpickle.dumps(fn(*args)))
+    except BaseException as exc:
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        conn.send(result)
+    finally:
+        conn.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    num_processes: int = 2,
+    args: Sequence[Any] = (),
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``num_processes`` real ranks; return results indexed by rank."""
+    ctx = _context()
+    payload = cloudpickle.dumps((fn, tuple(args)))
+    base_env = {
+        "WORLD_SIZE": str(num_processes),
+        "LOCAL_WORLD_SIZE": str(num_processes),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "NBACCEL_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    procs, conns = [], []
+    for rank in range(num_processes):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(payload, rank, base_env, child_end), daemon=True)
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns.append(parent_end)
+    results: list[Any] = [None] * num_processes
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(range(num_processes))
+    while pending:
+        for rank in sorted(pending):
+            conn = conns[rank]
+            if conn.poll(0.02):
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "error", "process exited without a result"
+                if status == "ok":
+                    results[rank] = cloudpickle.loads(value)
+                else:
+                    failures[rank] = value
+                pending.discard(rank)
+            elif not procs[rank].is_alive() and not conn.poll(0):
+                failures[rank] = f"process died with exit code {procs[rank].exitcode}"
+                pending.discard(rank)
+        if failures and pending:
+            # A failed rank usually leaves its peers stuck in a collective: give them a moment.
+            deadline = min(deadline, time.monotonic() + 5.0)
+        if time.monotonic() > deadline:
+            for rank in pending:
+                failures[rank] = f"timed out after {timeout:.0f} s (killed)"
+            break
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    for conn in conns:
+        conn.close()
+    if failures:
+        text = "\n".join(f"--- rank {rank} ---\n{msg}" for rank, msg in sorted(failures.items()))
+        raise RankFailures(f"{len(failures)} of {num_processes} ranks failed:\n{text}")
+    return results
