@@ -19,6 +19,9 @@ from nbaccel.seed import set_seed
 from nbaccel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
 # -- launcher (issue 3) --
+from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
+from nbaccel.launch.launcher import debug_launcher, notebook_launcher
+from nbaccel.launch.transport import UnpicklableError
 # -- training core (issue 6) --
 # -- big-model inference (issue 8) --
 # -- notebook widgets (issue 5) --
@@ -27,6 +30,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcceleratorState",
+    "LaunchTimeout",
+    "RankCrashed",
+    "RankError",
+    "UnpicklableError",
+    "debug_launcher",
+    "notebook_launcher",
     "DistributedType",
     "GradientState",
     "PartialState",

@@ -1,0 +1,121 @@
+"""Errors raised in the notebook when ranks fail, carrying the remote traceback.
+
+The original exception type is re-raised (``ValueError`` stays ``ValueError``) with its message
+prefixed by the rank, and a :class:`RemoteTraceback` attached as ``__cause__`` so the notebook
+shows the rank's own frames (launcher internals trimmed, notebook cell lines filled in).
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import pickle
+import time
+from typing import Any
+
+__all__ = [
+    "LaunchTimeout",
+    "RankCrashed",
+    "RankError",
+    "RemoteTraceback",
+    "describe_exception",
+    "rebuild_exception",
+]
+
+_INTERNAL = os.path.dirname(os.path.abspath(__file__))
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception that could not be rebuilt in the notebook."""
+
+    def __init__(self, rank: int, type_name: str, message: str) -> None:
+        super().__init__(f"[rank {rank}] {type_name}: {message}")
+        self.rank = rank
+        self.type_name = type_name
+        self.remote_message = message
+
+
+class RankCrashed(RuntimeError):
+    """A rank ended without returning or raising: a non-zero exit code or a signal."""
+
+    def __init__(self, rank: int, returncode: int, description: str) -> None:
+        super().__init__(f"rank {rank} {description}")
+        self.rank = rank
+        self.returncode = returncode
+
+
+class LaunchTimeout(TimeoutError):
+    """The launch ran longer than its ``timeout``; every rank was stopped."""
+
+
+class RemoteTraceback(Exception):
+    """Holds a rank's traceback text; shown as the cause of the re-raised exception."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+def _user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
+    import traceback
+
+    frames = []
+    for frame in traceback.extract_tb(tb):
+        if os.path.abspath(frame.filename).startswith(_INTERNAL):
+            continue
+        frames.append((frame.filename, frame.lineno or 0, frame.name, frame.line))
+    return frames
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """What a worker sends about an exception: type, message, frames, and the pickled object."""
+    import cloudpickle
+
+    try:
+        pickled = cloudpickle.dumps(exc)
+        pickle.loads(pickled)
+    except Exception:
+        pickled = None
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "name": type(exc).__name__,
+        "message": str(exc),
+        "frames": _user_frames(exc.__traceback__),
+        "pickled": pickled,
+        "time": time.time(),
+    }
+
+
+def format_frames(info: dict[str, Any], rank: int) -> str:
+    """Render the remote traceback; lines missing remotely come from this process's linecache
+    (that is where IPython keeps the source of notebook cells)."""
+    lines = [f"Traceback from rank {rank} (most recent call last):"]
+    for filename, lineno, name, line in info["frames"]:
+        lines.append(f'  File "{filename}", line {lineno}, in {name}')
+        text = line or linecache.getline(filename, lineno).strip()
+        if text:
+            lines.append(f"    {text}")
+    lines.append(f"{info['name']}: {info['message']}")
+    return "\n".join(lines)
+
+
+def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
+    """The exception to raise in the notebook: original type when possible, naming the rank."""
+    exc: BaseException | None = None
+    if info.get("pickled") is not None:
+        try:
+            exc = pickle.loads(info["pickled"])
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = RankError(rank, info["name"], info["message"])
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"[rank {rank}] {exc.args[0]}", *exc.args[1:])
+    elif not isinstance(exc, KeyboardInterrupt):
+        exc.args = (f"[rank {rank}]", *exc.args)
+    exc.rank = rank  # type: ignore[attr-defined]
+    exc.__cause__ = RemoteTraceback(format_frames(info, rank))
+    return exc

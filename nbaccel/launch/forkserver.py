@@ -1,0 +1,249 @@
+"""A fork server with torch preloaded: launches cost a fork, not an ``import torch``.
+
+The server is a plain child process of the notebook kernel (``python -c ...``) that imports torch
+and nbaccel's worker module once, then forks a fresh worker per request. Because the server never
+touches CUDA, forking it is safe even when the kernel has already initialised CUDA (the reason
+fork-based launchers refuse to start after a notebook touched the GPU).
+
+Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
+  driver -> server: ("spawn", request_id, spec_bytes)
+  server -> driver: ("ready",) | ("started", request_id, pid) | ("exited", pid, returncode)
+The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
+its stdin closes because the kernel died, kills its workers and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["ForkServer", "get_forkserver", "warm_up"]
+
+_HEADER = struct.Struct("!I")
+_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
+
+
+def _write_frame(fd: int, message: Any) -> None:
+    data = pickle.dumps(message)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = os.read(fd, size)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int) -> Any:
+    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
+    return pickle.loads(_read_exact(fd, size))
+
+
+# ----------------------------------------------------------------------------- server side
+def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
+    signal.set_wakeup_fd(-1)
+    for fd in server_fds:
+        os.close(fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    code = 1
+    try:
+        from nbaccel.launch.worker import run_worker
+
+        code = run_worker(pickle.loads(spec_bytes))
+    finally:
+        os._exit(code)
+
+
+def serve() -> None:
+    """Run the fork server loop (called in the server process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for module in _PRELOAD:
+        __import__(module)
+    stdin, stdout = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the pipe
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    _write_frame(stdout, ("ready",))
+
+    def reap() -> None:
+        for pid in list(children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                children.discard(pid)
+                _write_frame(stdout, ("exited", pid, os.waitstatus_to_exitcode(status)))
+
+    try:
+        while True:
+            ready, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+            reap()
+            if stdin in ready:
+                try:
+                    _, request_id, spec_bytes = _read_frame(stdin)
+                except EOFError:
+                    break
+                pid = os.fork()
+                if pid == 0:
+                    _child_main(spec_bytes, (wake_r, wake_w, stdout))
+                children.add(pid)
+                _write_frame(stdout, ("started", request_id, pid))
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ----------------------------------------------------------------------------- driver side
+class ForkServer:
+    """Driver-side handle: start the server, ask it for workers, learn their exit codes."""
+
+    def __init__(self) -> None:
+        bootstrap = (
+            "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+            "from nbaccel.launch.forkserver import serve; serve()"
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", bootstrap, json.dumps(sys.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+        )
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._ready = False
+        self._started: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._next_id = 0
+        self._listeners: list[Any] = []
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="nbaccel-fs")
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def _read_loop(self) -> None:
+        fd = self._proc.stdout.fileno()
+        while True:
+            try:
+                message = _read_frame(fd)
+            except (EOFError, OSError):
+                break
+            with self._cond:
+                if message[0] == "ready":
+                    self._ready = True
+                elif message[0] == "started":
+                    self._started[message[1]] = message[2]
+                elif message[0] == "exited":
+                    self._exits[message[1]] = message[2]
+                self._cond.notify_all()
+            for wake in list(self._listeners):
+                wake()
+        with self._cond:
+            self._ready = False
+            self._cond.notify_all()
+        for wake in list(self._listeners):
+            wake()
+
+    def add_wakeup(self, callback: Any) -> None:
+        """Call ``callback()`` from the reader thread whenever the server reports something."""
+        self._listeners.append(callback)
+
+    def remove_wakeup(self, callback: Any) -> None:
+        if callback in self._listeners:
+            self._listeners.remove(callback)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._ready:
+                if not self.alive() or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        "nbaccel's fork server did not start (is torch importable in this "
+                        "environment?); pass start_method='spawn' to launch without it."
+                    )
+                self._cond.wait(0.1)
+
+    def spawn(self, spec_bytes: bytes) -> int:
+        """Fork one worker running ``spec``; return its pid."""
+        self.wait_ready()
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            _write_frame(self._proc.stdin.fileno(), ("spawn", request_id, spec_bytes))
+        with self._cond:
+            while request_id not in self._started:
+                if not self.alive():
+                    raise RuntimeError("nbaccel's fork server exited while starting a worker")
+                self._cond.wait(0.1)
+            return self._started.pop(request_id)
+
+    def exitcode(self, pid: int) -> int | None:
+        with self._cond:
+            return self._exits.get(pid)
+
+    def forget(self, pid: int) -> None:
+        with self._cond:
+            self._exits.pop(pid, None)
+
+    def close(self) -> None:
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+_server: ForkServer | None = None
+_server_lock = threading.Lock()
+
+
+def get_forkserver() -> ForkServer:
+    """The process-wide fork server, (re)started when needed."""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive():
+            _server = ForkServer()
+        return _server
+
+
+def warm_up() -> None:
+    """Start the fork server now, so its ``import torch`` overlaps with the user's typing."""
+    get_forkserver()

@@ -1,0 +1,403 @@
+"""The driver's side of a set of ranks: start them, pump their streams, stop them.
+
+``WorkerGroup`` is the one engine shared by ``notebook_launcher`` (one call, then the workers
+exit) and the persistent ``%%distributed`` pool (many calls on long-lived workers). Everything
+runs on the calling thread: a ``selectors`` loop accepts authenticated connections, turns output
+bytes into whole rank-labelled lines, decodes events, and watches for processes that end, so
+that the notebook's stop button (``KeyboardInterrupt``) lands where it can be handled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import secrets
+import selectors
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbaccel.launch.channel import AuthenticationFailed, Connection, Listener, new_secret
+from nbaccel.launch.processes import WorkerProcess, start_worker
+from nbaccel.launch.renderer import Renderer
+from nbaccel.launch.transport import Packed, SharedTensors, pack
+
+__all__ = ["Outcome", "WorkerGroup"]
+
+_MAX_PARTIAL = 1 << 16
+
+
+@dataclass
+class Outcome:
+    """How one rank's call ended: ``result`` (value), ``error`` (info dict) or ``crash``."""
+
+    kind: str
+    value: Any = None
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: WorkerProcess | None = None
+    events: Connection | None = None
+    streams_open: set[str] = field(default_factory=set)
+    partial: dict[str, bytearray] = field(default_factory=dict)
+    connected: set[str] = field(default_factory=set)
+    ready: bool = False
+    events_closed: bool = False
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    busy_since: float | None = None
+
+    @property
+    def finished_io(self) -> bool:
+        return self.events_closed and not self.streams_open
+
+
+class WorkerGroup:
+    """``num_processes`` worker processes connected to this driver.
+
+    Args:
+        num_processes: ranks started on this machine.
+        env_for_rank: the full environment of each local rank (RANK, WORLD_SIZE, ...).
+        renderer: where lines and events go.
+        start_method: "forkserver", "spawn" or "fork".
+        mode: "call" (run ``payload`` once) or "serve" (persistent pool).
+        payload: for "call", the packed ``(function, args, kwargs)``.
+        global_rank: maps a local index to the rank shown to the user.
+    """
+
+    def __init__(
+        self,
+        num_processes: int,
+        env_for_rank: Callable[[int], dict[str, str]],
+        renderer: Renderer,
+        start_method: str = "forkserver",
+        mode: str = "call",
+        payload: Packed | None = None,
+        global_rank: Callable[[int], int] = lambda i: i,
+        threads: int | None = None,
+        setup: Iterable[Callable[[], None]] = (),
+    ) -> None:
+        self.num_processes = num_processes
+        self.renderer = renderer
+        self.mode = mode
+        self.start_method = start_method
+        self._env_for_rank = env_for_rank
+        self._payload = payload
+        self._global_rank = global_rank
+        self._threads = threads or max(1, (os.cpu_count() or 1) // num_processes)
+        self._setup = tuple(setup)
+        self._secret = new_secret()
+        self._launch_id = secrets.token_hex(6)
+        self._listener: Listener | None = None
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._ranks = [_Rank(global_rank(i)) for i in range(num_processes)]
+        self._by_rank = {r.rank: r for r in self._ranks}
+        self._call_ids = itertools.count(1)
+        self._shared: list[SharedTensors] = []
+        self.started_at = time.time()
+        self.closed = False
+
+    # ------------------------------------------------------------------ start
+    @property
+    def ranks(self) -> list[int]:
+        return [r.rank for r in self._ranks]
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r.rank: r.process.pid for r in self._ranks if r.process is not None}
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start every worker and wait until each has connected and loaded its work."""
+        self._listener = Listener(self._secret)
+        self._selector.register(self._listener, selectors.EVENT_READ, ("listener", None, None))
+        self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None, None))
+        if self.start_method == "forkserver":
+            from nbaccel.launch.forkserver import get_forkserver
+
+            get_forkserver().add_wakeup(self._wake)
+        for index, state in enumerate(self._ranks):
+            spec = {
+                "rank": state.rank,
+                "env": self._env_for_rank(index),
+                "sys_path": list(sys.path),
+                "cwd": os.getcwd(),
+                "address": self._listener.address,
+                "secret": self._secret,
+                "launch_id": self._launch_id,
+                "mode": self.mode,
+                "payload": self._payload,
+                "threads": self._threads,
+                "setup": self._setup,
+            }
+            state.process = start_worker(spec, self.start_method)
+        self.pump_until(lambda: all(r.ready or r.outcomes for r in self._ranks), timeout)
+        self.release_shared()
+
+    # ------------------------------------------------------------------ pumping
+    def pump(self, timeout: float) -> None:
+        """Handle whatever is ready within ``timeout`` seconds (one selector round)."""
+        for key, _ in self._selector.select(timeout):
+            kind, rank, stream = key.data
+            if kind == "listener":
+                self._accept()
+            elif kind == "wake":
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif kind == "events":
+                self._read_event(self._by_rank[rank])
+            else:
+                self._read_output(self._by_rank[rank], stream, key.fileobj)
+        self._check_processes()
+
+    def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Pump until ``done()``; False when ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+            self.pump(wait)
+        return True
+
+    def _accept(self) -> None:
+        try:
+            conn = self._listener.accept()
+        except AuthenticationFailed:
+            self.renderer.notice("refused a connection that failed authentication")
+            return
+        header = conn.header
+        state = self._by_rank.get(header.get("rank"))
+        if state is None or header.get("launch") != self._launch_id:
+            conn.close()
+            return
+        stream = header.get("stream")
+        state.connected.add(stream)
+        if stream == "events":
+            state.events = conn
+            self._selector.register(conn, selectors.EVENT_READ, ("events", state.rank, None))
+        else:
+            state.streams_open.add(stream)
+            state.partial[stream] = bytearray()
+            conn.sock.setblocking(False)
+            self._selector.register(conn, selectors.EVENT_READ, ("output", state.rank, stream))
+
+    def _read_output(self, state: _Rank, stream: str, conn: Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        buffer = state.partial[stream]
+        if not data:
+            self._selector.unregister(conn)
+            conn.close()
+            state.streams_open.discard(stream)
+            if buffer:
+                self._emit_line(state.rank, stream, bytes(buffer))
+                buffer.clear()
+            return
+        buffer.extend(data)
+        *lines, rest = buffer.split(b"\n")
+        for line in lines:
+            self._emit_line(state.rank, stream, line)
+        if b"\r" in rest:
+            rest = rest[rest.rfind(b"\r") :]
+        if len(rest) > _MAX_PARTIAL:
+            self._emit_line(state.rank, stream, rest)
+            rest = b""
+        state.partial[stream] = bytearray(rest)
+
+    def _emit_line(self, rank: int, stream: str, raw: bytes) -> None:
+        text = raw.decode("utf-8", errors="replace")
+        if "\r" in text:  # carriage-return progress: keep the last state only
+            parts = [part for part in text.split("\r") if part.strip()]
+            text = parts[-1] if parts else ""
+            if not text:
+                return
+        self.renderer.line(rank, stream, text)
+
+    def _read_event(self, state: _Rank) -> None:
+        try:
+            message = state.events.recv()
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self._selector.unregister(state.events)
+            state.events.close()
+            state.events_closed = True
+            return
+        tag = message[0]
+        if tag == "ready":
+            state.ready = True
+        elif tag in ("result", "error"):
+            _, call_id, value = message
+            if tag == "result":
+                try:
+                    value = pickle.loads(value)
+                except Exception as exc:
+                    from nbaccel.launch.errors import describe_exception
+
+                    tag, value = "error", describe_exception(exc)
+            at = value.get("time", time.time()) if tag == "error" else time.time()
+            state.outcomes[call_id] = Outcome(tag, value, at)
+            state.busy_since = None
+        elif tag == "event":
+            self.renderer.event(state.rank, message[1], message[2])
+
+    def _check_processes(self) -> None:
+        for state in self._ranks:
+            if state.process is None or state.process.poll() is None:
+                continue
+            # The process is gone: its sockets hit EOF shortly; drain them first.
+            if not state.finished_io and not self._drained(state):
+                continue
+            code = state.process.poll()
+            pending = self._current_call if state.busy_since is not None else None
+            if pending is not None and pending not in state.outcomes:
+                state.outcomes[pending] = Outcome("crash", code)
+                state.busy_since = None
+            if not state.ready and not state.outcomes:
+                state.outcomes[0] = Outcome("crash", code)
+
+    def _drained(self, state: _Rank) -> bool:
+        """True once a dead process's streams were read to the end (bounded wait)."""
+        deadline = getattr(state, "_drain_deadline", None)
+        if deadline is None:
+            state._drain_deadline = time.monotonic() + 1.0  # type: ignore[attr-defined]
+            return False
+        return time.monotonic() > deadline
+
+    # ------------------------------------------------------------------ calls
+    _current_call: int | None = None
+
+    def expect_call(self, call_id: int = 0) -> None:
+        """Mark every rank busy with ``call_id`` (the "call" mode's single call is id 0)."""
+        self._current_call = call_id
+        now = time.monotonic()
+        for state in self._ranks:
+            if call_id not in state.outcomes:
+                state.busy_since = now
+
+    def send_call(
+        self,
+        function: Callable,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        ranks: Iterable[int] | None = None,
+    ) -> tuple[int, list[int]]:
+        """Ask ``ranks`` (default all) of a serving group to run ``function(*args, **kwargs)``."""
+        call_id = next(self._call_ids)
+        packed, shared = pack((function, tuple(args), dict(kwargs or {})), name="cell")
+        if shared is not None:
+            self._shared.append(shared)
+        targets = list(self.ranks if ranks is None else ranks)
+        self._current_call = call_id
+        now = time.monotonic()
+        for rank in targets:
+            state = self._by_rank[rank]
+            state.busy_since = now
+            state.events.send(("call", call_id, packed))
+        return call_id, targets
+
+    def outcomes(self, call_id: int, ranks: Iterable[int] | None = None) -> dict[int, Outcome]:
+        targets = self.ranks if ranks is None else ranks
+        return {
+            r: self._by_rank[r].outcomes[call_id]
+            for r in targets
+            if call_id in self._by_rank[r].outcomes
+        }
+
+    def busy(self, rank: int) -> bool:
+        return self._by_rank[rank].busy_since is not None
+
+    def alive(self) -> bool:
+        return all(r.process is not None and r.process.poll() is None for r in self._ranks)
+
+    def release_shared(self) -> None:
+        """Unlink shared tensor files once every rank has mapped them."""
+        for shared in self._shared:
+            shared.release()
+        self._shared.clear()
+
+    def adopt_shared(self, shared: SharedTensors | None) -> None:
+        if shared is not None:
+            self._shared.append(shared)
+
+    # ------------------------------------------------------------------ stopping
+    def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:
+        targets = self.ranks if ranks is None else ranks
+        for rank in targets:
+            proc = self._by_rank[rank].process
+            if proc is not None:
+                proc.signal_tree(sig)
+
+    def wait_exit(self, timeout: float) -> bool:
+        return self.pump_until(
+            lambda: all(r.process is None or r.process.poll() is not None for r in self._ranks),
+            timeout,
+        )
+
+    def stop(self, grace: float = 2.0, first: int = signal.SIGTERM) -> None:
+        """Stop every rank: ``first`` signal, then SIGKILL after ``grace`` seconds."""
+        if first == signal.SIGINT:
+            self.signal_all(signal.SIGINT)
+            if self.wait_exit(grace):
+                return
+            first = signal.SIGTERM
+        self.signal_all(first)
+        if not self.wait_exit(grace):
+            self.signal_all(signal.SIGKILL)
+            self.wait_exit(5.0)
+
+    def close(self, grace: float = 2.0) -> None:
+        """Stop the workers (politely for a pool), drain output, free every resource."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.mode == "serve":
+                for state in self._ranks:
+                    if state.events is not None and not state.events_closed:
+                        try:
+                            state.events.send(("stop",))
+                        except OSError:
+                            pass
+                if not self.wait_exit(grace):
+                    self.stop(grace)
+            elif not self.wait_exit(0.05):
+                self.stop(grace)
+            self.pump_until(lambda: all(r.finished_io for r in self._ranks), 0.5)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self.start_method == "forkserver":
+            from nbaccel.launch.forkserver import get_forkserver
+
+            get_forkserver().remove_wakeup(self._wake)
+        for key in list(self._selector.get_map().values()):
+            fileobj = key.fileobj
+            self._selector.unregister(fileobj)
+            if isinstance(fileobj, Connection):
+                fileobj.close()
+        self._selector.close()
+        if self._listener is not None:
+            self._listener.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.release_shared()

@@ -1,0 +1,132 @@
+"""Handles on worker processes, whatever started them (fork server, spawn or fork).
+
+The driver needs the same three things from each: the pid, the exit code once the process has
+ended, and a way to signal the process and everything it started (dataloader workers included).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import psutil
+
+from nbaccel.launch.forkserver import ForkServer, get_forkserver
+
+__all__ = ["WorkerProcess", "describe_exit", "start_worker"]
+
+
+class WorkerProcess:
+    """One rank's process."""
+
+    def __init__(self, pid: int, method: str, popen=None, server: ForkServer | None = None):
+        self.pid = pid
+        self.method = method
+        self._popen = popen
+        self._server = server
+        self._returncode: int | None = None
+        try:
+            self._ps = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            self._ps = None
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while running."""
+        if self._returncode is not None:
+            return self._returncode
+        if self._popen is not None:
+            self._returncode = self._popen.poll()
+        elif self._server is not None:
+            self._returncode = self._server.exitcode(self.pid)
+            if self._returncode is None and not self._server.alive():
+                self._returncode = -int(signal.SIGKILL)
+        else:  # forked by the driver itself
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid:
+                self._returncode = os.waitstatus_to_exitcode(status)
+        if self._returncode is not None and self._server is not None:
+            self._server.forget(self.pid)
+        return self._returncode
+
+    def signal_tree(self, sig: int) -> None:
+        """Send ``sig`` to this worker and all its descendants."""
+        if self.poll() is not None:
+            return
+        targets = []
+        if self._ps is not None:
+            try:
+                targets = self._ps.children(recursive=True)
+            except psutil.Error:
+                targets = []
+        for proc in targets:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+_SPAWN_BOOTSTRAP = (
+    "import sys, pickle; sys.path[:] = pickle.loads(sys.stdin.buffer.read(int(sys.argv[1])));"
+    "spec = pickle.loads(sys.stdin.buffer.read());"
+    "from nbaccel.launch.worker import run_worker; import os; os._exit(run_worker(spec))"
+)
+
+
+def start_worker(spec: dict, method: str) -> WorkerProcess:
+    """Start one worker with ``method`` in {"forkserver", "spawn", "fork"}."""
+    spec_bytes = pickle.dumps(spec)
+    if method == "forkserver":
+        server = get_forkserver()
+        return WorkerProcess(server.spawn(spec_bytes), method, server=server)
+    if method == "spawn":
+        path = pickle.dumps(sys.path)
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _SPAWN_BOOTSTRAP, str(len(path))],
+            stdin=subprocess.PIPE,
+            close_fds=True,
+        )
+        popen.stdin.write(path + spec_bytes)
+        popen.stdin.close()
+        return WorkerProcess(popen.pid, method, popen=popen)
+    if method == "fork":
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                from nbaccel.launch.worker import run_worker
+
+                code = run_worker(spec)
+            finally:
+                os._exit(code)
+        return WorkerProcess(pid, method)
+    raise ValueError(f"unknown start method {method!r}")
+
+
+_HINTS = {
+    signal.SIGKILL: "SIGKILL usually means the host ran out of RAM (the kernel's OOM killer); "
+    "use a smaller batch or model, or fewer processes. On Colab/Kaggle TPUs, create the model "
+    "once outside the launched function and pass it in, so the processes share host RAM.",
+    signal.SIGSEGV: "SIGSEGV is a crash in native code; on Colab/Kaggle TPU hosts it is most often "
+    "host RAM exhaustion. Otherwise look for mismatched library versions.",
+    signal.SIGBUS: "SIGBUS often means /dev/shm is full; increase shared memory or use fewer "
+    "dataloader workers.",
+}
+
+
+def describe_exit(returncode: int) -> str:
+    """A sentence for how a process ended: exit code, or signal name and a hint."""
+    if returncode >= 0:
+        return f"exited with code {returncode} before returning a result"
+    sig = signal.Signals(-returncode)
+    hint = _HINTS.get(sig, "")
+    return f"was killed by {sig.name} (signal {int(sig)})" + (f". {hint}" if hint else "")

@@ -1,0 +1,60 @@
+"""How a launch looks in the notebook: one interface, several front ends.
+
+The driver turns worker events into calls on a :class:`Renderer`. :class:`TextRenderer` prints
+rank-labelled lines (terminal, nbconvert, CI logs); the notebook package adds widget renderers fed
+by the very same calls, so tests can assert on text and the browser lane on widgets.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["Renderer", "TextRenderer"]
+
+
+class Renderer:
+    """Receives everything a launch shows. Subclasses override what they display."""
+
+    def start(self, announcement: str, num_processes: int) -> None:
+        """The launch begins: ``announcement`` says what runs where."""
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """One whole output line (without its newline) from ``rank``'s stdout or stderr."""
+
+    def event(self, rank: int, kind: str, payload: Any) -> None:
+        """A structured event from a rank (progress, memory, display, ...)."""
+
+    def notice(self, text: str) -> None:
+        """A message from nbaccel itself (restarts, stopping ranks, ...)."""
+
+    def finish(self, ok: bool) -> None:
+        """The launch is over (``ok`` False when it failed or was interrupted)."""
+
+
+class TextRenderer(Renderer):
+    """Plain text: ``[rank N] line`` on the driver's stdout/stderr."""
+
+    def __init__(self, quiet: bool = False, label: bool = True) -> None:
+        self.quiet = quiet
+        self.label = label
+
+    def start(self, announcement: str, num_processes: int) -> None:
+        if not self.quiet and announcement:
+            print(announcement, flush=True)
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        target = sys.stderr if stream == "stderr" else sys.stdout
+        prefix = f"[rank {rank}] " if self.label else ""
+        target.write(f"{prefix}{text}\n")
+        target.flush()
+
+    def event(self, rank: int, kind: str, payload: Any) -> None:
+        render = getattr(payload, "render_text", None)
+        if callable(render):
+            text = render()
+            if text:
+                self.line(rank, "stdout", text)
+
+    def notice(self, text: str) -> None:
+        print(f"[nbaccel] {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,219 @@
+"""Move a function and its arguments from the notebook to the ranks.
+
+Code is serialised with cloudpickle, so functions, lambdas, closures and classes defined in the
+notebook travel by value. Large CPU tensors (model weights, datasets) do not travel inside the
+pickle: they are written once into a shared-memory file that every rank maps *copy-on-write*
+(``MAP_PRIVATE``). Eight ranks reading one 1 GB model share the same physical pages, exactly as
+after a ``fork``, and a rank that trains its copy gets private pages for what it writes.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import secrets
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+
+__all__ = ["Packed", "SharedTensors", "UnpicklableError", "pack", "unpack"]
+
+_SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
+_ALIGN = 64
+
+
+class UnpicklableError(TypeError):
+    """An argument cannot be sent to the ranks; the message names it and its path."""
+
+
+@dataclass
+class _TensorRecord:
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parameter: bool
+    requires_grad: bool
+
+
+@dataclass
+class Packed:
+    """What a rank needs to rebuild the objects: the pickle and the shared tensor file."""
+
+    data: bytes
+    segment: str | None = None
+    records: list[_TensorRecord] = field(default_factory=list)
+
+
+def _shm_dir() -> str:
+    return (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else (tempfile.gettempdir())
+    )
+
+
+class SharedTensors:
+    """Owner of one shared-memory file; ``release()`` unlinks it (mappings stay valid)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.records: list[_TensorRecord] = []
+        offset = 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            self.records.append(
+                _TensorRecord(
+                    offset,
+                    nbytes,
+                    t.dtype,
+                    tuple(t.shape),
+                    isinstance(t, torch.nn.Parameter),
+                    t.requires_grad,
+                )
+            )
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.path: str | None = os.path.join(_shm_dir(), f"nbaccel-{secrets.token_hex(8)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(offset, 1))
+            with mmap.mmap(fd, max(offset, 1)) as mm:
+                flat = torch.frombuffer(mm, dtype=torch.uint8)
+                for t, rec in zip(tensors, self.records):
+                    if rec.nbytes:
+                        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                        flat[rec.offset : rec.offset + rec.nbytes].copy_(src)
+                del flat
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, buffer: io.BytesIO) -> None:
+        super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        self.shared: list[torch.Tensor] = []
+        self._ids: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if (
+            type(obj) in (torch.Tensor, torch.nn.Parameter)
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.is_quantized
+            and obj.numel() * obj.element_size() >= _SHARE_THRESHOLD
+            and (obj.grad_fn is None)
+        ):
+            key = id(obj)
+            if key not in self._ids:
+                self._ids[key] = len(self.shared)
+                self.shared.append(obj)
+            return ("nbaccel-tensor", self._ids[key])
+        return None
+
+
+def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """Yield (path, child) pairs to locate an unpicklable leaf."""
+    if depth > 6:
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"{path}[{key!r}]", value
+    elif isinstance(obj, list | tuple | set | frozenset):
+        for index, value in enumerate(obj):
+            yield f"{path}[{index}]", value
+    elif isinstance(obj, torch.nn.Module):
+        for name, value in vars(obj).items():
+            if name in ("_parameters", "_buffers"):
+                continue
+            if name == "_modules":
+                for child_name, child in value.items():
+                    yield f"{path}.{child_name}", child
+            elif not name.startswith("_"):
+                yield f"{path}.{name}", value
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for name, value in vars(obj).items():
+            yield f"{path}.{name}", value
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
+    try:
+        cloudpickle.dumps(obj)
+        return None
+    except Exception as exc:
+        for child_path, child in _walk(obj, path, depth):
+            found = _find_unpicklable(child, child_path, depth + 1)
+            if found is not None:
+                return found
+        return path, obj, exc
+
+
+def pack(obj: Any, name: str = "args") -> tuple[Packed, SharedTensors | None]:
+    """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    try:
+        pickler.dump(obj)
+    except Exception as exc:
+        found = _find_unpicklable(obj, name)
+        where, culprit, cause = found if found else (name, obj, exc)
+        raise UnpicklableError(
+            f"{where} ({type(culprit).__name__}) cannot be sent to the worker processes: "
+            f"{type(cause).__name__}: {cause}. Create it inside the launched function instead, "
+            "or pass something picklable (a path, a config, a state_dict)."
+        ) from exc
+    shared = SharedTensors(pickler.shared) if pickler.shared else None
+    packed = Packed(buffer.getvalue(), shared.path if shared else None)
+    if shared:
+        packed.records = shared.records
+    return packed, shared
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        tag, index = pid
+        if tag != "nbaccel-tensor":
+            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        return self._tensors[index]
+
+
+def _map_segment(packed: Packed) -> list[torch.Tensor]:
+    if not packed.records:
+        return []
+    fd = os.open(packed.segment, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    tensors: list[torch.Tensor] = []
+    for rec in packed.records:
+        t = flat[rec.offset : rec.offset + rec.nbytes].view(rec.dtype).view(rec.shape)
+        if rec.parameter:
+            t = torch.nn.Parameter(t, requires_grad=rec.requires_grad)
+        elif rec.requires_grad:
+            t.requires_grad_(True)
+        tensors.append(t)
+    return tensors
+
+
+def unpack(packed: Packed) -> Any:
+    """Rebuild the objects in a rank; shared tensors map the segment copy-on-write."""
+    return _Unpickler(packed.data, _map_segment(packed)).load()

@@ -1,0 +1,173 @@
+"""The rank side of a launch: connect back, redirect output, run the work, report.
+
+A worker connects three authenticated streams to the driver: its fd 1 and fd 2 (so C extensions'
+writes reach the notebook too, line by line) and an event stream. It then either runs one call
+(``mode="call"``, ``notebook_launcher``) or serves calls until told to stop (``mode="serve"``,
+the persistent ``%%distributed`` pool). When the driver disappears (the kernel died or restarted),
+the event stream closes and the worker exits at once: no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from nbaccel.launch.channel import Connection, connect
+from nbaccel.launch.errors import describe_exception
+from nbaccel.launch.transport import unpack
+
+__all__ = ["current_rank", "emit", "on_worker", "run_worker"]
+
+_events: Connection | None = None
+_send_lock = threading.Lock()
+_rank: int | None = None
+_EXIT_DRIVER_GONE = 70
+
+
+def on_worker() -> bool:
+    """True inside a process started by nbaccel's launcher or pool."""
+    return _events is not None
+
+
+def current_rank() -> int | None:
+    return _rank
+
+
+def emit(kind: str, payload: Any) -> None:
+    """Send an event (progress, memory sample, display bundle...) to the notebook.
+
+    A no-op outside nbaccel workers, so instrumented code runs anywhere.
+    """
+    if _events is None:
+        return
+    _send(("event", kind, payload))
+
+
+def _send(message: Any) -> None:
+    with _send_lock:
+        _events.send(message)
+
+
+def _flush_all() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # C-level stdio buffers of extensions
+    except (OSError, AttributeError):
+        pass
+
+
+def _redirect(fd: int, conn: Connection) -> io.TextIOWrapper:
+    os.dup2(conn.fileno(), fd)
+    conn.close()
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="replace", line_buffering=True
+    )
+
+
+def _prepare_process(spec: dict[str, Any]) -> None:
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    sys.path[:] = spec["sys_path"]
+    try:
+        os.chdir(spec["cwd"])
+    except OSError:
+        pass
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+
+
+def _watch_driver(commands: queue.Queue) -> None:
+    """Forward the driver's messages; exit the process when the driver is gone."""
+    while True:
+        try:
+            message = _events.recv()
+        except (EOFError, OSError):
+            _flush_all()
+            os._exit(_EXIT_DRIVER_GONE)
+        commands.put(message)
+
+
+def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bool:
+    try:
+        value = function(*args, **kwargs)
+    except BaseException as exc:
+        _flush_all()
+        _send(("error", call_id, describe_exception(exc)))
+        return False
+    _flush_all()
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception as exc:
+        error = TypeError(
+            f"the return value ({type(value).__name__}) cannot be sent back to the notebook: {exc}"
+        )
+        _send(("error", call_id, describe_exception(error)))
+        return False
+    _send(("result", call_id, data))
+    return True
+
+
+def _serve(commands: queue.Queue) -> int:
+    while True:
+        try:
+            message = commands.get()
+        except KeyboardInterrupt:  # an interrupt that arrived while idle
+            continue
+        if message[0] == "stop":
+            return 0
+        if message[0] == "call":
+            _, call_id, packed = message
+            try:
+                function, args, kwargs = unpack(packed)
+            except BaseException as exc:
+                _send(("error", call_id, describe_exception(exc)))
+                continue
+            try:
+                _run_call(call_id, function, args, kwargs)
+            except KeyboardInterrupt:  # raised between the call and its report
+                _send(("error", call_id, describe_exception(KeyboardInterrupt())))
+
+
+def run_worker(spec: dict[str, Any]) -> int:
+    """Entry point of every worker process; returns the process exit code."""
+    global _events, _rank
+    _rank = spec["rank"]
+    _prepare_process(spec)
+    header = {"rank": spec["rank"], "launch": spec["launch_id"]}
+    address, secret = spec["address"], spec["secret"]
+    out = connect(address, secret, {**header, "stream": "stdout"})
+    err = connect(address, secret, {**header, "stream": "stderr"})
+    sys.stdout = _redirect(1, out)
+    sys.stderr = _redirect(2, err)
+    _events = connect(address, secret, {**header, "stream": "events"})
+    _send(("hello", os.getpid()))
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=_watch_driver, args=(commands,), daemon=True).start()
+    for setup in spec.get("setup", ()):
+        setup()
+    if spec["mode"] == "serve":
+        _send(("ready",))
+        code = _serve(commands)
+    else:
+        try:
+            function, args, kwargs = unpack(spec["payload"])
+        except BaseException as exc:
+            _send(("error", 0, describe_exception(exc)))
+            return 1
+        _send(("ready",))
+        code = 0 if _run_call(0, function, args, kwargs) else 1
+    _flush_all()
+    return code
