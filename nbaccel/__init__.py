@@ -53,6 +53,15 @@ __all__ = [
 ]
 
 
+def _warm_up() -> None:
+    from nbaccel.launch.forkserver import warm_up_if_in_kernel
+
+    warm_up_if_in_kernel()
+
+
+_warm_up()
+
+
 def load_ipython_extension(ipython):  # pragma: no cover - thin shim, tested via the kernel
     """``%load_ext nbaccel``: register the magics."""
     from nbaccel.notebook.magics import load_ipython_extension as _load

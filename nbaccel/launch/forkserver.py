@@ -14,6 +14,7 @@ its stdin closes because the kernel died, kills its workers and exits.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -26,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["ForkServer", "get_forkserver", "warm_up"]
+__all__ = ["ForkServer", "get_forkserver", "warm_up", "warm_up_if_in_kernel"]
 
 _HEADER = struct.Struct("!I")
 _PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
@@ -247,3 +248,26 @@ def get_forkserver() -> ForkServer:
 def warm_up() -> None:
     """Start the fork server now, so its ``import torch`` overlaps with the user's typing."""
     get_forkserver()
+
+
+def warm_up_if_in_kernel() -> None:
+    """Warm the fork server when nbaccel is imported in a Jupyter kernel (not in workers)."""
+    if os.environ.get("NBACCEL_LAUNCHER") or os.environ.get("NBACCEL_NO_WARMUP"):
+        return
+    if "ipykernel" not in sys.modules or not hasattr(os, "fork"):
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
+        warm_up()
+
+
+def _shutdown() -> None:
+    if _server is not None:
+        _server.close()
+
+
+atexit.register(_shutdown)

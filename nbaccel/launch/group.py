@@ -302,7 +302,10 @@ class WorkerGroup:
     ) -> tuple[int, list[int]]:
         """Ask ``ranks`` (default all) of a serving group to run ``function(*args, **kwargs)``."""
         call_id = next(self._call_ids)
-        packed, shared = pack((function, tuple(args), dict(kwargs or {})), name="cell")
+        packed, shared = pack(
+            (function, tuple(args), dict(kwargs or {})),
+            element_names=("function", "args", "kwargs"),
+        )
         if shared is not None:
             self._shared.append(shared)
         targets = list(self.ranks if ranks is None else ranks)

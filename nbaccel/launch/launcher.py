@@ -184,7 +184,9 @@ def notebook_launcher(
             f"ranks: {type(exc).__name__}: {exc}. It probably captures an object that cannot be "
             "pickled (a lock, a file, an open connection); create that inside the function."
         ) from exc
-    payload, shared = pack((function, tuple(args), {}), name="args")
+    payload, shared = pack(
+        (function, tuple(args), {}), element_names=("function", "args", "kwargs")
+    )
     payload_args = payload  # keep one packed copy for every attempt
     renderer = renderer or _default_renderer()
     renderer.start(_announce(num_processes, num_nodes, cpu, defaulted), num_processes)

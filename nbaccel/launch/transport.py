@@ -160,14 +160,24 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Ex
         return path, obj, exc
 
 
-def pack(obj: Any, name: str = "args") -> tuple[Packed, SharedTensors | None]:
-    """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError."""
+def pack(
+    obj: Any, name: str = "args", element_names: tuple[str, ...] | None = None
+) -> tuple[Packed, SharedTensors | None]:
+    """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
+
+    ``element_names`` names the items of a top-level tuple in error messages (for example
+    ``("function", "args", "kwargs")``), so the path printed is the one the user typed.
+    """
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     try:
         pickler.dump(obj)
     except Exception as exc:
-        found = _find_unpicklable(obj, name)
+        found = None
+        if element_names is not None:
+            for item, item_name in zip(obj, element_names):
+                found = found or _find_unpicklable(item, item_name)
+        found = found or _find_unpicklable(obj, name)
         where, culprit, cause = found if found else (name, obj, exc)
         raise UnpicklableError(
             f"{where} ({type(culprit).__name__}) cannot be sent to the worker processes: "

@@ -1,0 +1,311 @@
+"""notebook_launcher / debug_launcher with real worker processes (the test process is the driver)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from nbaccel import (
+    LaunchTimeout,
+    RankCrashed,
+    UnpicklableError,
+    debug_launcher,
+    notebook_launcher,
+)
+from nbaccel.launch.forkserver import get_forkserver
+from nbaccel.launch.renderer import Renderer
+
+
+class Recorder(Renderer):
+    """Collects what a launch shows, for assertions."""
+
+    def __init__(self):
+        self.lines: list[tuple[int, str, str]] = []
+        self.notices: list[str] = []
+        self.announcement = ""
+
+    def start(self, announcement, num_processes):
+        self.announcement = announcement
+
+    def line(self, rank, stream, text):
+        self.lines.append((rank, stream, text))
+
+    def notice(self, text):
+        self.notices.append(text)
+
+
+def _workers_alive() -> list[psutil.Process]:
+    server = psutil.Process(get_forkserver().pid)
+    return [p for p in server.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def no_leaks():
+    yield
+    deadline = time.monotonic() + 5
+    while _workers_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _workers_alive() == []
+
+
+def _state_and_output(scale):
+    from nbaccel import PartialState
+
+    state = PartialState()
+    for i in range(50):
+        print(f"rank {state.process_index} line {i} " + "x" * 200)
+    os.write(1, f"c-level {state.process_index}\n".encode())
+    print("to stderr", file=sys.stderr)
+    return (state.process_index, state.num_processes, state.distributed_type.value, scale)
+
+
+def test_results_and_whole_labelled_lines(no_leaks):
+    rec = Recorder()
+    results = notebook_launcher(_state_and_output, (7,), num_processes=2, renderer=rec)
+    assert results == [(0, 2, "MULTI_CPU", 7), (1, 2, "MULTI_CPU", 7)]
+    assert rec.announcement.startswith("Launching on 2 CPU processes (gloo)")
+    for rank in (0, 1):
+        mine = [text for r, stream, text in rec.lines if r == rank and stream == "stdout"]
+        expected = [f"rank {rank} line {i} " + "x" * 200 for i in range(50)]
+        assert [t for t in mine if t.startswith("rank ")] == expected  # whole lines, in order
+        assert f"c-level {rank}" in mine
+        assert (rank, "stderr", "to stderr") in rec.lines
+
+
+def _fail_on_one():
+    from nbaccel import PartialState
+
+    state = PartialState()
+    if state.process_index == 1:
+        raise ValueError("bad shard")
+    state.wait_for_everyone()  # blocks: rank 1 never arrives
+
+
+def test_error_keeps_type_and_names_rank_while_peer_blocked(no_leaks):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"\[rank 1\] bad shard") as info:
+        notebook_launcher(_fail_on_one, num_processes=2, renderer=Recorder())
+    assert time.monotonic() - start < 15
+    cause = str(info.value.__cause__)
+    assert "Traceback from rank 1" in cause
+    assert 'raise ValueError("bad shard")' in cause
+    assert "nbaccel/launch" not in cause  # launcher internals trimmed
+    assert notebook_launcher(lambda: "ok", num_processes=2, renderer=Recorder()) == ["ok", "ok"]
+
+
+def _exit_code():
+    if int(os.environ["RANK"]) == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def _sigkill():
+    if int(os.environ["RANK"]) == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def _segfault():
+    import ctypes
+
+    if int(os.environ["RANK"]) == 1:
+        ctypes.string_at(0)
+    time.sleep(30)
+
+
+@pytest.mark.parametrize(
+    ("target", "rank", "pattern"),
+    [
+        (_exit_code, 1, "rank 1 exited with code 3"),
+        (_sigkill, 0, "rank 0 was killed by SIGKILL.*RAM"),
+        (_segfault, 1, "rank 1 was killed by SIGSEGV"),
+    ],
+)
+def test_dead_rank_is_named(no_leaks, target, rank, pattern):
+    start = time.monotonic()
+    with pytest.raises(RankCrashed, match=pattern) as info:
+        notebook_launcher(target, num_processes=2, renderer=Recorder())
+    assert info.value.rank == rank
+    assert time.monotonic() - start < 10
+
+
+def test_timeout_stops_every_rank(no_leaks):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"rank\(s\) \[0, 1\]"):
+        notebook_launcher(time.sleep, (60,), num_processes=2, timeout=1.5, renderer=Recorder())
+    assert time.monotonic() - start < 8
+
+
+def test_bad_input_refused_before_start():
+    lock = threading.Lock()
+    with pytest.raises(UnpicklableError, match=r"args\[1\]\['lock'\].*lock"):
+        notebook_launcher(print, (1, {"lock": lock}), num_processes=2, renderer=Recorder())
+    with pytest.raises(ValueError, match="num_processes must be a positive integer"):
+        notebook_launcher(print, num_processes=0)
+    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp8'.*no, fp16, bf16"):
+        notebook_launcher(print, num_processes=2, mixed_precision="fp8")
+    with pytest.raises(TypeError, match="needs a callable"):
+        notebook_launcher("train", num_processes=2)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"use_port={port} is already in use"):
+            notebook_launcher(print, num_processes=2, use_port=port)
+
+
+def _accelerator_precision():
+    from nbaccel import AcceleratorState
+
+    return AcceleratorState().mixed_precision
+
+
+def test_mixed_precision_reaches_the_ranks(no_leaks):
+    got = notebook_launcher(
+        _accelerator_precision, num_processes=2, mixed_precision="bf16", renderer=Recorder()
+    )
+    assert got == ["bf16", "bf16"]
+
+
+def _touch_shared(t, model):
+    rank = int(os.environ["RANK"])
+    before = float(t[0])
+    if rank == 0:
+        t.add_(100)  # copy-on-write: rank 1 and the notebook must not see this
+    time.sleep(0.3)
+    w = model.weight
+    return before, float(t[0]), float(w.sum()), model.weight is model.weight, w.shape
+
+
+def test_tensors_travel_through_shared_memory(no_leaks):
+    t = torch.arange(1_000_000, dtype=torch.float32)
+    model = torch.nn.Linear(512, 512)
+    expected = float(model.weight.detach().sum())
+    results = notebook_launcher(_touch_shared, (t, model), num_processes=2, renderer=Recorder())
+    assert results[0][:2] == (0.0, 100.0)
+    assert results[1][:2] == (0.0, 0.0)
+    assert t[0] == 0  # the notebook's tensor is untouched
+    for r in results:
+        assert r[2] == pytest.approx(expected, rel=1e-5)
+        assert r[4] == (512, 512)
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("nbaccel-")]
+    assert leftovers == []
+
+
+def _fail_first_time(marker):
+    if not os.path.exists(marker):
+        if int(os.environ["RANK"]) == 0:
+            open(marker, "w").close()
+        raise RuntimeError("first attempt fails")
+    return "second attempt"
+
+
+def test_max_restarts_restarts_and_reports(tmp_path, no_leaks):
+    rec = Recorder()
+    marker = str(tmp_path / "attempted")
+    out = notebook_launcher(
+        _fail_first_time, (marker,), num_processes=2, max_restarts=2, renderer=rec
+    )
+    assert out == ["second attempt"] * 2
+    assert any("restart 1 of 2" in n for n in rec.notices)
+
+
+def test_spawn_start_method_and_debug_launcher(no_leaks):
+    rec = Recorder()
+    got = notebook_launcher(
+        _accelerator_precision, num_processes=2, start_method="spawn", renderer=rec
+    )
+    assert got == ["no", "no"]
+    assert debug_launcher(_state_and_output, (1,))[1][:3] == (1, 2, "MULTI_CPU")
+
+
+_NODE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from nbaccel import notebook_launcher
+    from nbaccel.launch.renderer import Renderer
+
+    def world():
+        import torch
+        from nbaccel import PartialState, gather
+        s = PartialState()
+        return s.process_index, s.num_processes, gather(torch.tensor([s.process_index])).tolist()
+
+    if __name__ == "__main__":
+        node, port = int(sys.argv[1]), int(sys.argv[2])
+        out = notebook_launcher(world, num_processes=1, num_nodes=2, node_rank=node,
+                                use_port=port, renderer=Renderer())
+        print("RESULT", out)
+    """
+)
+
+
+def test_two_drivers_form_one_world(tmp_path):
+    script = tmp_path / "node.py"
+    script.write_text(_NODE_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(n), str(port)], stdout=subprocess.PIPE, text=True
+        )
+        for n in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in nodes]
+    assert "RESULT [(0, 2, [0, 1])]" in outs[0]
+    assert "RESULT [(1, 2, [0, 1])]" in outs[1]
+
+
+_INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import os, time
+    from nbaccel import notebook_launcher
+
+    def forever():
+        print("started", os.getpid(), flush=True)
+        while True:
+            time.sleep(0.1)
+
+    if __name__ == "__main__":
+        try:
+            notebook_launcher(forever, num_processes=2)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+        print("NEXT", notebook_launcher(lambda: 1, num_processes=2), flush=True)
+    """
+)
+
+
+def test_interrupt_stops_every_rank(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(_INTERRUPT_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    pids = []
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        assert line, "driver ended early"
+        if "started" in line:
+            pids.append(int(line.split()[-1]))
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what Jupyter's stop button does
+    rest = proc.communicate(timeout=30)[0]
+    assert "INTERRUPTED" in rest and "NEXT [1, 1]" in rest
+    assert time.monotonic() - start < 10
+    assert not [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
