@@ -1,4 +1,4 @@
-"""notebook_launcher / debug_launcher with real worker processes (the test process is the driver)."""
+"""notebook_launcher and debug_launcher with real worker processes (this process drives)."""
 
 from __future__ import annotations
 
