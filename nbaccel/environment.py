@@ -50,7 +50,27 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def _port(env: Mapping[str, str]) -> int | None:
-    return _int(env, "MASTER_PORT", 0) or None
+    port = _int(env, "MASTER_PORT", 0)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"environment variable MASTER_PORT={port} is not a TCP port (1-65535)")
+    return port or None
+
+
+def _checked(launch: LaunchEnvironment, rank_var: str, size_var: str) -> LaunchEnvironment:
+    """Reject a world the launcher could not have meant (a clear error instead of a hang)."""
+    if launch.world_size < 1:
+        raise ValueError(f"environment variable {size_var}={launch.world_size} must be >= 1")
+    if not 0 <= launch.rank < launch.world_size:
+        raise ValueError(
+            f"environment variable {rank_var}={launch.rank} is outside 0..{launch.world_size - 1} "
+            f"({size_var}={launch.world_size})"
+        )
+    if launch.local_rank < 0 or launch.local_world_size < 1:
+        raise ValueError(
+            f"local rank {launch.local_rank} / local world size {launch.local_world_size} from "
+            f"the {launch.source} variables must be >= 0 / >= 1"
+        )
+    return launch
 
 
 def detect_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
@@ -63,7 +83,7 @@ def detect_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnv
     source = env.get("NBACCEL_LAUNCHER")
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE", 1)
-        return LaunchEnvironment(
+        launch = LaunchEnvironment(
             rank=_int(env, "RANK", 0),
             world_size=world,
             local_rank=_int(env, "LOCAL_RANK", 0),
@@ -72,11 +92,12 @@ def detect_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnv
             master_port=_port(env),
             source=source or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"),
         )
+        return _checked(launch, "RANK", "WORLD_SIZE")
     if env.get("MASTER_ADDR"):
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             world = _int(env, "SLURM_NTASKS", 1)
             nodes = max(_int(env, "SLURM_NNODES", 1), 1)
-            return LaunchEnvironment(
+            launch = LaunchEnvironment(
                 rank=_int(env, "SLURM_PROCID", 0),
                 world_size=world,
                 local_rank=_int(env, "SLURM_LOCALID", 0),
@@ -85,10 +106,11 @@ def detect_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnv
                 master_port=_port(env),
                 source="slurm",
             )
+            return _checked(launch, "SLURM_PROCID", "SLURM_NTASKS")
         for prefix in ("OMPI_COMM_WORLD_", "PMI_"):
             if f"{prefix}RANK" in env and f"{prefix}SIZE" in env:
                 world = _int(env, f"{prefix}SIZE", 1)
-                return LaunchEnvironment(
+                launch = LaunchEnvironment(
                     rank=_int(env, f"{prefix}RANK", 0),
                     world_size=world,
                     local_rank=_int(env, f"{prefix}LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0)),
@@ -97,6 +119,7 @@ def detect_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnv
                     master_port=_port(env),
                     source="mpi",
                 )
+                return _checked(launch, f"{prefix}RANK", f"{prefix}SIZE")
     return LaunchEnvironment()
 
 
@@ -111,6 +134,14 @@ def is_tpu_requested(env: Mapping[str, str] | None = None) -> bool:
     return bool(env.get("PJRT_DEVICE") or env.get("TPU_NAME") or env.get("COLAB_TPU_ADDR"))
 
 
+def _is_tpu_host(env: Mapping[str, str]) -> bool:
+    """A real TPU (``PJRT_DEVICE=CPU``, the XLA-on-CPU test lane, is not one)."""
+    pjrt = env.get("PJRT_DEVICE", "").upper()
+    return pjrt == "TPU" or bool(
+        env.get("TPU_NAME") or env.get("COLAB_TPU_ADDR") or env.get("TPU_ACCELERATOR_TYPE")
+    )
+
+
 def detect_platform(env: Mapping[str, str] | None = None) -> dict[str, bool]:
     """Which hosted notebook or cluster environment this is, for ``nbaccel env`` and launchers."""
     env = os.environ if env is None else env
@@ -120,6 +151,7 @@ def detect_platform(env: Mapping[str, str] | None = None) -> dict[str, bool]:
         "slurm": "SLURM_JOB_ID" in env,
         "torchrun": "TORCHELASTIC_RUN_ID" in env,
         "mpi": "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env,
-        "tpu": is_tpu_requested(env),
+        "tpu": _is_tpu_host(env),
+        "xla": is_tpu_requested(env),
         "nbaccel_worker": "NBACCEL_LAUNCHER" in env,
     }

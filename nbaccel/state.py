@@ -95,6 +95,14 @@ class PartialState:
         self.__dict__ = self._shared_state
         if self.initialized:
             return
+        try:
+            self._setup(cpu, kwargs)
+        except BaseException:
+            # A half-built state would look initialised to the next PartialState(): forget it.
+            self._shared_state.clear()
+            raise
+
+    def _setup(self, cpu: bool, kwargs: dict[str, Any]) -> None:
         launch = detect_launch_environment()
         self.launch_environment = launch
         self.device = _pick_device(cpu or os.environ.get("NBACCEL_CPU") == "1", launch)
@@ -197,9 +205,12 @@ class PartialState:
     def _goes_first(self, is_first: bool) -> Iterator[None]:
         if not is_first:
             self.wait_for_everyone()
-        yield
-        if is_first:
-            self.wait_for_everyone()
+        try:
+            yield
+        finally:
+            # Release the others even when the block raised, so they fail fast instead of hanging.
+            if is_first:
+                self.wait_for_everyone()
 
     @contextmanager
     def main_process_first(self) -> Iterator[None]:
@@ -214,28 +225,36 @@ class PartialState:
             yield
 
     # -- decorators ---------------------------------------------------------------------------
+    # The choice is made when the function is called. As in Accelerate, a process that is not
+    # part of a distributed run executes every decorated function.
     def _only_if(self, predicate: Callable[[], bool], function: Callable) -> Callable:
         @wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if predicate():
+            if predicate() or not self.use_distributed:
                 return function(*args, **kwargs)
             return None
 
         return wrapper
 
-    def on_main_process(self, function: Callable) -> Callable:
+    def on_main_process(self, function: Callable | None = None) -> Callable:
         """Decorator: run ``function`` only on the global main process."""
+        if function is None:
+            return self.on_main_process
         return self._only_if(lambda: self.is_main_process, function)
 
-    def on_local_main_process(self, function: Callable) -> Callable:
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
         """Decorator: run ``function`` only on each node's main process."""
+        if function is None:
+            return self.on_local_main_process
         return self._only_if(lambda: self.is_local_main_process, function)
 
     def on_last_process(self, function: Callable) -> Callable:
         """Decorator: run ``function`` only on the last process."""
         return self._only_if(lambda: self.is_last_process, function)
 
-    def on_process(self, function: Callable | None = None, process_index: int | None = None):
+    def on_process(
+        self, function: Callable | None = None, process_index: int | None = None
+    ) -> Callable:
         """Decorator: run ``function`` only on global process ``process_index``."""
         if function is None:
             return lambda f: self.on_process(f, process_index=process_index)
@@ -243,7 +262,7 @@ class PartialState:
 
     def on_local_process(
         self, function: Callable | None = None, local_process_index: int | None = None
-    ):
+    ) -> Callable:
         """Decorator: run ``function`` only on local process ``local_process_index``."""
         if function is None:
             return lambda f: self.on_local_process(f, local_process_index=local_process_index)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 import traceback
@@ -22,6 +23,7 @@ import cloudpickle
 __all__ = ["RankFailures", "free_port", "run_on_ranks"]
 
 _PRELOAD = ["torch", "torch.distributed", "nbaccel.state", "nbaccel.ops"]
+_PEER_GRACE_S = 5.0
 
 
 class RankFailures(AssertionError):
@@ -33,6 +35,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _death(exitcode: int | None) -> str:
+    """Describe a process that exited without sending a result."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"process was killed by {name} (out of memory or a crash in native code?)"
+    return f"process exited with code {exitcode} without a result"
 
 
 def _context() -> mp.context.BaseContext:
@@ -69,7 +82,12 @@ def run_on_ranks(
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Call ``fn(*args)`` on ``num_processes`` real ranks; return results indexed by rank."""
+    """Call ``fn(*args)`` on ``num_processes`` real ranks; return results indexed by rank.
+
+    ``fn`` and ``args`` travel with cloudpickle. Ranks start from a forkserver, which imports the
+    caller's ``__main__`` like ``spawn`` does: in a script, call this under
+    ``if __name__ == "__main__":``. Raises :class:`RankFailures` naming every failing rank.
+    """
     ctx = _context()
     payload = cloudpickle.dumps((fn, tuple(args)))
     base_env = {
@@ -93,6 +111,7 @@ def run_on_ranks(
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     pending = set(range(num_processes))
+    peer_failed = False
     while pending:
         for rank in sorted(pending):
             conn = conns[rank]
@@ -100,21 +119,27 @@ def run_on_ranks(
                 try:
                     status, value = conn.recv()
                 except EOFError:
-                    status, value = "error", "process exited without a result"
+                    procs[rank].join(1.0)
+                    status, value = "error", _death(procs[rank].exitcode)
                 if status == "ok":
                     results[rank] = cloudpickle.loads(value)
                 else:
                     failures[rank] = value
                 pending.discard(rank)
             elif not procs[rank].is_alive() and not conn.poll(0):
-                failures[rank] = f"process died with exit code {procs[rank].exitcode}"
+                failures[rank] = _death(procs[rank].exitcode)
                 pending.discard(rank)
-        if failures and pending:
+        if failures and pending and not peer_failed:
             # A failed rank usually leaves its peers stuck in a collective: give them a moment.
-            deadline = min(deadline, time.monotonic() + 5.0)
+            peer_failed = True
+            deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
         if time.monotonic() > deadline:
             for rank in pending:
-                failures[rank] = f"timed out after {timeout:.0f} s (killed)"
+                failures[rank] = (
+                    f"still running {_PEER_GRACE_S:.0f} s after another rank failed (killed)"
+                    if peer_failed
+                    else f"timed out after {timeout:g} s (killed)"
+                )
             break
     for proc in procs:
         if proc.is_alive():

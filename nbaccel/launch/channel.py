@@ -97,7 +97,7 @@ class Listener:
         self.secret = secret
         self._dir: str | None = None
         if host is None and hasattr(socket, "AF_UNIX"):
-            self._dir = tempfile.mkdtemp(prefix="nbaccel-")
+            self._dir = tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")
             os.chmod(self._dir, 0o700)
             path = os.path.join(self._dir, "channel")
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

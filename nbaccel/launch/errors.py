@@ -19,10 +19,17 @@ __all__ = [
     "RankError",
     "RemoteTraceback",
     "describe_exception",
+    "hide_frames_of",
     "rebuild_exception",
 ]
 
-_INTERNAL = os.path.dirname(os.path.abspath(__file__))
+_INTERNAL: list[str] = [os.path.dirname(os.path.abspath(__file__))]
+
+
+def hide_frames_of(path: str) -> None:
+    """Trim the frames of ``path`` (a file or folder) from remote tracebacks, like the
+    launcher's own (used by the pool's worker functions)."""
+    _INTERNAL.append(os.path.abspath(path))
 
 
 class RankError(RuntimeError):
@@ -64,7 +71,7 @@ def _user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
 
     frames = []
     for frame in traceback.extract_tb(tb):
-        if os.path.abspath(frame.filename).startswith(_INTERNAL):
+        if os.path.abspath(frame.filename).startswith(tuple(_INTERNAL)):
             continue
         frames.append((frame.filename, frame.lineno or 0, frame.name, frame.line))
     return frames

@@ -119,6 +119,15 @@ def _default_renderer() -> Renderer:
     return choose_renderer()
 
 
+def _worker_setup(memory: bool) -> tuple:
+    """The notebook's worker hooks (tqdm bridge, memory sampler); none if unavailable."""
+    try:
+        from nbaccel.notebook.instrumentation import worker_setup
+    except ImportError:
+        return ()
+    return worker_setup(memory=memory)
+
+
 def _tpu_requested() -> bool:
     from nbaccel.environment import is_torch_xla_available, is_tpu_requested
 
@@ -149,12 +158,14 @@ def notebook_launcher(
     *,
     cpu: bool = False,
     renderer: Renderer | None = None,
+    memory: bool = True,
 ) -> list[Any]:
     """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
 
     Output streams into the notebook as whole, rank-labelled lines while the function runs. The
     first failing rank's exception is raised here with its original type, naming the rank; the
-    other ranks are stopped. ``timeout`` (seconds) bounds the whole launch.
+    other ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
+    ranks become live progress; ``memory=False`` turns off the per-rank memory monitor.
     """
     if _tpu_requested():
         from nbaccel.launch.xla import launch_xla
@@ -209,6 +220,7 @@ def notebook_launcher(
                     monitor_interval,
                     cpu,
                     renderer,
+                    _worker_setup(memory),
                 )
                 ok = True
                 return results
@@ -268,6 +280,7 @@ def _run_once(
     monitor_interval,
     cpu,
     renderer,
+    setup=(),
 ) -> list[Any]:
     offset = node_rank * num_processes
     group = WorkerGroup(
@@ -280,6 +293,7 @@ def _run_once(
         mode="call",
         payload=payload,
         global_rank=lambda i: offset + i,
+        setup=setup,
     )
     group.expect_call(0)
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,0 +1,1 @@
+"""Subcommands of the ``nbaccel`` command line, one module each (see :mod:`nbaccel.cli`)."""

@@ -1,0 +1,85 @@
+"""Fault injections for the reliability suite and its report (run on the ranks).
+
+Each fault is a function run on every rank by ``notebook_launcher``; rank 1 misbehaves and
+rank 0 usually waits in a collective, the situation users hit in practice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+__all__ = ["FAULTS", "succeed"]
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _wait_in_collective() -> None:
+    from nbaccel import PartialState
+
+    PartialState().wait_for_everyone()
+
+
+def succeed() -> str:
+    return "ok"
+
+
+def raises() -> None:
+    from nbaccel import PartialState
+
+    PartialState()
+    if _rank() == 1:
+        raise ValueError("injected failure")
+    _wait_in_collective()
+
+
+def exits() -> None:
+    if _rank() == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+def sigkill() -> None:
+    if _rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def segfault() -> None:
+    import ctypes
+
+    if _rank() == 1:
+        ctypes.string_at(0)
+    time.sleep(60)
+
+
+def hang_in_collective_while_peer_fails() -> None:
+    from nbaccel import PartialState
+
+    state = PartialState()
+    if _rank() == 1:
+        time.sleep(0.2)
+        raise RuntimeError("peer failed")
+    state.wait_for_everyone()
+
+
+def hangs() -> None:
+    time.sleep(3600)
+
+
+# name -> (function, expected exception type name, text the message must contain)
+FAULTS = {
+    "raises": (raises, "ValueError", "[rank 1] injected failure"),
+    "os._exit(3)": (exits, "RankCrashed", "rank 1 exited with code 3"),
+    "SIGKILL": (sigkill, "RankCrashed", "rank 1 was killed by SIGKILL"),
+    "segfault": (segfault, "RankCrashed", "rank 1 was killed by SIGSEGV"),
+    "collective + failing peer": (
+        hang_in_collective_while_peer_fails,
+        "RuntimeError",
+        "[rank 1] peer failed",
+    ),
+    "hangs (timeout=1)": (hangs, "LaunchTimeout", "exceeded timeout=1"),
+}

@@ -1,0 +1,175 @@
+"""Reliability: fault injection, soak without leaks, driver death, authenticated channel."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+import nbaccel  # noqa: F401
+from faults import FAULTS, succeed
+from nbaccel import notebook_launcher
+from nbaccel.launch.channel import AuthenticationFailed, Listener, connect, new_secret
+from nbaccel.launch.forkserver import get_forkserver
+from nbaccel.launch.renderer import Renderer
+
+
+def _launch(fault: str):
+    function, _, _ = FAULTS[fault]
+    timeout = 1 if "timeout" in fault else 30
+    return notebook_launcher(function, num_processes=2, timeout=timeout, renderer=Renderer())
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_is_reported_with_rank_and_cause(fault):
+    _, type_name, text = FAULTS[fault]
+    start = time.monotonic()
+    with pytest.raises(BaseException) as info:
+        _launch(fault)
+    assert type(info.value).__name__ == type_name
+    assert text in str(info.value)
+    assert time.monotonic() - start < 10
+    assert notebook_launcher(succeed, num_processes=2, renderer=Renderer()) == ["ok", "ok"]
+
+
+def _resources() -> dict[str, object]:
+    me = psutil.Process()
+    server = psutil.Process(get_forkserver().pid)
+    return {
+        "workers": sorted(p.pid for p in server.children(recursive=True)),
+        "fds": me.num_fds(),
+        "threads": me.num_threads(),
+        "shm": sorted(f for f in os.listdir("/dev/shm") if f.startswith("nbaccel-")),
+        "tmp": sorted(
+            f for f in os.listdir(tempfile.gettempdir()) if f.startswith(f"nbaccel-{me.pid}-")
+        ),
+        "listening": sorted(
+            c.laddr for c in me.net_connections("all") if c.status == psutil.CONN_LISTEN
+        ),
+    }
+
+
+def test_soak_50_launches_leak_nothing():
+    notebook_launcher(succeed, num_processes=2, renderer=Renderer())  # warm everything up
+    before = _resources()
+    kinds = list(FAULTS)
+    for i in range(50):
+        if i % 2 == 0:
+            assert notebook_launcher(succeed, num_processes=2, renderer=Renderer()) == ["ok"] * 2
+        else:
+            with pytest.raises(BaseException):  # noqa: B017 - every fault kind in turn
+                _launch(kinds[(i // 2) % len(kinds)])
+    deadline = time.monotonic() + 5
+    after = _resources()
+    while after != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = _resources()
+    assert after == before
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import os, time
+    from nbaccel import notebook_launcher
+
+    def forever():
+        print("worker", os.getpid(), flush=True)
+        time.sleep(3600)
+
+    if __name__ == "__main__":
+        notebook_launcher(forever, num_processes=2)
+    """
+)
+
+
+def test_workers_exit_when_the_driver_is_killed(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 2:
+        line = driver.stdout.readline()
+        assert line, "driver ended early"
+        if "worker" in line:
+            pids.append(int(line.split()[-1]))
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        time.sleep(0.05)
+    assert alive == []
+
+
+def test_connection_without_the_secret_is_refused_before_unpickling(tmp_path):
+    secret = new_secret()
+    listener = Listener(secret)
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(type("Evil", (), {"__reduce__": lambda s: (open, (str(marker), "w"))})())
+    try:
+        path = listener.address.location
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        raw = socket.socket(socket.AF_UNIX)
+        raw.connect(path)
+        raw.sendall(os.urandom(32) + b"\0" * 32 + len(evil).to_bytes(8, "big") + evil)
+        with pytest.raises(AuthenticationFailed):
+            listener.accept()
+        raw.close()
+        assert not marker.exists()
+        # A peer with the wrong secret is refused too, and the client sees the driver's proof fail.
+        client_error = []
+
+        def wrong_client():
+            try:
+                connect(listener.address, new_secret(), {"rank": 0})
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+                client_error.append(exc)
+
+        thread = threading.Thread(target=wrong_client)
+        thread.start()
+        with pytest.raises(AuthenticationFailed):
+            listener.accept()
+        thread.join(10)
+        assert client_error and isinstance(client_error[0], (ConnectionError, EOFError, OSError))
+        # The right secret gets through.
+        clients = []
+        thread = threading.Thread(
+            target=lambda: clients.append(
+                connect(listener.address, secret, {"rank": 0, "stream": "events"})
+            )
+        )
+        thread.start()
+        conn = listener.accept()
+        thread.join(10)
+        good = clients[0]
+        good.send({"hello": 1})
+        assert conn.recv() == {"hello": 1}
+        assert conn.header["rank"] == 0
+    finally:
+        listener.close()
+    assert not os.path.exists(os.path.dirname(listener.address.location))
+
+
+def test_tcp_listener_binds_loopback_only():
+    listener = Listener(new_secret(), host="127.0.0.1")
+    try:
+        assert listener.address.location[0] == "127.0.0.1"
+    finally:
+        listener.close()
+    assert nbaccel.__version__

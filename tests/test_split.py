@@ -1,0 +1,106 @@
+"""split_between_processes: the seed's examples on two real ranks, the arithmetic as unit tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from nbaccel.testing import run_on_ranks
+from nbaccel.work_split import split_for_process
+
+
+def _splits() -> dict[str, Any]:
+    from nbaccel import PartialState
+
+    state = PartialState()
+    cases: dict[str, tuple[Any, bool]] = {
+        "list": (["A", "B", "C"], False),
+        "list_padded": (["A", "B", "C"], True),
+        "tuple": (("A", "B", "C"), False),
+        "tuple_padded": (("A", "B", "C"), True),
+        "dict": ({"a": [1, 2, 3], "b": ("x", "y", "z")}, False),
+        "dict_padded": ({"a": [1, 2, 3], "b": torch.arange(3)}, True),
+        "tensor": (torch.arange(6).reshape(3, 2), False),
+        "tensor_padded": (torch.arange(6).reshape(3, 2), True),
+        "even": (["a dog", "a cat"], False),
+        "fewer_than_processes": (["only"], True),
+    }
+    out: dict[str, Any] = {}
+    for name, (inputs, padding) in cases.items():
+        with state.split_between_processes(inputs, apply_padding=padding) as share:
+            out[name] = share
+    return out
+
+
+def test_split_between_processes_on_two_ranks() -> None:
+    r0, r1 = run_on_ranks(_splits)
+    # The seed's examples, exactly.
+    assert (r0["list"], r1["list"]) == (["A", "B"], ["C"])
+    assert (r0["list_padded"], r1["list_padded"]) == (["A", "B"], ["C", "C"])
+    assert (r0["even"], r1["even"]) == (["a dog"], ["a cat"])
+    # Tuples stay tuples.
+    assert (r0["tuple"], r1["tuple"]) == (("A", "B"), ("C",))
+    assert (r0["tuple_padded"], r1["tuple_padded"]) == (("A", "B"), ("C", "C"))
+    # Dicts are split value by value.
+    assert r0["dict"] == {"a": [1, 2], "b": ("x", "y")}
+    assert r1["dict"] == {"a": [3], "b": ("z",)}
+    assert r1["dict_padded"]["a"] == [3, 3]
+    assert torch.equal(r1["dict_padded"]["b"], torch.tensor([2, 2]))
+    # Tensors are split on the first dimension.
+    assert torch.equal(r0["tensor"], torch.tensor([[0, 1], [2, 3]]))
+    assert torch.equal(r1["tensor"], torch.tensor([[4, 5]]))
+    assert torch.equal(r1["tensor_padded"], torch.tensor([[4, 5], [4, 5]]))
+    # Fewer inputs than processes: padding repeats the last element.
+    assert (r0["fewer_than_processes"], r1["fewer_than_processes"]) == (["only"], ["only"])
+
+
+@pytest.mark.parametrize("length", range(0, 12))
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_shares_are_contiguous_and_complete(length: int, count: int) -> None:
+    data = list(range(length))
+    shares = [split_for_process(data, i, count) for i in range(count)]
+    assert [x for share in shares for x in share] == data
+    sizes = [len(share) for share in shares]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("length", range(1, 12))
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_padding_gives_equal_counts_from_the_last_element(length: int, count: int) -> None:
+    data = list(range(length))
+    target = -(-length // count)
+    for i in range(count):
+        plain = split_for_process(data, i, count)
+        padded = split_for_process(data, i, count, apply_padding=True)
+        assert len(padded) == target
+        assert padded[: len(plain)] == plain
+        filler = plain[-1] if plain else data[-1]
+        assert all(x == filler for x in padded[len(plain) :])
+
+
+def test_padded_tensor_keeps_trailing_dimensions() -> None:
+    data = torch.arange(15).reshape(5, 3)
+    padded = split_for_process(data, 1, 2, apply_padding=True)
+    assert padded.shape == (3, 3)
+    assert torch.equal(padded, torch.tensor([[9, 10, 11], [12, 13, 14], [12, 13, 14]]))
+
+
+def test_one_process_gets_everything() -> None:
+    data = {"a": [1, 2, 3]}
+    assert split_for_process(data, 0, 1, apply_padding=True) is data
+
+
+def test_empty_input_gives_empty_shares() -> None:
+    assert split_for_process([], 1, 2, apply_padding=True) == []
+
+
+def test_dict_values_must_have_the_same_length() -> None:
+    with pytest.raises(ValueError, match="same length.*'a': 3.*'b': 2"):
+        split_for_process({"a": [1, 2, 3], "b": [1, 2]}, 0, 2)
+
+
+def test_unsupported_type_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="list, tuple, dict or tensor, not set"):
+        split_for_process({1, 2, 3}, 0, 2)
