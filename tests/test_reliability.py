@@ -15,9 +15,9 @@ import time
 
 import psutil
 import pytest
-
-import nbaccel  # noqa: F401
 from faults import FAULTS, succeed
+
+import nbaccel
 from nbaccel import notebook_launcher
 from nbaccel.launch.channel import AuthenticationFailed, Listener, connect, new_secret
 from nbaccel.launch.forkserver import get_forkserver
@@ -138,7 +138,7 @@ def test_connection_without_the_secret_is_refused_before_unpickling(tmp_path):
         def wrong_client():
             try:
                 connect(listener.address, new_secret(), {"rank": 0})
-            except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+            except Exception as exc:
                 client_error.append(exc)
 
         thread = threading.Thread(target=wrong_client)
