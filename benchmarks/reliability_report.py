@@ -60,7 +60,8 @@ def main() -> None:
         "rank 0 runs or waits in a collective). Leaks are counted after each fault: worker "
         "processes, driver file descriptors, /dev/shm segments, temp dirs.",
         "",
-        "| fault | what the user sees | time to report | next launch | leaks (procs, fds, shm, tmp) |",
+        "| fault | what the user sees | time to report | next launch "
+        "| leaks (procs, fds, shm, tmp) |",
         "|---|---|---|---|---|",
     ]
     for name, seen, took, next_ok, leaks in rows:
