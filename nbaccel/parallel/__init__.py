@@ -1,0 +1,1 @@
+"""How models are wrapped for parallel training: DDP, FSDP2, XLA."""
