@@ -91,8 +91,9 @@ def test_launch_xla_names_a_killed_process_and_the_host_ram_hint():
 def test_notebook_launcher_takes_the_xla_path(monkeypatch):
     import nbaccel.launch.launcher as launcher
 
-    # On a real TPU host the launcher detects it; PJRT_DEVICE=CPU is deliberately not "a TPU".
-    monkeypatch.setattr(launcher, "_tpu_requested", lambda: True)
+    # On a real TPU host the launcher detects it; PJRT_DEVICE=CPU is deliberately not "a TPU",
+    # so the lane asks for the XLA path explicitly.
+    monkeypatch.setenv("NBACCEL_XLA_LAUNCH", "1")
     model = nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="devices"):
         results = launcher.notebook_launcher(_where, (model,))

@@ -129,13 +129,15 @@ def _worker_setup(memory: bool) -> tuple:
 
 
 def _tpu_requested() -> bool:
+    """True on a TPU host with torch-xla, or when NBACCEL_XLA_LAUNCH=1 asks for the XLA path
+    explicitly (the torch-xla lane uses it with PJRT_DEVICE=CPU)."""
     from nbaccel.environment import is_torch_xla_available, is_tpu_requested
 
-    return (
-        is_tpu_requested()
-        and os.environ.get("PJRT_DEVICE", "TPU") != "CPU"
-        and (is_torch_xla_available())
-    )
+    if not is_torch_xla_available():
+        return False
+    if os.environ.get("NBACCEL_XLA_LAUNCH") == "1":
+        return True
+    return is_tpu_requested() and os.environ.get("PJRT_DEVICE", "TPU") != "CPU"
 
 
 def notebook_launcher(
