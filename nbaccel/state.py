@@ -49,6 +49,10 @@ class DistributedType(str, Enum):
 
 
 def _xla_device() -> torch.device:
+    import torch_xla
+
+    if hasattr(torch_xla, "device"):  # torch-xla >= 2.7
+        return torch_xla.device()
     import torch_xla.core.xla_model as xm
 
     return xm.xla_device()

@@ -172,3 +172,16 @@ def test_bf16_autocast_on_xla():
     }
     os.environ.pop("XLA_DOWNCAST_BF16")
     os.environ.pop("XLA_USE_BF16")
+
+
+def test_colab_kaggle_tpu_notebook_runs_on_the_xla_path(monkeypatch):
+    from pathlib import Path
+
+    from nbaccel.notebook.run_headless import execute_notebook, output_text
+
+    monkeypatch.setenv("NBACCEL_XLA_LAUNCH", "1")  # the kernel inherits it: take the XLA path
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "colab_kaggle_tpu.ipynb"
+    nb = execute_notebook(path, timeout=600, allow_errors=False)
+    text = "".join(output_text(o) for o in nb.cells[-1].outputs)
+    assert "trained on xla" in text
+    assert "('XLA', 'xla')" in text
