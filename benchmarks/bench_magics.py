@@ -1,0 +1,141 @@
+"""Warm empty ``%%distributed`` round trip on 2 ranks in a real kernel: nbaccel vs nbdistributed.
+
+    .venv/bin/python benchmarks/bench_magics.py [--rounds 30]
+
+For each tool, a fresh Jupyter kernel (nbclient) loads the extension, starts 2 workers, runs 5
+warm-up cells, then measures ``rounds`` empty ``%%distributed`` cells two ways:
+
+* cell: the kernel's busy period for the cell as the client saw it (``iopub.status.busy`` to
+  ``iopub.status.idle``), i.e. everything the extension does for a cell, hooks included;
+* magic: ``run_cell_magic("distributed", "", "pass")`` timed with ``perf_counter`` inside the
+  kernel (the magic alone).
+
+For reference, the nbaccel kernel also times plain ``pass`` cells (the kernel's own cost).
+
+nbdistributed (``pip install --no-deps nbdistributed``; its ``jupyter`` metapackage dependency is
+not needed to run) starts its workers with ``python`` from PATH, so the venv's ``bin`` is put
+first on the kernel's PATH. Writes ``benchmarks/results/magics.json``; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from kernel import cell_text, run_notebook  # noqa: E402
+
+_TIMED = (
+    "%config InlineBackend.figure_format = 'png'\n"  # a leading magic: stays local in auto modes
+    "import json, time\n"
+    "_samples = []\n"
+    "for _ in range({rounds}):\n"
+    "    _t = time.perf_counter()\n"
+    "    get_ipython().run_cell_magic('distributed', '', 'pass\\n')\n"
+    "    _samples.append(time.perf_counter() - _t)\n"
+    "print('SAMPLES', json.dumps(_samples))"
+)
+
+TOOLS = {
+    "nbaccel": {"load": "%load_ext nbaccel", "start": "%%distributed -n 2\npass", "stop": ""},
+    "nbdistributed": {
+        "load": "%load_ext nbdistributed",
+        "start": "%dist_init -n 2",
+        "stop": "%dist_shutdown",
+    },
+}
+
+
+def _stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _busy_seconds(cell) -> float:
+    timing = cell.metadata["execution"]
+    return _stamp(timing["iopub.status.idle"]) - _stamp(timing["iopub.status.busy"])
+
+
+def measure(tool: str, rounds: int) -> dict:
+    spec = TOOLS[tool]
+    empty = "%%distributed\npass"
+    cells = [spec["load"], spec["start"], *[empty] * (5 + rounds), _TIMED.format(rounds=rounds)]
+    if spec["stop"]:
+        cells.append(spec["stop"])
+    if tool == "nbaccel":  # the kernel's own cost of a cell, for reference
+        cells += ["pass"] * rounds
+    env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    started = time.perf_counter()
+    nb = run_notebook(cells, timeout=300, env=env)
+    wall = time.perf_counter() - started
+    text = cell_text(nb.cells[2 + 5 + rounds])
+    samples_line = next((line for line in text.splitlines() if line.startswith("SAMPLES ")), None)
+    if samples_line is None:
+        raise RuntimeError(f"{tool}: no timing output: {text[-2000:]}")
+    magic = json.loads(samples_line.split(" ", 1)[1])
+    cell = [_busy_seconds(c) for c in nb.cells[2 + 5 : 2 + 5 + rounds]]
+    errors = [c for c in nb.cells if any(o.output_type == "error" for o in c.outputs)]
+    extra = {}
+    if tool == "nbaccel":
+        plain = [_busy_seconds(c) for c in nb.cells[-rounds:]]
+        extra["plain_pass_cell_ms_median"] = statistics.median(plain) * 1e3
+    return {
+        **extra,
+        "cell_ms_median": statistics.median(cell) * 1e3,
+        "magic_ms_median": statistics.median(magic) * 1e3,
+        "cell_ms": [round(s * 1e3, 3) for s in cell],
+        "magic_ms": [round(s * 1e3, 3) for s in magic],
+        "start_cell_s": _busy_seconds(nb.cells[1]),
+        "notebook_wall_s": wall,
+        "cells_with_errors": len(errors),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    results: dict = {
+        "benchmark": "warm empty %%distributed cell on 2 CPU ranks, real kernel (nbclient)",
+        "rounds": args.rounds,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "tools": {},
+    }
+    for tool in TOOLS:
+        try:
+            results["tools"][tool] = measure(tool, args.rounds)
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            results["tools"][tool] = {"unavailable": f"{type(exc).__name__}: {exc}"[:2000]}
+    ours, peer = results["tools"]["nbaccel"], results["tools"].get("nbdistributed", {})
+    if "cell_ms_median" in ours and "cell_ms_median" in peer:
+        results["ratio_cell"] = ours["cell_ms_median"] / peer["cell_ms_median"]
+        results["ratio_magic"] = ours["magic_ms_median"] / peer["magic_ms_median"]
+    out = ROOT / "benchmarks" / "results" / "magics.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    for tool, data in results["tools"].items():
+        if "unavailable" in data:
+            print(f"{tool:14s} unavailable: {data['unavailable'][:200]}")
+        else:
+            print(
+                f"{tool:14s} cell {data['cell_ms_median']:7.2f} ms   magic "
+                f"{data['magic_ms_median']:7.2f} ms   (start {data['start_cell_s']:.1f} s)"
+            )
+    if "ratio_cell" in results:
+        print(
+            f"nbaccel / nbdistributed: cell {results['ratio_cell']:.3f}, "
+            f"magic {results['ratio_magic']:.3f}"
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

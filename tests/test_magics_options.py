@@ -1,0 +1,51 @@
+"""Option parsing of the magics (no kernel needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbaccel.notebook.magics import auto_mode_transform
+from nbaccel.notebook.rank_spec import parse_names, parse_ranks
+
+
+@pytest.mark.parametrize(
+    ("spec", "ranks"),
+    [
+        (None, [0, 1, 2, 3]),
+        ("all", [0, 1, 2, 3]),
+        ("0", [0]),
+        ("0,2", [0, 2]),
+        ("1-3", [1, 2, 3]),
+        ("3, 0-1", [0, 1, 3]),
+    ],
+)
+def test_rank_specs(spec, ranks):
+    assert parse_ranks(spec, 4) == ranks
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"), [("4", "not in the pool"), ("a", "not a rank"), ("3-1", "not a rank")]
+)
+def test_bad_rank_specs(spec, words):
+    with pytest.raises(ValueError, match=words):
+        parse_ranks(spec, 4)
+
+
+def test_names():
+    assert parse_names(["a,b", "c a"]) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="not a variable name"):
+        parse_names(["a-b"])
+
+
+def test_auto_mode_transform():
+    from nbaccel.notebook.magics import DistributedMagics
+
+    assert auto_mode_transform(["%%local\n", "x = 1\n"]) == ["x = 1\n"]
+    assert auto_mode_transform(["x = 1\n"]) == ["x = 1\n"]
+    DistributedMagics.auto = True
+    try:
+        assert auto_mode_transform(["x = 1\n"]) == ["%%distributed\n", "x = 1\n"]
+        assert auto_mode_transform(["%dist_mode off\n"]) == ["%dist_mode off\n"]
+        assert auto_mode_transform(["%%local\n", "y\n"]) == ["y\n"]
+    finally:
+        DistributedMagics.auto = False
