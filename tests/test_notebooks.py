@@ -22,3 +22,20 @@ def test_multi_node_two_drivers_one_world():
     assert "node 0 got [(0, 2, [0, 1])]" in texts[1]
     assert "node 1 got [(1, 2, [0, 1])]" in texts[1]
     assert "Launching on 1 CPU process (gloo) per node, 2 nodes." in texts[1]
+
+
+def test_magics_notebook():
+    nb = execute_notebook(NOTEBOOKS / "magics.ipynb", timeout=300)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    texts = ["".join(output_text(o) for o in c.outputs) for c in cells]
+    assert "[rank 0] rank 0 of 2: x = [1.0, 1.0, 1.0]" in texts[1]
+    assert "[rank 1] rank 1 of 2: x = [2.0, 2.0, 2.0]" in texts[1]
+    assert "[rank 0] tensor([3., 3., 3.])" in texts[2]
+    assert "[rank 1] tensor([3., 3., 3.])" in texts[2]
+    assert texts[3].strip() == "[rank 1] only rank 1 runs this"
+    assert "y from rank 1: [31.0, 31.0, 31.0]" in texts[6]
+    errors = [o for o in cells[7].outputs if o.output_type == "error"]
+    assert [(e.ename, e.evalue) for e in errors] == [("KeyError", "'[rank 1] missing_column'")]
+    assert "still alive on rank 1" in texts[8]
+    assert "idle" in texts[9]
+    assert "Pool shut down." in texts[10]
