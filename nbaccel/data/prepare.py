@@ -1,0 +1,241 @@
+"""Turn a user's ``DataLoader`` into a prepared one, and resume one mid-epoch.
+
+``prepare_data_loader`` rebuilds the loader (torch does not let a batch sampler be swapped) with
+the same options, a sharded batch sampler (or an ``IterableDatasetShard``, or a dispatcher), a
+shuffling generator every rank can synchronise, and the device placement options.
+``skip_first_batches`` gives a loader that starts ``num_batches`` into the current epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+
+from nbaccel.data.iterable import IterableDatasetShard
+from nbaccel.data.loaders import DataLoaderDispatcher, DataLoaderShard
+from nbaccel.data.samplers import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
+from nbaccel.ops import broadcast_object_list
+from nbaccel.state import DistributedType, PartialState
+
+__all__ = ["prepare_data_loader", "skip_first_batches"]
+
+_LOADER_OPTIONS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def _loader_options(loader: DataLoader) -> dict[str, Any]:
+    options = {k: getattr(loader, k) for k in _LOADER_OPTIONS if hasattr(loader, k)}
+    if not options.get("num_workers"):
+        options.pop("prefetch_factor", None)
+        options.pop("persistent_workers", None)
+    return options
+
+
+def _shared_seed() -> int:
+    """A seed drawn on rank 0 and given to every rank."""
+    box = [int(torch.randint(0, 2**62, (1,)).item())]
+    if PartialState().num_processes > 1:
+        broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def _reshuffler(sampler: Any, use_seedable: bool, data_seed: int | None) -> tuple[Any, Any]:
+    """A copy of a ``RandomSampler`` whose generator every rank can synchronise."""
+    if not isinstance(sampler, RandomSampler):
+        return sampler, None
+    options = {"replacement": sampler.replacement, "num_samples": sampler._num_samples}
+    if use_seedable:
+        seed = data_seed if data_seed is not None else _shared_seed()
+        return SeedableRandomSampler(sampler.data_source, seed=seed, **options), None
+    generator = sampler.generator
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(_shared_seed())
+    return RandomSampler(sampler.data_source, generator=generator, **options), generator
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: torch.device | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: list[str] | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Any = None,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+) -> DataLoader:
+    """Return ``dataloader`` prepared for this process (see the module docstring)."""
+    state = PartialState()
+    n = state.num_processes if num_processes is None else num_processes
+    i = state.process_index if process_index is None else process_index
+    device = (device or state.device) if put_on_device else None
+    dataset = dataloader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    if dataloader.batch_size is None and dataloader.batch_sampler is None:
+        raise ValueError(
+            "prepare() needs a batched DataLoader (batch_size or batch_sampler); this one has "
+            "batch_size=None."
+        )
+    if dispatch_batches is None:
+        dispatch_batches = iterable and n > 1
+    options = _loader_options(dataloader)
+    rng_types = [str(getattr(r, "value", r)) for r in (rng_types or [])]
+    batch_size = dataloader.batch_size
+    drop_last = dataloader.drop_last
+
+    if dispatch_batches:
+        global_batch = batch_size if split_batches else (batch_size or 1) * n
+        if split_batches and batch_size is not None and batch_size % n:
+            raise ValueError(
+                f"split_batches=True needs a batch size that divides by {n}, not {batch_size}."
+            )
+        if iterable:
+            source = {"batch_size": global_batch, "drop_last": drop_last}
+        else:
+            sampler = dataloader.batch_sampler.sampler
+            source = {"batch_sampler": BatchSampler(sampler, global_batch, drop_last)}
+        loader = DataLoaderDispatcher(
+            dataset,
+            device=device,
+            split_batches=split_batches,
+            even_batches=even_batches,
+            non_blocking=non_blocking,
+            slice_fn=slice_fn_for_dispatch,
+            use_stateful_dataloader=use_stateful_dataloader,
+            **source,
+            **options,
+        )
+        loader.total_batch_size = global_batch
+        return _xla_wrap(loader, state)
+
+    generator = None
+    remainder, total_batch_size = -1, None
+    if iterable:
+        shard = IterableDatasetShard(dataset, batch_size, drop_last, n, i, split_batches)
+        per_process = batch_size // n if split_batches else batch_size
+        source = {"batch_size": per_process, "drop_last": drop_last}
+        dataset_for_loader: Any = shard if n > 1 else dataset
+        total_batch_size = batch_size if split_batches else batch_size * n
+    else:
+        original = dataloader.batch_sampler
+        if type(original) is BatchSampler:
+            sampler, generator = _reshuffler(original.sampler, use_seedable_sampler, data_seed)
+            batch_sampler: Any = BatchSampler(sampler, original.batch_size, original.drop_last)
+        else:
+            batch_sampler = original  # a custom batch sampler: sharded as it is
+            generator = getattr(getattr(original, "sampler", None), "generator", None)
+        if n > 1:
+            batch_sampler = BatchSamplerShard(batch_sampler, n, i, split_batches, even_batches)
+        source = {"batch_sampler": batch_sampler}
+        dataset_for_loader = dataset
+        size = getattr(batch_sampler, "batch_size", None)
+        if size is not None:
+            total_batch_size = size if split_batches or n == 1 else size * n
+        if n > 1 and even_batches and not getattr(batch_sampler, "drop_last", False):
+            try:
+                remainder = len(dataset) % total_batch_size if total_batch_size else -1
+            except TypeError:
+                remainder = -1
+    if n <= 1:
+        rng_types = []
+    elif generator is None:
+        rng_types = [r for r in rng_types if r != "generator"]
+    loader = DataLoaderShard(
+        dataset_for_loader,
+        device=device,
+        rng_types=rng_types,
+        synchronized_generator=generator,
+        non_blocking=non_blocking,
+        remainder=remainder,
+        total_batch_size=total_batch_size,
+        use_stateful_dataloader=use_stateful_dataloader,
+        **source,
+        **options,
+    )
+    return _xla_wrap(loader, state)
+
+
+def _xla_wrap(loader: DataLoader, state: PartialState) -> DataLoader:
+    """XLA seam: torch-xla's parallel loader when ``nbaccel.parallel.xla`` provides it."""
+    if state.distributed_type != DistributedType.XLA:
+        return loader
+    try:
+        from nbaccel.parallel.xla import wrap_dataloader
+    except ImportError:
+        return loader  # batches still reach the XLA device through send_to_device
+    return wrap_dataloader(loader, state.device)
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A loader that starts ``num_batches`` into the current epoch of ``dataloader``.
+
+    Use it for the first epoch after resuming; iterate ``dataloader`` itself afterwards (the
+    skipping copy moves the original's epoch counter on when it finishes).
+    """
+    if num_batches < 0:
+        raise ValueError(f"num_batches must be >= 0, not {num_batches}.")
+    prepared = isinstance(dataloader, DataLoaderShard | DataLoaderDispatcher)
+    options = _loader_options(dataloader)
+    map_style = not isinstance(dataloader.dataset, IterableDataset)
+    skip = 0
+    if map_style and not isinstance(dataloader, DataLoaderDispatcher):
+        source: dict[str, Any] = {
+            "batch_sampler": SkipBatchSampler(dataloader.batch_sampler, num_batches)
+        }
+    else:
+        skip = num_batches
+        if isinstance(dataloader, DataLoaderDispatcher) and map_style:
+            source = {"batch_sampler": dataloader.batch_sampler}
+        else:
+            source = {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
+    if isinstance(dataloader, DataLoaderDispatcher):
+        new: Any = DataLoaderDispatcher(
+            dataloader.dataset,
+            device=dataloader.device,
+            split_batches=dataloader.split_batches,
+            even_batches=dataloader.even_batches,
+            skip_batches=skip,
+            non_blocking=dataloader.non_blocking,
+            slice_fn=dataloader.slice_fn,
+            **source,
+            **options,
+        )
+    elif prepared:
+        new = DataLoaderShard(
+            dataloader.dataset,
+            device=dataloader.device,
+            rng_types=dataloader.rng_types,
+            synchronized_generator=dataloader.synchronized_generator,
+            skip_batches=skip,
+            non_blocking=dataloader.non_blocking,
+            remainder=dataloader.remainder,
+            total_batch_size=dataloader.total_batch_size,
+            **source,
+            **options,
+        )
+    else:
+        new = DataLoaderShard(dataloader.dataset, skip_batches=skip, **source, **options)
+    if prepared:
+        new.iteration = dataloader.iteration
+        new.total_batch_size = dataloader.total_batch_size
+        new._parent = dataloader
+    return new
