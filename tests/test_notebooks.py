@@ -39,3 +39,13 @@ def test_magics_notebook():
     assert "still alive on rank 1" in texts[8]
     assert "idle" in texts[9]
     assert "Pool shut down." in texts[10]
+
+
+def test_training_notebook():
+    texts = _run("training.ipynb")
+    assert "[rank 0] epoch 2: accuracy" in texts[1]
+    assert "on 112 evaluation samples" in texts[1]  # gather_for_metrics: exactly the eval set
+    assert "'seen': 112, 'world': 2, 'precision': 'bf16', 'type': 'MULTI_CPU'" in texts[1]
+    first, last = (float(v) for v in texts[2].split("loss went from ")[1].split(" to "))
+    assert last < first
+    assert "same accuracy after resume: True" in texts[3]
