@@ -49,3 +49,12 @@ def test_training_notebook():
     first, last = (float(v) for v in texts[2].split("loss went from ")[1].split(" to "))
     assert last < first
     assert "same accuracy after resume: True" in texts[3]
+
+
+def test_fsdp_notebook():
+    texts = _run("fsdp.ipynb")
+    for rank in (0, 1):
+        assert f"[rank {rank}] FSDP: this rank holds 50% of the parameters" in texts[1]
+    assert "pytorch_model_fsdp_0" in texts[1]
+    assert "merged file: model.safetensors | loads into a plain Net: True" in texts[2]
+    assert "UserWarning" not in texts[2]

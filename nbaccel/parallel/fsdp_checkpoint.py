@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -270,7 +271,9 @@ def _read_dcp_tensors(checkpoint_dir: str) -> dict[str, torch.Tensor]:
         for key, meta in metadata.state_dict_metadata.items()
         if isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # loading in one process is the point here, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 
