@@ -1,0 +1,168 @@
+"""infer_auto_device_map on MoE-shaped meta models: nbaccel vs accelerate, same models, same run.
+
+    .venv/bin/python benchmarks/bench_device_map.py [--repeats 3]
+
+Three fake GPUs (ids 0, 1, 2) with 0.3x the model size each, plus the CPU with the model size,
+given in max_memory (no GPU needed: only sizes are read). Writes benchmarks/results/device_map.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SIZES = {  # label: (layers, experts); tensors = layers * (7 + 3 * experts) + 3
+    "3k": (30, 32),
+    "12k": (62, 64),
+    "37k": (94, 128),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.w1 = nn.Linear(d, f, bias=False)
+        self.w2 = nn.Linear(f, d, bias=False)
+        self.w3 = nn.Linear(d, f, bias=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, d: int, f: int, experts: int):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, f) for _ in range(experts))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: int, f: int, experts: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d)
+        self.self_attn = Attention(d)
+        self.post_attention_layernorm = RMSNorm(d)
+        self.mlp = SparseMoe(d, f, experts)
+
+
+class MoeModel(nn.Module):
+    def __init__(self, layers: int, experts: int, d: int = 1024, f: int = 512, vocab: int = 32000):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, f, experts) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+
+def build(layers: int, experts: int) -> nn.Module:
+    with torch.device("meta"):
+        return MoeModel(layers, experts)
+
+
+def timed(fn, repeats: int) -> tuple[float, float, dict]:
+    """Best wall time and best CPU time of this process (the CPU time is robust to other jobs
+    sharing the machine), and the result."""
+    best, best_cpu, result = float("inf"), float("inf"), None
+    for _ in range(repeats):
+        gc.collect()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        best_cpu = min(best_cpu, time.process_time() - start_cpu)
+        best = min(best, time.perf_counter() - start)
+    return best, best_cpu, result
+
+
+def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> dict:
+    """Plan one model with both libraries (same model object, same budgets)."""
+    from accelerate.utils import infer_auto_device_map as acc_infer
+
+    from nbaccel.bigmodel import compute_module_sizes
+    from nbaccel.bigmodel import infer_auto_device_map as nb_infer
+
+    model = build(layers, experts)
+    tensors = sum(1 for _ in model.parameters())
+    total = compute_module_sizes(model)[""]
+    max_memory = {0: int(0.3 * total), 1: int(0.3 * total), 2: int(0.3 * total), "cpu": total}
+    kwargs = {"no_split_module_classes": ["DecoderLayer"]}
+    nb_t, nb_cpu, nb_map = timed(lambda: nb_infer(model, dict(max_memory), **kwargs), args.repeats)
+    acc_t, acc_cpu, acc_map = timed(
+        lambda: acc_infer(model, dict(max_memory), **kwargs), args.accelerate_repeats
+    )
+
+    def layers_on(dm: dict) -> dict:
+        return dict(Counter(str(dm.get(f"layers.{i}", "?")) for i in range(layers)))
+
+    row = {
+        "model": label,
+        "tensors": tensors,
+        "modules": sum(1 for _ in model.modules()),
+        "model_gib": round(total / 2**30, 2),
+        "nbaccel_s": round(nb_t, 4),
+        "accelerate_s": round(acc_t, 4),
+        "speedup": round(acc_t / nb_t, 1),
+        "nbaccel_cpu_s": round(nb_cpu, 4),
+        "accelerate_cpu_s": round(acc_cpu, 4),
+        "speedup_cpu": round(acc_cpu / nb_cpu, 1),
+        "nbaccel_layers_per_device": layers_on(nb_map),
+        "accelerate_layers_per_device": layers_on(acc_map),
+    }
+    print(
+        f"{label:>4} {tensors:>6} tensors  wall: nbaccel {nb_t:6.3f} s, accelerate {acc_t:6.3f} s,"
+        f" x{acc_t / nb_t:.1f} | cpu: {nb_cpu:6.3f} s vs {acc_cpu:6.3f} s, x{acc_cpu / nb_cpu:.1f}"
+        f"\n      layers per device: nbaccel {row['nbaccel_layers_per_device']}  "
+        f"accelerate {row['accelerate_layers_per_device']}",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--accelerate-repeats", type=int, default=1)
+    args = parser.parse_args()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
+    import accelerate
+
+    rows = [measure(label, layers, experts, args) for label, (layers, experts) in SIZES.items()]
+    first, last = rows[0], rows[-1]
+    growth_t = last["tensors"] / first["tensors"]
+    for tool in ("nbaccel", "accelerate"):
+        g = last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"]
+        print(f"{tool}: {growth_t:.1f}x the tensors -> {g:.1f}x the CPU time")
+    out = {
+        "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "accelerate": accelerate.__version__,
+        "rows": rows,
+    }
+    path = Path(__file__).parent / "results" / "device_map.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,537 @@
+"""Sizes of modules and memory budgets: the numbers a device map is planned from.
+
+Everything here makes one pass over the model's tensors and answers from dictionaries keyed by
+module name, so planning stays linear in the number of tensors even for 10^5-tensor MoE models.
+Works on ``meta`` models: only shapes and dtypes are read.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import cache
+
+import psutil
+import torch
+from torch import nn
+
+__all__ = [
+    "calculate_maximum_sizes",
+    "compute_module_sizes",
+    "convert_file_size_to_int",
+    "dtype_byte_size",
+    "find_tied_parameters",
+    "get_balanced_memory",
+    "get_max_layer_size",
+    "get_max_memory",
+    "ModelScan",
+    "modules_preorder",
+    "named_module_tensors",
+    "retie_parameters",
+]
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+
+
+@cache
+def dtype_byte_size(dtype: torch.dtype) -> int:
+    """Bytes one element of ``dtype`` takes."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def convert_file_size_to_int(size: int | float | str) -> int:
+    """Parse ``"10GiB"`` (2**30), ``"5GB"`` (10**9), ``"500MB"``, ``"1.5GiB"`` or a byte count."""
+    if isinstance(size, bool):
+        raise ValueError(
+            f"Invalid memory size {size!r}: give bytes as an int or a string like '10GiB'."
+        )
+    if isinstance(size, int | float):
+        if size < 0:
+            raise ValueError(f"Invalid memory size {size!r}: sizes cannot be negative.")
+        return int(size)
+    if isinstance(size, str):
+        match = _SIZE_RE.match(size)
+        if match:
+            number, unit = match.groups()
+            return int(float(number) * _UNITS[(unit or "B").upper()])
+    raise ValueError(
+        f"Invalid memory size {size!r}: use an int number of bytes or a string such as "
+        "'10GiB', '5GB', '512MiB' or '800MB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
+    )
+
+
+def _memory_key(key: int | str | torch.device) -> int | str:
+    """Normalise a max_memory / device-map key: GPU ids become ints; cpu, mps, disk stay strings."""
+    if isinstance(key, torch.device):
+        key = str(key)
+    if isinstance(key, bool):
+        raise ValueError(f"Invalid device {key!r}.")
+    if isinstance(key, int):
+        if key < 0:
+            raise ValueError(f"Invalid GPU id {key}: GPU ids are integers >= 0.")
+        return key
+    if isinstance(key, str):
+        low = key.strip().lower()
+        if low in {"cpu", "disk", "mps"}:
+            return low
+        if low.isdigit():
+            return int(low)
+        if low.startswith("cuda:") and low[5:].isdigit():
+            return int(low[5:])
+        if low == "cuda":
+            return 0
+    raise ValueError(
+        f"Unknown device {key!r}: use a GPU id (0, 1, ... or 'cuda:0'), 'mps', 'cpu' or 'disk'."
+    )
+
+
+def _device_rank(key: int | str) -> tuple[int, int]:
+    order = {"mps": 1, "cpu": 2, "disk": 3}
+    return (0, key) if isinstance(key, int) else (order[key], 0)
+
+
+def get_max_memory(max_memory: Mapping[int | str, int | str] | None = None) -> dict[int | str, int]:
+    """Memory budget per device in bytes, ordered GPU ids first, then mps, cpu and disk.
+
+    Without ``max_memory`` the free memory of every visible GPU and the available RAM are used.
+    Strings like ``"10GiB"`` or ``"5GB"`` are parsed; GPU ids need not exist (planning only).
+    """
+    if max_memory is None:
+        found: dict[int | str, int] = {}
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                found[i] = torch.cuda.mem_get_info(i)[0]
+        elif torch.backends.mps.is_available():
+            found["mps"] = psutil.virtual_memory().available
+        found["cpu"] = psutil.virtual_memory().available
+        return found
+    parsed: dict[int | str, int] = {}
+    for key, value in max_memory.items():
+        norm = _memory_key(key)
+        if norm in parsed:
+            raise ValueError(f"max_memory names device {norm!r} twice ({key!r}).")
+        try:
+            parsed[norm] = convert_file_size_to_int(value)
+        except ValueError as err:
+            raise ValueError(f"max_memory[{key!r}]: {err}") from None
+    return {k: parsed[k] for k in sorted(parsed, key=_device_rank)}
+
+
+def named_module_tensors(
+    module: nn.Module,
+    include_buffers: bool = True,
+    recurse: bool = False,
+    remove_non_persistent: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (and buffers) of ``module`` by name, optionally without non-persistent buffers."""
+    yield from module.named_parameters(recurse=recurse)
+    if not include_buffers:
+        return
+    for name, buf in module.named_buffers(recurse=recurse):
+        if remove_non_persistent:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            if leaf in owner._non_persistent_buffers_set:
+                continue
+        yield name, buf
+
+
+def _tensor_bytes(
+    name: str,
+    tensor: torch.Tensor,
+    dtype: torch.dtype | None,
+    special_dtypes: Mapping[str, torch.dtype] | None,
+) -> int:
+    if special_dtypes and name in special_dtypes:
+        return tensor.numel() * dtype_byte_size(special_dtypes[name])
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.numel() * dtype_byte_size(dtype)
+    return tensor.numel() * tensor.element_size()
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building 10^5 small objects would otherwise trigger
+    full-heap collections that cost more than the work itself (nothing here creates cycles)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def modules_preorder(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) for every module in ``named_modules`` order, shared ones under each name.
+
+    An explicit stack instead of torch's nested generators: about 10x faster on 10^5 modules.
+    """
+    with no_gc():
+        return _preorder(model)
+
+
+def _preorder(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    entries = _preorder_keys(model)
+    return list(zip(_names(entries), (m for m, _, _ in entries)))
+
+
+def _preorder_keys(model: nn.Module) -> list[tuple[nn.Module, int, str]]:
+    """(module, index of its parent in this list or -1, its key in the parent), in pre-order.
+    No dotted names are built: most callers only need a few of them."""
+    out: list[tuple[nn.Module, int, str]] = []
+    stack: list[tuple[nn.Module, int, str]] = [(model, -1, "")]
+    pop, push, append = stack.pop, stack.append, out.append
+    while stack:
+        item = pop()
+        index = len(out)
+        append(item)
+        children = item[0]._modules
+        if children:
+            for key, child in reversed(children.items()):
+                if child is not None:
+                    push((child, index, key))
+    return out
+
+
+def _names(entries: list[tuple[nn.Module, int, str]]) -> list[str]:
+    names = [""] * len(entries)
+    for i in range(1, len(entries)):
+        _, parent, key = entries[i]
+        names[i] = f"{names[parent]}.{key}" if parent else key
+    return names
+
+
+class ModelScan:
+    """One pass over a model: bytes under every module (ties counted once, with their first
+    name) and every tensor, the same for buffers only, and the groups of tied parameter names.
+
+    ``size_by_id`` / ``buffers_by_id`` answer by module object without building any name;
+    ``sizes`` / ``buffer_sizes`` (by dotted name, as ``compute_module_sizes`` returns them) are
+    built on first use.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype | str | None = None,
+        special_dtypes: Mapping[str, torch.dtype] | None = None,
+        tensor_names: bool = True,
+    ):
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.replace("torch.", ""))
+        self.dtype, self.special_dtypes = dtype, special_dtypes
+        with no_gc():
+            self._scan(model, tensor_names)
+
+    def _fast_scan(self, model: nn.Module) -> tuple[list, list[int], list[int], list]:
+        """Traversal and sizes fused in one loop, no names (the planner's path)."""
+        entries: list[tuple[nn.Module, int, str]] = []
+        totals: list[int] = []
+        buffer_totals: list[int] = []
+        seen: set[int] = set()
+        dups: list[tuple[int, str, torch.Tensor]] = []
+        add, append = seen.add, entries.append
+        stack: list[tuple[nn.Module, int, str]] = [(model, -1, "")]
+        pop, push = stack.pop, stack.append
+        while stack:
+            item = pop()
+            module = item[0]
+            i = len(entries)
+            append(item)
+            own = own_buffers = 0
+            params = module._parameters
+            if params:
+                for leaf, tensor in params.items():
+                    if tensor is None:
+                        continue
+                    key = id(tensor)
+                    if key in seen:
+                        dups.append((i, leaf, tensor))
+                        continue
+                    add(key)
+                    own += tensor.nbytes
+            if module._buffers:
+                for tensor in module._buffers.values():
+                    if tensor is not None and id(tensor) not in seen:
+                        add(id(tensor))
+                        own_buffers += tensor.nbytes
+            totals.append(own + own_buffers)
+            buffer_totals.append(own_buffers)
+            children = module._modules
+            if children:
+                for key, child in reversed(children.items()):
+                    if child is not None:
+                        push((child, i, key))
+        return entries, totals, buffer_totals, dups
+
+    def _scan(self, model: nn.Module, tensor_names: bool) -> None:
+        dtype, special_dtypes = self.dtype, self.special_dtypes
+        if dtype is None and not special_dtypes and not tensor_names:
+            entries, totals, buffer_totals, dups = self._fast_scan(model)
+            self._entries, self._name_list = entries, None
+            self._finish(entries, totals, buffer_totals, {}, {}, dups)
+            return
+        entries = self._entries = _preorder_keys(model)
+        names = _names(entries) if tensor_names else None
+        self._name_list = names
+        totals = [0] * len(entries)
+        buffer_totals = [0] * len(entries)
+        tensor_sizes: dict[str, int] = {}
+        tensor_buffers: dict[str, int] = {}
+        seen: set[int] = set()  # ids of tensors already counted (ties and shared modules)
+        dups: list[tuple[int, str, torch.Tensor]] = []
+        plain = dtype is None and not special_dtypes
+        add = seen.add
+        for i, (module, _, _) in enumerate(entries):
+            own = 0
+            params = module._parameters
+            if params:
+                for leaf, tensor in params.items():
+                    if tensor is None:
+                        continue
+                    key = id(tensor)
+                    if key in seen:
+                        dups.append((i, leaf, tensor))
+                        continue
+                    add(key)
+                    # .nbytes is one C attribute read (numel() * element_size() is 10x slower).
+                    if plain:
+                        size = tensor.nbytes
+                    else:
+                        size = _tensor_bytes(self._name(i, leaf), tensor, dtype, special_dtypes)
+                    if names is not None:
+                        tensor_sizes[_join(names[i], leaf)] = size
+                    own += size
+            if module._buffers:
+                own_buffers = 0
+                for leaf, tensor in module._buffers.items():
+                    if tensor is None or id(tensor) in seen:
+                        continue
+                    add(id(tensor))
+                    full = self._name(i, leaf)
+                    size = (
+                        tensor.nbytes
+                        if plain
+                        else _tensor_bytes(full, tensor, dtype, special_dtypes)
+                    )
+                    tensor_buffers[full] = size
+                    if names is not None:
+                        tensor_sizes[full] = size
+                    own_buffers += size
+                own += own_buffers
+                buffer_totals[i] = own_buffers
+            totals[i] = own
+        self._finish(entries, totals, buffer_totals, tensor_sizes, tensor_buffers, dups)
+
+    def _finish(self, entries, totals, buffer_totals, tensor_sizes, tensor_buffers, dups) -> None:
+        tied = self._tie_groups(entries, dups)
+        for i in range(len(entries) - 1, 0, -1):  # children come after parents: sum upwards
+            parent = entries[i][1]
+            totals[parent] += totals[i]
+            buffer_totals[parent] += buffer_totals[i]
+        self._totals, self._buffer_totals = totals, buffer_totals
+        self._tensor_sizes, self._tensor_buffers = tensor_sizes, tensor_buffers
+        # First occurrence wins for a module shared under two names (its tensors count once).
+        self.size_by_id = dict(zip(map(id, (e[0] for e in reversed(entries))), reversed(totals)))
+        self.buffers_by_id = {
+            id(e[0]): t for e, t in zip(reversed(entries), reversed(buffer_totals)) if t
+        }
+        groups = [[self._name(i, leaf) for i, leaf in pairs] for pairs in tied]
+        self.tied_groups = [sorted(g) for g in groups]
+        self.tied_dups = {n for g in groups for n in g[1:]}
+        self._sizes: dict[str, int] | None = None
+        self._buffer_sizes: dict[str, int] | None = None
+
+    @staticmethod
+    def _tie_groups(entries, dups) -> list[list[tuple[int, str]]]:
+        """(module index, leaf) of every name of each tied parameter, first occurrence first.
+        Only runs a second pass when the first one met a tensor twice (rare)."""
+        if not dups:
+            return []
+        wanted = {id(t) for _, _, t in dups}
+        groups: dict[int, list[tuple[int, str]]] = {}
+        for i, (module, _, _) in enumerate(entries):
+            for leaf, tensor in module._parameters.items():
+                if tensor is not None and id(tensor) in wanted:
+                    groups.setdefault(id(tensor), []).append((i, leaf))
+        return [g for g in groups.values() if len(g) > 1]
+
+    def _name(self, index: int, leaf: str = "") -> str:
+        if self._name_list is not None:
+            base = self._name_list[index]
+        else:
+            parts = []
+            while index > 0:
+                _, index, key = self._entries[index]
+                parts.append(key)
+            base = ".".join(reversed(parts))
+        return _join(base, leaf) if leaf else base
+
+    @property
+    def modules(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) in ``named_modules`` order, shared modules under each name."""
+        if self._name_list is None:
+            self._name_list = _names(self._entries)
+        return list(zip(self._name_list, (e[0] for e in self._entries)))
+
+    def _by_name(self, totals: list[int], tensors: dict[str, int]) -> dict[str, int]:
+        if self._name_list is None:
+            self._name_list = _names(self._entries)
+        out: dict[str, int] = defaultdict(int)
+        for name, total in zip(self._name_list, totals):
+            out[name] += total
+        out.update(tensors)
+        return out
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        if self._sizes is None:
+            self._sizes = self._by_name(self._totals, self._tensor_sizes)
+        return self._sizes
+
+    @property
+    def buffer_sizes(self) -> dict[str, int]:
+        if self._buffer_sizes is None:
+            self._buffer_sizes = self._by_name(self._buffer_totals, self._tensor_buffers)
+            for name in list(self._buffer_sizes):
+                if not self._buffer_sizes[name]:
+                    del self._buffer_sizes[name]
+        return self._buffer_sizes
+
+    def tensor_size(self, name: str, tensor: torch.Tensor) -> int:
+        """Size of one tensor unit (0 for the second name of a tied weight)."""
+        if name in self.tied_dups:
+            return 0
+        return _tensor_bytes(name, tensor, self.dtype, self.special_dtypes)
+
+
+def _join(name: str, leaf: str) -> str:
+    return f"{name}.{leaf}" if name else leaf
+
+
+def compute_module_sizes(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype] | None = None,
+    buffers_only: bool = False,
+) -> dict[str, int]:
+    """Bytes under every module and tensor name (``""`` is the whole model); ties counted once."""
+    scan = ModelScan(model, dtype, special_dtypes)
+    return scan.buffer_sizes if buffers_only else scan.sizes
+
+
+def get_max_layer_size(
+    modules: list[tuple[str, nn.Module]],
+    module_sizes: Mapping[str, int],
+    no_split_module_classes: list[str] | None,
+) -> tuple[int, list[str]]:
+    """The largest unsplittable layer (a leaf, or a ``no_split_module_classes`` block) under
+    ``modules``, and every name reaching that size. Each module is visited once."""
+    no_split = set(no_split_module_classes or ())
+    best, names = 0, []
+    stack = list(reversed(modules))
+    while stack:
+        name, module = stack.pop()
+        children = list(module.named_children())
+        if not children or type(module).__name__ in no_split:
+            size = module_sizes.get(name, 0)
+            if size > best:
+                best, names = size, [name]
+            elif size == best and size > 0:
+                names.append(name)
+        else:
+            prefix = name + "." if name else ""
+            stack.extend((prefix + n, m) for n, m in reversed(children))
+    return best, names
+
+
+def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]]]:
+    """(total bytes of the model, (bytes of its largest leaf layer, that layer's names))."""
+    sizes = compute_module_sizes(model)
+    no_split = getattr(model, "_no_split_modules", None) or []
+    largest = get_max_layer_size(list(model.named_children()), sizes, no_split)
+    if largest[0] == 0 and sizes.get("", 0):
+        largest = (sizes[""], [""])
+    return sizes.get("", 0), largest
+
+
+def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
+    """Groups of parameter names that share one Parameter object, e.g. ``[["embed.weight",
+    "lm_head.weight"]]``. One pass over the modules."""
+    first: dict[int, str] = {}
+    groups: dict[int, list[str]] = {}
+    for name, module in modules_preorder(model):
+        pre = name + "." if name else ""
+        for leaf, param in module._parameters.items():
+            if param is None:
+                continue
+            key = id(param)
+            if key in first:
+                groups.setdefault(key, [first[key]]).append(pre + leaf)
+            else:
+                first[key] = pre + leaf
+    return [sorted(names) for names in groups.values()]
+
+
+def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:
+    """Make every name in each group point at the first name's Parameter again."""
+    for group in tied_params:
+        source = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            owner._parameters[leaf] = source
+
+
+def _execution_gpus(max_memory: Mapping[int | str, int]) -> list[int]:
+    return [k for k in max_memory if isinstance(k, int)]
+
+
+def get_balanced_memory(
+    model: nn.Module,
+    max_memory: Mapping[int | str, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype] | None = None,
+    low_zero: bool = False,
+) -> dict[int | str, int]:
+    """Lower the GPU budgets so a sequential device map spreads the model evenly over the GPUs.
+
+    With ``low_zero`` GPU 0 only receives what does not fit on the others (room for generation
+    outputs). Budgets are unchanged when the model does not fit on the GPUs anyway.
+    """
+    budgets = get_max_memory(max_memory)
+    gpus = _execution_gpus(budgets)
+    targets = gpus[1:] if low_zero else gpus
+    if not targets:
+        return budgets
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    total = sizes.get("", 0)
+    if total > sum(budgets[g] for g in targets):
+        return budgets
+    largest, _ = get_max_layer_size(list(model.named_children()), sizes, no_split_module_classes)
+    # Each GPU but the last gets its share plus half a layer of slack for packing granularity;
+    # the last keeps its whole budget so leftovers land on a GPU rather than the CPU.
+    share = -(-total // len(targets)) + largest // 2
+    balanced = dict(budgets)
+    for g in targets[:-1]:
+        balanced[g] = min(budgets[g], share)
+    if low_zero:
+        rest = sum(balanced[g] for g in targets)
+        balanced[gpus[0]] = min(budgets[gpus[0]], max(0, total - rest))
+    return balanced

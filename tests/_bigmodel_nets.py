@@ -1,0 +1,93 @@
+"""Small models shared by the big-model inference tests (tied weights, buffers, blocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+
+class Block(nn.Module):
+    """A residual block with a persistent and a non-persistent buffer."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.register_buffer("scale", torch.full((d,), 0.5))
+        self.register_buffer("gate", torch.arange(d, dtype=torch.float32) / d, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x)))) * self.scale + self.gate
+
+
+class TiedNet(nn.Module):
+    """Embedding -> blocks -> norm -> head, the head tied to the embedding."""
+
+    def __init__(self, d: int = 16, vocab: int = 32, n: int = 4, tie: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def reference(seed: int = 0, **kwargs) -> tuple[TiedNet, torch.Tensor, torch.Tensor]:
+    """A randomly initialised model, an input and its output."""
+    torch.manual_seed(seed)
+    model = TiedNet(**kwargs)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.scale.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.no_grad():
+        out = model(ids)
+    return model, ids, out
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with each tied tensor once (what safetensors' save_model writes)."""
+    seen, out = set(), {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[name] = tensor.contiguous()
+    return out
+
+
+def save_sharded(model: nn.Module, folder, fmt: str = "safetensors", shards: int = 3) -> str:
+    """Write a sharded checkpoint with an HF-style index; returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    state = unique_state(model)
+    names = list(state)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        part = {n: state[n] for n in names[i * per : (i + 1) * per]}
+        if not part:
+            continue
+        fname = f"model-{i:05d}.{'safetensors' if fmt == 'safetensors' else 'bin'}"
+        if fmt == "safetensors":
+            save_file(part, os.path.join(folder, fname))
+        else:
+            torch.save(part, os.path.join(folder, fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    index = (
+        "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    )
+    with open(os.path.join(folder, index), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return str(folder)

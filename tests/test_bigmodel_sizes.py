@@ -1,0 +1,150 @@
+"""Sizes, memory budgets and empty init (nbaccel.bigmodel.sizes / empty)."""
+
+import pytest
+import torch
+from _bigmodel_nets import Block, TiedNet
+from torch import nn
+
+from nbaccel.bigmodel import (
+    calculate_maximum_sizes,
+    compute_module_sizes,
+    convert_file_size_to_int,
+    find_tied_parameters,
+    get_balanced_memory,
+    get_max_layer_size,
+    get_max_memory,
+    init_empty_weights,
+    init_on_device,
+    named_module_tensors,
+    retie_parameters,
+)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("10GiB", 10 * 2**30),
+        ("5GB", 5 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("800mb", 800 * 10**6),
+        ("100", 100),
+        (1234, 1234),
+    ],
+)
+def test_convert_file_size(text, expected):
+    assert convert_file_size_to_int(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["10 gigs", "GiB", "-5GB", "5XB", -1, True])
+def test_convert_file_size_rejects_garbage_with_the_fix(bad):
+    with pytest.raises(ValueError, match="Invalid memory size"):
+        convert_file_size_to_int(bad)
+
+
+def test_get_max_memory_orders_and_parses():
+    got = get_max_memory({"disk": "1GB", "cpu": "2GiB", 1: 100, "cuda:0": "1KiB", "mps": 7})
+    assert list(got) == [0, 1, "mps", "cpu", "disk"]
+    assert got == {0: 1024, 1: 100, "mps": 7, "cpu": 2 * 2**30, "disk": 10**9}
+
+
+def test_get_max_memory_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"max_memory\['cpu'\].*Invalid memory size"):
+        get_max_memory({"cpu": "lots"})
+    with pytest.raises(ValueError, match="Unknown device 'gpu0'"):
+        get_max_memory({"gpu0": 10})
+    with pytest.raises(ValueError, match="twice"):
+        get_max_memory({0: 10, "cuda:0": 10})
+
+
+def test_get_max_memory_default_has_cpu():
+    got = get_max_memory()
+    assert got["cpu"] > 0
+    assert list(got)[-1] == "cpu"
+
+
+def test_init_empty_weights_meta_params_real_buffers():
+    with init_empty_weights():
+        model = TiedNet()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    assert model.head.weight is model.embed.weight  # the tie survives empty init
+    assert torch.equal(model.blocks[0].gate, torch.arange(16.0) / 16)
+    with init_empty_weights(include_buffers=True):
+        model = TiedNet()
+    assert all(b.device.type == "meta" for b in model.buffers())
+    # Outside the context, parameters are real again.
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_init_on_device_keeps_requires_grad_and_class():
+    with init_on_device("meta"):
+        lin = nn.Linear(3, 4)
+        lin.weight.requires_grad_(False)
+    assert isinstance(lin.weight, nn.Parameter) and lin.weight.device.type == "meta"
+    assert not lin.weight.requires_grad and lin.bias.requires_grad
+
+
+def test_compute_module_sizes_counts_ties_once_and_buffers():
+    model = TiedNet(d=16, vocab=32, n=2)
+    sizes = compute_module_sizes(model)
+    embed = 32 * 16 * 4
+    block = (16 * 32 + 32 + 32 * 16 + 16 + 2 * 16) * 4 + 16 * 4 * 2  # params + 2 buffers
+    assert sizes["embed"] == embed
+    assert sizes["head"] == 0  # the tied weight is counted with the embedding
+    assert sizes["blocks.0"] == block
+    assert sizes["blocks"] == 2 * block
+    assert sizes["blocks.0.fc1.weight"] == 16 * 32 * 4
+    assert sizes[""] == embed + 2 * block + 2 * 16 * 4
+    half = compute_module_sizes(model, dtype=torch.float16)
+    assert half["embed"] == embed // 2
+    special = compute_module_sizes(model, special_dtypes={"embed.weight": torch.int8})
+    assert special["embed"] == 32 * 16
+    buffers = compute_module_sizes(model, buffers_only=True)
+    assert buffers["blocks.0"] == 16 * 4 * 2 and buffers.get("embed", 0) == 0
+
+
+def test_max_layer_and_calculate_maximum_sizes():
+    with init_empty_weights():
+        model = TiedNet(d=16, vocab=300, n=2)
+    sizes = compute_module_sizes(model)
+    size, names = get_max_layer_size(list(model.named_children()), sizes, ["Block"])
+    assert names == ["embed"] and size == 300 * 16 * 4
+    size, names = get_max_layer_size(list(model.named_children()), sizes, [])
+    assert names == ["embed"]
+    total, (largest, largest_names) = calculate_maximum_sizes(model)
+    assert total == sizes[""] and largest == 300 * 16 * 4 and largest_names == ["embed"]
+
+
+def test_find_and_retie_parameters():
+    model = TiedNet()
+    assert find_tied_parameters(model) == [["embed.weight", "head.weight"]]
+    assert find_tied_parameters(TiedNet(tie=False)) == []
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+    assert find_tied_parameters(model) == []
+    retie_parameters(model, [["embed.weight", "head.weight"]])
+    assert model.head.weight is model.embed.weight
+
+
+def test_named_module_tensors_non_persistent():
+    block = Block(4)
+    names = [n for n, _ in named_module_tensors(block, recurse=True)]
+    assert "gate" in names and "scale" in names and "fc1.weight" in names
+    kept = [n for n, _ in named_module_tensors(block, recurse=True, remove_non_persistent=True)]
+    assert "gate" not in kept and "scale" in kept
+    direct = [n for n, _ in named_module_tensors(block)]
+    assert direct == ["scale", "gate"]
+
+
+def test_get_balanced_memory_spreads_and_low_zero():
+    with init_empty_weights():
+        model = TiedNet(n=8)
+    sizes = compute_module_sizes(model)
+    big = {0: 10**6, 1: 10**6, "cpu": 10**6}
+    balanced = get_balanced_memory(model, big, no_split_module_classes=["Block"])
+    assert sizes[""] // 2 <= balanced[0] < sizes[""]  # roughly half, plus slack
+    assert balanced[1] == 10**6 and balanced["cpu"] == 10**6
+    low = get_balanced_memory(model, {0: 10**6, 1: 10**6, 2: 10**6}, ["Block"], low_zero=True)
+    assert low[0] == 0 and low[2] == 10**6
+    tiny = {0: 100, 1: 100, "cpu": 10**6}  # does not fit on the GPUs: unchanged
+    assert get_balanced_memory(model, tiny) == tiny
