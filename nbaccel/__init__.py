@@ -4,7 +4,38 @@ The public API follows Hugging Face Accelerate's names and signatures: swap
 ``from accelerate import ...`` for ``from nbaccel import ...``.
 """
 
+from nbaccel.accelerator import Accelerator
+from nbaccel.bigmodel import (
+    cpu_offload,
+    cpu_offload_with_hook,
+    disk_offload,
+    dispatch_model,
+    infer_auto_device_map,
+    init_empty_weights,
+    init_on_device,
+    load_checkpoint_and_dispatch,
+    load_checkpoint_in_model,
+)
+from nbaccel.configuration import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
+from nbaccel.data import skip_first_batches
 from nbaccel.environment import detect_launch_environment, detect_platform
+from nbaccel.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
+from nbaccel.launch.launcher import debug_launcher, notebook_launcher
+from nbaccel.launch.transport import UnpicklableError
+from nbaccel.memory import find_executable_batch_size
+from nbaccel.notebook.memory_estimate import estimate_memory
+from nbaccel.notebook.widgets.device_map import show_device_map
 from nbaccel.ops import (
     ShapeMismatchError,
     broadcast,
@@ -15,41 +46,57 @@ from nbaccel.ops import (
     reduce,
     send_to_device,
 )
+from nbaccel.parallel.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.seed import set_seed
 from nbaccel.state import AcceleratorState, DistributedType, GradientState, PartialState
-
-# -- launcher (issue 3) --
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
-from nbaccel.launch.launcher import debug_launcher, notebook_launcher
-from nbaccel.launch.transport import UnpicklableError
-# -- training core (issue 6) --
-# -- big-model inference (issue 8) --
-# -- notebook widgets (issue 5) --
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accelerator",
     "AcceleratorState",
-    "LaunchTimeout",
-    "RankCrashed",
-    "RankError",
-    "UnpicklableError",
-    "debug_launcher",
-    "notebook_launcher",
-    "DistributedType",
-    "GradientState",
-    "PartialState",
-    "ShapeMismatchError",
+    "AutocastKwargs",
     "broadcast",
     "broadcast_object_list",
+    "cpu_offload",
+    "cpu_offload_with_hook",
+    "DataLoaderConfiguration",
+    "debug_launcher",
     "detect_launch_environment",
     "detect_platform",
+    "disk_offload",
+    "dispatch_model",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "estimate_memory",
+    "find_executable_batch_size",
+    "FullyShardedDataParallelPlugin",
     "gather",
     "gather_object",
+    "GradientAccumulationPlugin",
+    "GradientState",
+    "GradScalerKwargs",
+    "infer_auto_device_map",
+    "init_empty_weights",
+    "init_on_device",
+    "InitProcessGroupKwargs",
+    "LaunchTimeout",
+    "load_checkpoint_and_dispatch",
+    "load_checkpoint_in_model",
+    "notebook_launcher",
     "pad_across_processes",
+    "PartialState",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+    "RankCrashed",
+    "RankError",
     "reduce",
     "send_to_device",
     "set_seed",
+    "ShapeMismatchError",
+    "show_device_map",
+    "skip_first_batches",
+    "UnpicklableError",
 ]
 
 
