@@ -12,13 +12,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
+
+from nbaccel.launch.plan import free_port
 
 __all__ = ["RankFailures", "free_port", "run_on_ranks"]
 
@@ -28,13 +29,6 @@ _PEER_GRACE_S = 5.0
 
 class RankFailures(AssertionError):
     """One or more ranks failed; the message holds each failing rank's traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _death(exitcode: int | None) -> str:

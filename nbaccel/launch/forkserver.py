@@ -30,7 +30,12 @@ from typing import Any
 __all__ = ["ForkServer", "get_forkserver", "warm_up", "warm_up_if_in_kernel"]
 
 _HEADER = struct.Struct("!I")
-_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "nbaccel.launch.worker",
+    "nbaccel.notebook.instrumentation",  # the widgets' worker hooks (tqdm bridge, memory sampler)
+)
 
 
 def _write_frame(fd: int, message: Any) -> None:

@@ -18,22 +18,21 @@ import torch
 
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, rebuild_exception
 from nbaccel.launch.group import Outcome, WorkerGroup
+from nbaccel.launch.plan import (
+    LaunchPlan,
+    free_port,
+    resolve_start_method,
+    worker_hooks,
+)
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.renderer import Renderer, TextRenderer
-from nbaccel.launch.transport import UnpicklableError, pack
+from nbaccel.launch.transport import pack
 from nbaccel.state import MIXED_PRECISION_CHOICES
 
 __all__ = ["debug_launcher", "notebook_launcher"]
 
-START_METHODS = ("auto", "forkserver", "spawn", "fork")
 _FAILURE_GRACE = 0.5  # seconds the other ranks get to finish on their own after a failure
 _STOP_GRACE = 2.0  # then SIGTERM, and SIGKILL this long after
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _check_port(port: int, host: str) -> None:
@@ -72,8 +71,6 @@ def _validate(
         )
     if num_nodes < 1 or not 0 <= node_rank < num_nodes:
         raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank}.")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}.")
     if rdzv_backend not in ("static", "c10d"):
         raise ValueError(f"rdzv_backend must be 'static' or 'c10d', got {rdzv_backend!r}.")
     gpus = torch.cuda.device_count()
@@ -82,17 +79,6 @@ def _validate(
             f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
             f"{gpus}, or debug_launcher for CPU ranks."
         )
-
-
-def _resolve_start_method(start_method: str) -> str:
-    if start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError(
-            "CUDA is already initialised in this kernel, and a forked child cannot use it. "
-            "Use start_method='auto' (nbaccel's fork server is CUDA-safe)."
-        )
-    if start_method == "auto":
-        return "forkserver" if hasattr(os, "fork") else "spawn"
-    return start_method
 
 
 def _announce(num_processes: int, num_nodes: int, cpu: bool, defaulted: bool) -> str:
@@ -117,15 +103,6 @@ def _default_renderer() -> Renderer:
     except ImportError:
         return TextRenderer()
     return choose_renderer()
-
-
-def _worker_setup(memory: bool) -> tuple:
-    """The notebook's worker hooks (tqdm bridge, memory sampler); none if unavailable."""
-    try:
-        from nbaccel.notebook.instrumentation import worker_setup
-    except ImportError:
-        return ()
-    return worker_setup(memory=memory)
 
 
 def _tpu_requested() -> bool:
@@ -179,7 +156,7 @@ def notebook_launcher(
     _validate(
         function, num_processes, mixed_precision, num_nodes, node_rank, start_method, rdzv_backend
     )
-    method = _resolve_start_method(start_method)
+    method = resolve_start_method(start_method)
     if num_nodes > 1 and use_port is None and not rdzv_endpoint:
         raise ValueError("a multi-node launch needs use_port (the same on every node).")
     if rdzv_endpoint and use_port is None:
@@ -187,43 +164,29 @@ def notebook_launcher(
         use_port = int(port_text)
     if use_port is not None and node_rank == 0:
         _check_port(int(use_port), master_addr)
-    try:
-        import cloudpickle
-
-        cloudpickle.dumps(function)
-    except Exception as exc:
-        raise UnpicklableError(
-            f"the function {getattr(function, '__name__', function)!r} cannot be sent to the "
-            f"ranks: {type(exc).__name__}: {exc}. It probably captures an object that cannot be "
-            "pickled (a lock, a file, an open connection); create that inside the function."
-        ) from exc
-    payload, shared = pack(
+    payload, shared = pack(  # raises UnpicklableError naming the object, before any process
         (function, tuple(args), {}), element_names=("function", "args", "kwargs")
     )
-    payload_args = payload  # keep one packed copy for every attempt
+    plan = LaunchPlan(num_processes, num_nodes, node_rank, master_addr, mixed_precision, cpu)
     renderer = renderer or _default_renderer()
     renderer.start(_announce(num_processes, num_nodes, cpu, defaulted), num_processes)
     ok = False
     try:
         attempt = 0
         while True:
-            port = int(use_port) if use_port is not None else _free_port()
+            port = int(use_port) if use_port is not None else free_port()
+            group = WorkerGroup(
+                num_processes,
+                lambda i, port=port: plan.rank_env(i, port),
+                renderer,
+                start_method=method,
+                mode="call",
+                payload=payload,
+                global_rank=plan.global_rank,
+                setup=worker_hooks(memory),
+            )
             try:
-                results = _run_once(
-                    payload_args,
-                    num_processes,
-                    mixed_precision,
-                    port,
-                    master_addr,
-                    node_rank,
-                    num_nodes,
-                    method,
-                    timeout,
-                    monitor_interval,
-                    cpu,
-                    renderer,
-                    _worker_setup(memory),
-                )
+                results = _run_once(group, timeout, monitor_interval)
                 ok = True
                 return results
             except (KeyboardInterrupt, LaunchTimeout):
@@ -242,61 +205,10 @@ def notebook_launcher(
         renderer.finish(ok)
 
 
-def _rank_env(
-    index: int,
-    num_processes: int,
-    node_rank: int,
-    num_nodes: int,
-    port: int,
-    master_addr: str,
-    mixed_precision: str,
-    cpu: bool,
-) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(node_rank * num_processes + index),
-        LOCAL_RANK=str(index),
-        WORLD_SIZE=str(num_processes * num_nodes),
-        LOCAL_WORLD_SIZE=str(num_processes),
-        GROUP_RANK=str(node_rank),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(port),
-        NBACCEL_LAUNCHER="notebook",
-        NBACCEL_MIXED_PRECISION=str(mixed_precision).lower(),
-    )
-    if cpu:
-        env["NBACCEL_CPU"] = "1"
-    return env
-
-
-def _run_once(
-    payload,
-    num_processes,
-    mixed_precision,
-    port,
-    master_addr,
-    node_rank,
-    num_nodes,
-    method,
-    timeout,
-    monitor_interval,
-    cpu,
-    renderer,
-    setup=(),
-) -> list[Any]:
-    offset = node_rank * num_processes
-    group = WorkerGroup(
-        num_processes,
-        lambda i: _rank_env(
-            i, num_processes, node_rank, num_nodes, port, master_addr, mixed_precision, cpu
-        ),
-        renderer,
-        start_method=method,
-        mode="call",
-        payload=payload,
-        global_rank=lambda i: offset + i,
-        setup=setup,
-    )
+def _run_once(group: WorkerGroup, timeout: float | None, monitor_interval: float) -> list[Any]:
+    """Run the group's single call; return results by rank or raise the first failure."""
+    num_processes = group.num_processes
+    renderer = group.renderer
     group.expect_call(0)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

@@ -24,7 +24,7 @@ import torch
 
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, rebuild_exception
 from nbaccel.launch.group import Outcome, WorkerGroup
-from nbaccel.launch.launcher import _free_port, _rank_env, _resolve_start_method, _worker_setup
+from nbaccel.launch.plan import LaunchPlan, free_port, resolve_start_method, worker_hooks
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.renderer import Renderer
 from nbaccel.launch.transport import UnpicklableError, pack
@@ -67,7 +67,7 @@ class Pool:
             )
         self.num_processes = num_processes
         self.backend = backend
-        self.start_method = _resolve_start_method(start_method)
+        self.start_method = resolve_start_method(start_method)
         self.info: dict[int, dict[str, Any]] = {}
         self.group: WorkerGroup | None = None
         self.started_at: float | None = None
@@ -97,11 +97,11 @@ class Pool:
         """Start the ranks and initialise their process group (once)."""
         if self.running:
             return
-        port, n = _free_port(), self.num_processes
+        port, n = free_port(), self.num_processes
+        plan = LaunchPlan(n, cpu=self.cpu, launcher="pool")
 
         def env(index: int) -> dict[str, str]:
-            rank_env = _rank_env(index, n, 0, 1, port, "127.0.0.1", "no", self.cpu)
-            return {**rank_env, "NBACCEL_LAUNCHER": "pool", "MPLBACKEND": _MPL_BACKEND}
+            return {**plan.rank_env(index, port), "MPLBACKEND": _MPL_BACKEND}
 
         self.info = {}
         group = WorkerGroup(
@@ -111,7 +111,7 @@ class Pool:
             start_method=self.start_method,
             mode="serve",
             setup=[
-                *_worker_setup(memory=True),
+                *worker_hooks(memory=True),
                 functools.partial(pool_worker.setup_worker, self.backend),
             ],
         )
