@@ -5,6 +5,12 @@ nbaccel does beyond it (in-place safetensors disk offload, prefetching, linear-t
 tie-preserving loads, checked checkpoint keys).
 """
 
+from nbaccel.bigmodel.align_devices_hook import (
+    AlignDevicesHook,
+    align_module_device,
+    has_offloaded_params,
+)
+from nbaccel.bigmodel.cpu_offload_hook import CpuOffload, UserCpuOffloadHook
 from nbaccel.bigmodel.device_map import (
     check_device_map,
     clean_device_map,
@@ -18,18 +24,15 @@ from nbaccel.bigmodel.dispatch import (
     dispatch_model,
 )
 from nbaccel.bigmodel.empty import init_empty_weights, init_on_device
-from nbaccel.bigmodel.hooks import (
-    AlignDevicesHook,
-    CpuOffload,
-    ModelHook,
-    SequentialHook,
-    UserCpuOffloadHook,
-    add_hook_to_module,
-    align_module_device,
+from nbaccel.bigmodel.hook_attachment import (
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
     attach_execution_device_hook,
-    has_offloaded_params,
+)
+from nbaccel.bigmodel.hooks import (
+    ModelHook,
+    SequentialHook,
+    add_hook_to_module,
     remove_hook_from_module,
     remove_hook_from_submodules,
 )
@@ -37,6 +40,18 @@ from nbaccel.bigmodel.loading import (
     CheckpointMismatchError,
     load_checkpoint_and_dispatch,
     load_checkpoint_in_model,
+)
+from nbaccel.bigmodel.memory_budgets import (
+    convert_file_size_to_int,
+    get_balanced_memory,
+    get_max_memory,
+)
+from nbaccel.bigmodel.module_sizes import (
+    calculate_maximum_sizes,
+    compute_module_sizes,
+    dtype_byte_size,
+    get_max_layer_size,
+    named_module_tensors,
 )
 from nbaccel.bigmodel.offload import (
     OffloadedWeightsLoader,
@@ -47,18 +62,7 @@ from nbaccel.bigmodel.offload import (
     save_offload_index,
 )
 from nbaccel.bigmodel.placement import set_module_tensor_to_device
-from nbaccel.bigmodel.sizes import (
-    calculate_maximum_sizes,
-    compute_module_sizes,
-    convert_file_size_to_int,
-    dtype_byte_size,
-    find_tied_parameters,
-    get_balanced_memory,
-    get_max_layer_size,
-    get_max_memory,
-    named_module_tensors,
-    retie_parameters,
-)
+from nbaccel.bigmodel.tied_parameters import find_tied_parameters, retie_parameters
 
 __all__ = [
     "AlignDevicesHook",

@@ -19,13 +19,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.sizes import (
-    ModelScan,
-    get_balanced_memory,
-    get_max_memory,
-    modules_preorder,
-    no_gc,
-)
+from nbaccel.bigmodel.memory_budgets import get_balanced_memory, get_max_memory
+from nbaccel.bigmodel.module_sizes import ModelScan, modules_preorder, no_gc
 
 __all__ = [
     "DEVICE_MAP_STRINGS",

@@ -15,15 +15,14 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from nbaccel.bigmodel.align_devices_hook import AlignDevicesHook
+from nbaccel.bigmodel.cpu_offload_hook import CpuOffload, UserCpuOffloadHook
 from nbaccel.bigmodel.device_map import get_device_map
-from nbaccel.bigmodel.hooks import (
-    AlignDevicesHook,
-    CpuOffload,
-    UserCpuOffloadHook,
-    add_hook_to_module,
+from nbaccel.bigmodel.hook_attachment import (
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
 )
+from nbaccel.bigmodel.hooks import add_hook_to_module
 from nbaccel.bigmodel.offload import (
     OffloadedWeightsLoader,
     Prefetcher,

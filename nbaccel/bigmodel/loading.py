@@ -24,7 +24,7 @@ from nbaccel.bigmodel.device_map import _lookup, get_device_map
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
 from nbaccel.bigmodel.offload import SafetensorsFile, save_offload_index
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
-from nbaccel.bigmodel.sizes import find_tied_parameters
+from nbaccel.bigmodel.tied_parameters import find_tied_parameters
 
 __all__ = ["CheckpointMismatchError", "load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 

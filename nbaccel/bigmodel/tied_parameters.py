@@ -1,0 +1,40 @@
+"""Tied parameters: groups of names that share one Parameter object, and re-tying them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nbaccel.bigmodel.module_sizes import modules_preorder
+
+__all__ = [
+    "find_tied_parameters",
+    "retie_parameters",
+]
+
+
+def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
+    """Groups of parameter names that share one Parameter object, e.g. ``[["embed.weight",
+    "lm_head.weight"]]``. One pass over the modules."""
+    first: dict[int, str] = {}
+    groups: dict[int, list[str]] = {}
+    for name, module in modules_preorder(model):
+        pre = name + "." if name else ""
+        for leaf, param in module._parameters.items():
+            if param is None:
+                continue
+            key = id(param)
+            if key in first:
+                groups.setdefault(key, [first[key]]).append(pre + leaf)
+            else:
+                first[key] = pre + leaf
+    return [sorted(names) for names in groups.values()]
+
+
+def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:
+    """Make every name in each group point at the first name's Parameter again."""
+    for group in tied_params:
+        source = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            owner._parameters[leaf] = source
