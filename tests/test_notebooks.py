@@ -58,3 +58,15 @@ def test_fsdp_notebook():
     assert "pytorch_model_fsdp_0" in texts[1]
     assert "merged file: model.safetensors | loads into a plain Net: True" in texts[2]
     assert "UserWarning" not in texts[2]
+
+
+def test_big_model_notebook():
+    texts = _run("big_model.ipynb")
+    assert "parameters live on: {'meta'}" in texts[0]
+    assert "Memory estimate for TinyLM" in texts[1] and "training (Adam)" in texts[1]
+    assert "Device map of TinyLM" in texts[2]
+    assert "disk [" in texts[2] and "blocks.5" in texts[2]
+    assert "model.safetensors" in texts[3]
+    assert "offloaded output == in-memory output: True" in texts[3]
+    assert "tie kept: True" in texts[3]
+    assert 'device_map={"": "disk"} output matches: True' in texts[4]
