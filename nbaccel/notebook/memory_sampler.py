@@ -1,0 +1,121 @@
+"""Worker side: a daemon thread that reports this rank's memory about twice a second.
+
+Each :class:`~nbaccel.notebook.events.MemorySample` carries the host RSS (and its true peak from
+``getrusage``), CUDA allocated / reserved / peak on the current device when this process has
+initialised CUDA (the sampler never initialises it), and torch-xla's memory info when torch-xla
+is in use. Reading these is a few microseconds; sending one small event costs about as much as a
+``print``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+
+import psutil
+
+from nbaccel.launch.worker import emit
+from nbaccel.notebook.events import MEMORY, MemorySample
+
+__all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]
+
+DEFAULT_INTERVAL = 0.5
+_IDLE_POLL = 0.05  # how soon the first sample of a call is taken
+_thread: threading.Thread | None = None
+_cuda_totals: dict[int, int] = {}
+_process: psutil.Process | None = None
+_host_total = 0
+
+
+def _cuda() -> dict | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    device = torch.cuda.current_device()
+    if device not in _cuda_totals:
+        _cuda_totals[device] = torch.cuda.get_device_properties(device).total_memory
+    return {
+        "device": device,
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak": torch.cuda.max_memory_allocated(device),
+        "peak_reserved": torch.cuda.max_memory_reserved(device),
+        "total": _cuda_totals[device],
+    }
+
+
+def _xla() -> dict | None:
+    if "torch_xla" not in sys.modules:
+        return None
+    try:
+        import torch_xla.core.xla_model as xm
+
+        device = xm.xla_device()
+        info = xm.get_memory_info(device)
+    except Exception:
+        return None
+    if "bytes_used" in info:
+        used, limit = info["bytes_used"], info.get("bytes_limit")
+        peak = info.get("peak_bytes_used")
+    else:  # older torch-xla: kilobytes free / total
+        limit = info.get("kb_total", 0) * 1024
+        used, peak = limit - info.get("kb_free", 0) * 1024, None
+    return {"device": str(device), "used": used, "limit": limit, "peak": peak}
+
+
+def sample_memory() -> MemorySample:
+    """One reading of this process's memory."""
+    global _process, _host_total
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process(os.getpid())
+        _host_total = psutil.virtual_memory().total  # fixed: read once
+    rss = _process.memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return MemorySample(
+        time=time.time(),
+        rss=rss,
+        rss_peak=max(peak, rss),
+        host_total=_host_total,
+        cuda=_cuda(),
+        xla=_xla(),
+    )
+
+
+def _main_thread_busy() -> bool:
+    """True while the main thread runs a call (a persistent pool's idle workers stay quiet, so
+    no backlog of stale samples piles up between cells)."""
+    from nbaccel.launch import worker
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    target = worker._run_call.__code__
+    while frame is not None:
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _run(interval: float) -> None:
+    while True:
+        if not _main_thread_busy():
+            time.sleep(_IDLE_POLL)
+            continue
+        try:
+            emit(MEMORY, sample_memory())
+        except Exception:  # the driver went away or a backend failed: stop quietly
+            return
+        time.sleep(interval)
+
+
+def start_memory_sampler(interval: float = DEFAULT_INTERVAL) -> None:
+    """Start this process's sampler thread (once). It samples while a call runs: the first
+    sample within ``_IDLE_POLL`` of the call's start, then every ``interval`` seconds."""
+    global _thread
+    if _thread is not None and _thread.is_alive():
+        return
+    _thread = threading.Thread(target=_run, args=(interval,), daemon=True, name="nbaccel-memory")
+    _thread.start()

@@ -1,0 +1,260 @@
+"""Worker side: tqdm bars on a rank become coalesced progress events for the notebook.
+
+:func:`install_progress_bridge` (run in each worker before the user's code) swaps tqdm's classes
+(``tqdm.tqdm``, ``tqdm.std``, ``tqdm.auto``, ``tqdm.notebook``, ``tqdm.asyncio``, and ``trange``
+through them) for :class:`RankTqdm`. A ``RankTqdm`` writes nothing to the worker's streams (no
+``\\r`` text reaches the notebook); instead it sends ``ProgressUpdate`` events, at most one per
+``MIN_INTERVAL`` per bar. An update skipped by that limit is sent later by a small flusher
+thread, and the final state (exact n, total, elapsed, rate) is always sent when the bar closes.
+Disabled bars send nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import itertools
+import sys
+import threading
+import time
+from typing import Any
+
+from tqdm.asyncio import tqdm_asyncio
+
+from nbaccel.launch.worker import emit
+from nbaccel.notebook.events import PROGRESS, ProgressUpdate
+
+__all__ = ["MIN_INTERVAL", "RankTqdm", "install_progress_bridge"]
+
+MIN_INTERVAL = 0.1  # seconds between two updates of one bar (10/s at most)
+TEXT_INTERVAL = 10.0  # seconds between two states printed by text renderers
+_FILE_ARG, _DISABLE_ARG = 4, 10  # positions of ``file`` and ``disable`` in tqdm's signature
+_ids = itertools.count(1)
+
+
+class _NullFile:
+    """Where a bridged bar "prints": nowhere."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+_NULL = _NullFile()
+
+
+class _Flusher:
+    """Sends the update a bar held back (rate limit) once its interval has passed."""
+
+    def __init__(self) -> None:
+        self._due: dict[RankTqdm, float] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, bar: RankTqdm, due: float) -> None:
+        with self._cond:
+            self._due.setdefault(bar, due)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="nbaccel-tqdm")
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, bar: RankTqdm) -> None:
+        with self._cond:
+            self._due.pop(bar, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due:
+                    self._cond.wait()
+                now = time.monotonic()
+                first = min(self._due.values())
+                if first > now:
+                    self._cond.wait(first - now)
+                    continue
+                ready = [bar for bar, due in self._due.items() if due <= now]
+                for bar in ready:
+                    del self._due[bar]
+            for bar in ready:
+                bar._nb_flush()
+
+
+_flusher = _Flusher()
+
+
+class RankTqdm(tqdm_asyncio):
+    """A tqdm bar whose display is a stream of progress events to the notebook."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("display", None)  # tqdm.notebook's own argument
+        args = list(args)
+        if len(args) > _FILE_ARG:
+            args[_FILE_ARG] = _NULL
+        else:
+            kwargs["file"] = _NULL
+        if len(args) > _DISABLE_ARG:
+            args[_DISABLE_ARG] = bool(args[_DISABLE_ARG])
+        elif kwargs.get("disable") is None:  # "off when not a TTY": the notebook is our TTY
+            kwargs["disable"] = False
+        self._nb_id = next(_ids)
+        self._nb_lock = threading.Lock()
+        self._nb_last = float("-inf")
+        self._nb_last_text = time.monotonic()
+        self._nb_final = False
+        self._nb_held = False
+        self._nb_sent = False
+        super().__init__(*args, **kwargs)
+
+    # tqdm calls display() from refresh(), at most every ``mininterval`` by default.
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if self._nb_final or msg == "":
+            return True
+        now = time.monotonic()
+        if now - self._nb_last >= MIN_INTERVAL:
+            with self._nb_lock:
+                if not self._nb_final:
+                    self._nb_send(now)
+        elif not self._nb_held:
+            self._nb_held = True
+            _flusher.schedule(self, self._nb_last + MIN_INTERVAL)
+        return True
+
+    def _nb_flush(self) -> None:
+        """The flusher's turn: send the held-back state if nothing was sent meanwhile."""
+        with self._nb_lock:
+            if self._nb_final or not self._nb_held:
+                return
+            now = time.monotonic()
+            if now - self._nb_last >= MIN_INTERVAL:
+                self._nb_send(now)
+                return
+        _flusher.schedule(self, self._nb_last + MIN_INTERVAL)
+
+    def _nb_send(self, now: float, final: bool = False, leave: bool = True) -> None:
+        self._nb_held = False  # first: a display() racing with us holds its state again
+        d = self.format_dict
+        elapsed = d["elapsed"]
+        rate = d["rate"]
+        if final:
+            done = self.n - self.initial
+            rate = done / elapsed if elapsed > 0 else None
+        text = final or now - self._nb_last_text >= TEXT_INTERVAL
+        if text:
+            self._nb_last_text = now
+        self._nb_last = now
+        self._nb_sent = True
+        emit(
+            PROGRESS,
+            ProgressUpdate(
+                bar=self._nb_id,
+                desc=d["prefix"] or "",
+                n=self.n,
+                total=d["total"],
+                elapsed=elapsed,
+                rate=rate,
+                unit=d["unit"],
+                unit_scale=d["unit_scale"],
+                unit_divisor=d["unit_divisor"],
+                postfix=d["postfix"],
+                leave=leave,
+                final=final,
+                text=text,
+            ),
+        )
+
+    def close(self) -> None:
+        if getattr(self, "disable", True):
+            return
+        leave = abs(self.pos) == 0 if self.leave is None else bool(self.leave)
+        _flusher.discard(self)
+        with self._nb_lock:
+            if not self._nb_final:
+                self._nb_final = True
+                if self._nb_sent or self.delay <= 0:
+                    self._nb_send(time.monotonic(), final=True, leave=leave)
+        super().close()
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _trange(*args: Any, **kwargs: Any) -> RankTqdm:
+    """``trange`` of every tqdm front end, bridged."""
+    return RankTqdm(range(*args), **kwargs)
+
+
+# module -> attributes to replace by the bridged class / trange
+_CLASSES = {
+    "tqdm": ("tqdm",),
+    "tqdm.std": ("tqdm",),
+    "tqdm.asyncio": ("tqdm", "tqdm_asyncio"),
+    "tqdm.auto": ("tqdm",),
+    "tqdm.autonotebook": ("tqdm",),
+    "tqdm.notebook": ("tqdm", "tqdm_notebook"),
+}
+_TRANGES = {
+    "tqdm": ("trange",),
+    "tqdm.std": ("trange",),
+    "tqdm.asyncio": ("trange", "tarange"),
+    "tqdm.auto": ("trange",),
+    "tqdm.autonotebook": ("trange",),
+    "tqdm.notebook": ("trange", "tnrange"),
+}
+
+
+def _patch(module: Any) -> None:
+    for name in _CLASSES.get(module.__name__, ()):
+        setattr(module, name, RankTqdm)
+    for name in _TRANGES.get(module.__name__, ()):
+        if hasattr(module, name):
+            setattr(module, name, _trange)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _patch(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Bridges tqdm front ends imported later (``tqdm.notebook`` costs 0.4 s, so not eagerly)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _CLASSES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+_installed = False
+
+
+def install_progress_bridge() -> None:
+    """Route every tqdm bar of this process to the notebook (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import tqdm.std  # noqa: F401  (imported: patch the package and its modules now)
+
+    for name in _CLASSES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch(module)
+    sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,288 @@
+"""Device-map viewer: where each module of a model lives, how much it weighs, what is left.
+
+``show_device_map(model)`` shows, per device, a stacked bar of the module sizes placed there
+against the device's capacity, and a module tree coloured by device with sizes; CPU and disk
+offload stand out by colour. It works on ``meta`` (empty) models. The returned
+:class:`DeviceMapView` has HTML and text reprs (static: readable in saved notebooks) and
+``.figure()`` for a matplotlib figure.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from nbaccel.notebook.events import human_bytes
+
+__all__ = ["DeviceMapView", "show_device_map"]
+
+_GPU_COLOURS = ("#2e86c1", "#28b463", "#8e44ad", "#16a085", "#2874a6", "#1d8348", "#6c3483")
+_COLOURS = {"cpu": "#e67e22", "disk": "#c0392b", "mps": "#17a589", "meta": "#95a5a6"}
+_MAX_TREE_NODES = 1500
+
+
+def _colour(device: Any) -> str:
+    if isinstance(device, int):
+        return _GPU_COLOURS[device % len(_GPU_COLOURS)]
+    return _COLOURS.get(str(device), "#7f8c8d")
+
+
+def _label(device: Any) -> str:
+    return f"cuda:{device}" if isinstance(device, int) else str(device)
+
+
+def _device_order(device: Any) -> tuple[int, Any]:
+    order = {"mps": 1, "cpu": 2, "disk": 3, "meta": 4}
+    return (0, device) if isinstance(device, int) else (order.get(str(device), 5), str(device))
+
+
+def _observed_map(model: nn.Module) -> dict[str, Any]:
+    """Where the tensors are now, collapsed to the largest modules on one device."""
+    from nbaccel.bigmodel.device_map import clean_device_map
+
+    placed: dict[str, Any] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        dev = tensor.device
+        placed[name] = dev.index or 0 if dev.type == "cuda" else dev.type
+    return clean_device_map(placed) if placed else {"": "cpu"}
+
+
+def _resolve_map(
+    model: nn.Module, device_map: Any, max_memory: Mapping | None, dtype: Any
+) -> dict[str, Any]:
+    from nbaccel.bigmodel.device_map import get_device_map
+
+    if device_map is None:
+        device_map = getattr(model, "hf_device_map", None)
+    if device_map is None:
+        on_meta = all(p.device.type == "meta" for p in model.parameters())
+        if max_memory is None and not on_meta:
+            return _observed_map(model)
+        device_map = "auto"
+    no_split = getattr(model, "_no_split_modules", None)
+    return dict(get_device_map(model, device_map, max_memory, no_split, dtype=dtype))
+
+
+def _capacities(devices: list[Any], max_memory: Mapping | None) -> dict[Any, int | None]:
+    from nbaccel.bigmodel.memory_budgets import get_max_memory
+
+    try:
+        budgets = get_max_memory(max_memory)
+    except Exception:
+        budgets = {}
+    return {d: budgets.get(d) if d != "disk" or "disk" in budgets else None for d in devices}
+
+
+class DeviceMapView:
+    """A model's device map with sizes; displays itself as HTML, prints as text."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device_map: Mapping[str, Any] | str | None = None,
+        max_memory: Mapping[int | str, int | str] | None = None,
+        dtype: Any = None,
+    ) -> None:
+        from nbaccel.bigmodel.module_sizes import compute_module_sizes
+
+        self.model = model
+        self.device_map = _resolve_map(model, device_map, max_memory, dtype)
+        self.sizes = compute_module_sizes(model, dtype=dtype)
+        self.entries: dict[Any, list[tuple[str, int]]] = {}
+        for name, device in self.device_map.items():
+            self.entries.setdefault(device, []).append((name, self.sizes.get(name, 0)))
+        self.devices = sorted(self.entries, key=_device_order)
+        self.capacity = _capacities(self.devices, max_memory)
+        self._skip_display = False
+
+    # ------------------------------------------------------------------ numbers
+    def used(self, device: Any) -> int:
+        return sum(size for _, size in self.entries[device])
+
+    def device_of(self, name: str) -> Any:
+        """The device of module ``name``: its entry, an ancestor's, or "mixed"."""
+        probe = name
+        while True:
+            if probe in self.device_map:
+                return self.device_map[probe]
+            if not probe:
+                break
+            probe = probe.rpartition(".")[0]
+        prefix = name + "." if name else ""
+        below = {d for n, d in self.device_map.items() if n.startswith(prefix)}
+        return below.pop() if len(below) == 1 else "mixed"
+
+    # ------------------------------------------------------------------ text
+    def text(self, width: int = 30) -> str:
+        total = self.sizes.get("", 0)
+        lines = [f"Device map of {type(self.model).__name__} ({human_bytes(total)})"]
+        for device in self.devices:
+            used, cap = self.used(device), self.capacity.get(device)
+            filled = int(round(width * used / cap)) if cap else width
+            bar = "#" * min(width, filled) + "." * max(0, width - filled)
+            of = f" / {human_bytes(cap)}" if cap else ""
+            lines.append(f"  {_label(device):>7} [{bar}] {human_bytes(used)}{of}")
+            for name, size in self.entries[device]:
+                if size or len(self.entries[device]) == 1:
+                    lines.append(f"{'':12}{name or '(whole model)'}: {human_bytes(size)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    # ------------------------------------------------------------------ html
+    def _bar_html(self, device: Any) -> str:
+        used, cap = self.used(device), self.capacity.get(device)
+        scale = cap if cap and cap >= used else max(used, 1)
+        segments = "".join(
+            f'<div title="{html.escape(name or "(whole model)")}: {human_bytes(size)}" '
+            f'style="width:{100 * size / scale:.3f}%;background:{_colour(device)};'
+            f'opacity:{0.65 + 0.35 * (i % 2)};border-right:1px solid #fff"></div>'
+            for i, (name, size) in enumerate(self.entries[device])
+        )
+        of = f" of {human_bytes(cap)} ({100 * used / cap:.0f}%)" if cap else ""
+        return (
+            f'<div class="nbaccel-device" data-device="{html.escape(_label(device))}" '
+            'style="display:flex;align-items:center;margin:2px 0">'
+            f'<div style="width:5.5em;font-family:monospace">{html.escape(_label(device))}</div>'
+            '<div class="nbaccel-device-bar" style="flex:1;display:flex;height:16px;'
+            f'background:#eee;border-radius:3px;overflow:hidden">{segments}</div>'
+            f'<div style="width:16em;padding-left:8px">{human_bytes(used)}{of}</div></div>'
+        )
+
+    def _tree_html(self) -> str:
+        count = 0
+
+        def node(name: str, module: nn.Module, depth: int) -> str:
+            nonlocal count
+            count += 1
+            if count > _MAX_TREE_NODES:
+                return ""
+            device = self.device_of(name)
+            chip = (
+                f'<span style="background:{_colour(device)};color:#fff;border-radius:3px;'
+                f'padding:0 4px;font-size:11px">{html.escape(_label(device))}</span>'
+            )
+            leaf = name.rpartition(".")[2] or "(model)"
+            head = (
+                f"<code>{html.escape(leaf)}</code> <small>{type(module).__name__}</small> "
+                f"{human_bytes(self.sizes.get(name, 0))} {chip}"
+            )
+            children = list(module.named_children())
+            if not children:
+                return f'<div style="margin-left:1.2em">{head}</div>'
+            prefix = name + "." if name else ""
+            inner = "".join(node(prefix + n, m, depth + 1) for n, m in children)
+            opened = " open" if depth == 0 or device == "mixed" else ""
+            return (
+                f'<details style="margin-left:{0 if depth == 0 else 1.2}em"{opened}>'
+                f"<summary>{head}</summary>{inner}</details>"
+            )
+
+        tree = node("", self.model, 0)
+        more = (
+            f"<i>... {count - _MAX_TREE_NODES} more modules</i>" if count > _MAX_TREE_NODES else ""
+        )
+        return f'<div class="nbaccel-module-tree">{tree}{more}</div>'
+
+    def _repr_html_(self) -> str:
+        total = human_bytes(self.sizes.get("", 0))
+        bars = "".join(self._bar_html(d) for d in self.devices)
+        offload = [d for d in self.devices if d in ("cpu", "disk")]
+        note = ""
+        if offload and len(self.devices) > 1:
+            what = " and ".join(_label(d) for d in offload)
+            note = f'<div style="color:#c0392b">offloaded to {what}</div>'
+        return (
+            '<div class="nbaccel-device-map" style="font-size:13px">'
+            f"<b>Device map</b> of <code>{type(self.model).__name__}</code> ({total})"
+            f"{bars}{note}{self._tree_html()}</div>"
+        )
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": self.text(), "text/html": self._repr_html_()}
+
+    def _ipython_display_(self) -> None:
+        if self._skip_display:  # show_device_map() already displayed it in this cell
+            self._skip_display = False
+            return
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
+
+    # ------------------------------------------------------------------ figure
+    def figure(self) -> Any:
+        """A matplotlib figure: one stacked horizontal bar per device against its capacity."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(8, 0.6 + 0.5 * len(self.devices)))
+        ax = fig.add_subplot()
+        caps = {d: c for d, c in self.capacity.items() if c and d != "disk"}
+        top = max([self.used(d) for d in self.devices] + list(caps.values()) + [1])
+        unit, scale = next(
+            (u, s)
+            for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+            if top >= s
+        )
+        for row, device in enumerate(self.devices):
+            left = 0.0
+            for i, (_name, size) in enumerate(self.entries[device]):
+                alpha = 0.65 + 0.35 * (i % 2)
+                ax.barh(row, size / scale, left=left, color=_colour(device), alpha=alpha)
+                left += size / scale
+            if device in caps:
+                ax.plot([caps[device] / scale] * 2, [row - 0.4, row + 0.4], color="black", lw=1.5)
+        ax.set_yticks(range(len(self.devices)), [_label(d) for d in self.devices])
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{unit} (black line: capacity)")
+        ax.set_title(f"Device map of {type(self.model).__name__}")
+        fig.tight_layout()
+        return fig
+
+
+def _skip_once_in_this_cell(view: DeviceMapView) -> None:
+    """``show_device_map(m)`` as a cell's last line must not display twice."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    view._skip_display = True
+
+    def clear(*_: Any) -> None:
+        view._skip_display = False
+        shell.events.unregister("post_run_cell", clear)
+
+    shell.events.register("post_run_cell", clear)
+
+
+def show_device_map(
+    model: nn.Module,
+    device_map: Mapping[str, Any] | str | None = None,
+    max_memory: Mapping[int | str, int | str] | None = None,
+    dtype: Any = None,
+) -> DeviceMapView:
+    """Show where ``model``'s modules are (or would be) placed, and return the view.
+
+    ``device_map``: a dict, ``"auto"``/``"balanced"``/``"sequential"``, or None for the model's
+    own ``hf_device_map``, else where its tensors are now (a ``meta`` model is planned with
+    ``"auto"``). ``max_memory`` sets the capacities (default: this machine's free memory).
+    """
+    view = DeviceMapView(model, device_map, max_memory, dtype)
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        print(view.text())
+        return view
+    if get_ipython() is None:
+        print(view.text())
+        return view
+    display(view)
+    _skip_once_in_this_cell(view)
+    return view

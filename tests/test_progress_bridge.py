@@ -1,0 +1,119 @@
+"""Worker side of the widgets, with real ranks: tqdm bridge and memory sampler events."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from nbaccel import notebook_launcher
+from nbaccel.launch.renderer import Renderer
+from nbaccel.notebook.events import MemorySample, ProgressUpdate
+
+
+class Recorder(Renderer):
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str, str]] = []
+        self.events: list[tuple[float, int, str, object]] = []
+
+    def line(self, rank, stream, text):
+        self.lines.append((rank, stream, text))
+
+    def event(self, rank, kind, payload):
+        self.events.append((time.monotonic(), rank, kind, payload))
+
+    def progress(self) -> dict[tuple[int, int], list[ProgressUpdate]]:
+        bars = defaultdict(list)
+        for _, rank, kind, payload in self.events:
+            if kind == "progress":
+                bars[rank, payload.bar].append(payload)
+        return bars
+
+
+def _fast_loop(n: int) -> dict:
+    import math
+
+    import tqdm
+    import tqdm.auto
+    import tqdm.notebook
+
+    from nbaccel import PartialState
+
+    rank = PartialState().process_index
+    acc = 0.0
+    for i in tqdm.auto.tqdm(range(n), desc="train", mininterval=0):  # display() every step
+        acc += math.sqrt(i) * math.sin(i) * math.cos(i) + math.log1p(i)
+    for _ in tqdm.trange(5, desc="eval", disable=rank == 1):
+        pass
+    with tqdm.notebook.tqdm(total=3, desc="tmp", leave=False) as bar:
+        bar.update(3)
+    print("classes", tqdm.tqdm.__name__, tqdm.auto.tqdm.__name__, tqdm.notebook.tqdm.__name__)
+    return {"rank": rank}
+
+
+def test_bars_are_coalesced_bridged_and_exact() -> None:
+    rec = Recorder()
+    n = 100_000
+    notebook_launcher(_fast_loop, (n,), num_processes=2, renderer=rec, memory=False)
+    bars = rec.progress()
+    for rank in (0, 1):
+        train = next(u for key, u in bars.items() if key[0] == rank and u[0].desc == "train")
+        final = train[-1]
+        assert final.final and final.n == n and final.total == n
+        assert final.elapsed > 0 and abs(final.rate - n / final.elapsed) / final.rate < 1e-6
+        assert sum(u.final for u in train) == 1
+        # <= 10 updates per second per bar (+ the first one and the final one)
+        assert len(train) <= final.elapsed * 10 + 3, (len(train), final.elapsed)
+        tmp = next(u for key, u in bars.items() if key[0] == rank and u[0].desc == "tmp")
+        assert tmp[-1].final and not tmp[-1].leave and tmp[-1].n == 3
+    evals = [u for key, u in bars.items() if u[0].desc == "eval"]
+    assert [len(u) and u[-1].n for u in evals] == [5]  # rank 1's bar is disabled: no events
+    assert next(k for k, u in bars.items() if u[0].desc == "eval")[0] == 0
+    assert all("\r" not in text for _, _, text in rec.lines)
+    assert not any("it/s" in text for _, _, text in rec.lines)  # no tqdm text on the streams
+    classes = [text for _, _, text in rec.lines if text.startswith("classes")]
+    assert classes == ["classes RankTqdm RankTqdm RankTqdm"] * 2
+
+
+def _stalls() -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(total=10, mininterval=0)
+    bar.update(1)
+    bar.update(1)  # held back by the rate limit ...
+    time.sleep(0.6)  # ... and sent by the flusher meanwhile
+    bar.close()
+
+
+def test_held_back_update_is_flushed_before_close() -> None:
+    rec = Recorder()
+    notebook_launcher(_stalls, num_processes=1, renderer=rec, memory=False)
+    updates = rec.progress()[0, 1]
+    assert [(u.n, u.final) for u in updates] == [(0, False), (2, False), (2, True)]
+
+
+def _hold_memory(seconds: float) -> int:
+    import torch
+
+    block = torch.ones(8 * 2**20, dtype=torch.uint8)  # 8 MiB held while we sleep
+    time.sleep(seconds)
+    return int(block[0])
+
+
+def test_memory_samples_and_memory_false() -> None:
+    rec = Recorder()
+    notebook_launcher(_hold_memory, (1.3,), num_processes=2, renderer=rec)
+    samples = defaultdict(list)
+    for _, rank, kind, payload in rec.events:
+        if kind == "memory":
+            samples[rank].append(payload)
+    assert sorted(samples) == [0, 1]
+    for rank, got in samples.items():
+        assert 2 <= len(got) <= 5, (rank, len(got))  # ~2 Hz over 1.3 s
+        assert all(isinstance(s, MemorySample) for s in got)
+        last = got[-1]
+        assert 8 * 2**20 < last.rss <= last.rss_peak < last.host_total
+        assert last.cuda is None and last.xla is None  # CUDA never initialised on these ranks
+        assert last.render_text() == ""
+    rec = Recorder()
+    notebook_launcher(_hold_memory, (0.6,), num_processes=1, renderer=rec, memory=False)
+    assert not [e for e in rec.events if e[2] == "memory"]
