@@ -65,7 +65,8 @@ stop.set(); th.join()
 added_gib = (base - min(samples)) / 2**30
 print(json.dumps({
     "import_s": import_s, "first_launch_s": first_s,
-    "nbaccel_median_s": statistics.median(nb_times), "accelerate_median_s": statistics.median(acc_times),
+    "nbaccel_median_s": statistics.median(nb_times),
+    "accelerate_median_s": statistics.median(acc_times),
     "nbaccel_times": nb_times, "accelerate_times": acc_times,
     "ratio_nbaccel_over_accelerate": statistics.median(nb_times) / statistics.median(acc_times),
     "ram_added_gib_1gib_tensor_2_ranks": added_gib, "accelerate_version": accelerate.__version__,
@@ -82,8 +83,14 @@ def main() -> None:
     result = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
     out = ROOT / "benchmarks" / "results" / "launcher.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    for key in ("import_s", "first_launch_s", "nbaccel_median_s", "accelerate_median_s",
-                "ratio_nbaccel_over_accelerate", "ram_added_gib_1gib_tensor_2_ranks"):
+    for key in (
+        "import_s",
+        "first_launch_s",
+        "nbaccel_median_s",
+        "accelerate_median_s",
+        "ratio_nbaccel_over_accelerate",
+        "ram_added_gib_1gib_tensor_2_ranks",
+    ):
         print(f"{key:38s} {result[key]:.3f}")
 
 
