@@ -70,3 +70,17 @@ def test_big_model_notebook():
     assert "offloaded output == in-memory output: True" in texts[3]
     assert "tie kept: True" in texts[3]
     assert 'device_map={"": "disk"} output matches: True' in texts[4]
+
+
+def test_widgets_notebook_stores_live_widgets():
+    nb = execute_notebook(NOTEBOOKS / "widgets.ipynb", timeout=300, allow_errors=False)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    texts = ["".join(output_text(o) for o in c.outputs) for c in cells]
+    assert "[rank 0] rank 0: training 600 steps" in texts[1]
+    assert "600/600" in texts[1]  # the final progress state, exact
+    assert "Device map of Sequential" in texts[2]
+    assert "Memory estimate for Sequential" in texts[3]
+    assert "fit: 60 logged steps" in texts[4]
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    bars = [m["state"] for m in state.values() if m["model_name"] == "FloatProgressModel"]
+    assert bars and any(b.get("value") == b.get("max") for b in bars)
