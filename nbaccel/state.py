@@ -138,7 +138,10 @@ class PartialState:
     def _init_process_group(self, timeout: datetime.timedelta | None) -> None:
         if not dist.is_initialized():
             launch = self.launch_environment
-            if launch.master_addr is None or launch.master_port is None:
+            init_method = os.environ.get("NBACCEL_INIT_METHOD", "env://")
+            if init_method == "env://" and (
+                launch.master_addr is None or launch.master_port is None
+            ):
                 raise RuntimeError(
                     f"WORLD_SIZE={launch.world_size} but MASTER_ADDR/MASTER_PORT are not set: "
                     "start the script with torchrun, nbaccel.notebook_launcher or set both "
@@ -148,10 +151,11 @@ class PartialState:
                 "backend": self.backend,
                 "rank": launch.rank,
                 "world_size": launch.world_size,
-                "init_method": "env://",
+                "init_method": init_method,
             }
-            os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+            if init_method == "env://":
+                os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+                os.environ.setdefault("MASTER_PORT", str(launch.master_port))
             if timeout is not None:
                 kwargs["timeout"] = timeout
             if self.device.type == "cuda":

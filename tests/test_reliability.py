@@ -173,3 +173,19 @@ def test_tcp_listener_binds_loopback_only():
     finally:
         listener.close()
     assert nbaccel.__version__
+
+
+def _listening_addresses():
+    from nbaccel import PartialState
+
+    PartialState().wait_for_everyone()  # the process group (gloo) is up on every rank
+    me = psutil.Process()
+    return sorted({c.laddr.ip for c in me.net_connections("inet") if c.status == "LISTEN"})
+
+
+def test_single_node_launch_listens_on_loopback_only():
+    driver = psutil.Process()
+    per_rank = notebook_launcher(_listening_addresses, num_processes=2, renderer=Renderer())
+    for addresses in per_rank:
+        assert set(addresses) <= {"127.0.0.1"}, addresses  # no TCPStore on 0.0.0.0 / ::
+    assert [c for c in driver.net_connections("inet") if c.status == "LISTEN"] == []

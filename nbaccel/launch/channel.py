@@ -16,6 +16,7 @@ import hmac
 import json
 import os
 import pickle
+import shutil
 import socket
 import struct
 import tempfile
@@ -113,6 +114,12 @@ class Listener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def private_path(self, name: str) -> str:
+        """A path inside this listener's private (0700) directory, removed by ``close``."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")
+        return os.path.join(self._dir, name)
+
     def accept(self) -> Connection:
         """Accept one connection and authenticate it; raises AuthenticationFailed otherwise."""
         sock, _ = self.sock.accept()
@@ -141,14 +148,7 @@ class Listener:
             self.sock.close()
         finally:
             if self._dir is not None:
-                try:
-                    os.unlink(os.path.join(self._dir, "channel"))
-                except FileNotFoundError:
-                    pass
-                try:
-                    os.rmdir(self._dir)
-                except OSError:
-                    pass
+                shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
 
 

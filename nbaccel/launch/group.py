@@ -69,6 +69,8 @@ class WorkerGroup:
         mode: "call" (run ``payload`` once) or "serve" (persistent pool).
         payload: for "call", the packed ``(function, args, kwargs)``.
         global_rank: maps a local index to the rank shown to the user.
+        local_rendezvous: all ranks are on this machine: initialise their process group through
+            a private file store rather than a TCP listener.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class WorkerGroup:
         global_rank: Callable[[int], int] = lambda i: i,
         threads: int | None = None,
         setup: Iterable[Callable[[], None]] = (),
+        local_rendezvous: bool = False,
     ) -> None:
         self.num_processes = num_processes
         self.renderer = renderer
@@ -92,6 +95,7 @@ class WorkerGroup:
         self._global_rank = global_rank
         self._threads = threads or max(1, (os.cpu_count() or 1) // num_processes)
         self._setup = tuple(setup)
+        self._local_rendezvous = local_rendezvous
         self._secret = new_secret()
         self._launch_id = secrets.token_hex(6)
         self._listener: Listener | None = None
@@ -130,9 +134,14 @@ class WorkerGroup:
 
             get_forkserver().add_wakeup(self._wake)
         for index, state in enumerate(self._ranks):
+            env = self._env_for_rank(index)
+            if self._local_rendezvous:
+                # One machine: the process group meets in a file inside the listener's private
+                # directory instead of torch's TCPStore, which would listen on every interface.
+                env["NBACCEL_INIT_METHOD"] = f"file://{self._listener.private_path('store')}"
             spec = {
                 "rank": state.rank,
-                "env": self._env_for_rank(index),
+                "env": env,
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "address": self._listener.address,

@@ -184,6 +184,7 @@ def notebook_launcher(
                 payload=payload,
                 global_rank=plan.global_rank,
                 setup=worker_hooks(memory),
+                local_rendezvous=num_nodes == 1,
             )
             try:
                 results = _run_once(group, timeout, monitor_interval)

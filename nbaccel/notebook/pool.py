@@ -114,6 +114,7 @@ class Pool:
                 *worker_hooks(memory=True),
                 functools.partial(pool_worker.setup_worker, self.backend),
             ],
+            local_rendezvous=True,
         )
         self.group = group
         try:
