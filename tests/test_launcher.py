@@ -273,7 +273,12 @@ _INTERRUPT_SCRIPT = textwrap.dedent(
     from nbaccel import notebook_launcher
 
     def forever():
+        from nbaccel import PartialState
+
+        state = PartialState()
         print("started", os.getpid(), flush=True)
+        if state.process_index == 0:
+            state.wait_for_everyone()  # interrupted mid-collective: rank 1 never arrives
         while True:
             time.sleep(0.1)
 
