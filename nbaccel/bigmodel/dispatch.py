@@ -200,19 +200,9 @@ def cpu_offload(
         state_dict = {n: t.detach().to("cpu") for n, t in model.state_dict(keep_vars=True).items()}
         if device.type == "cuda":
             state_dict = {n: t.pin_memory() for n, t in state_dict.items()}
-    prefetcher = Prefetcher(enabled=prefetch)
-    attach_align_device_hook(
-        model,
-        execution_device=device,
-        offload=True,
-        weights_map=state_dict,
-        offload_buffers=offload_buffers,
-        preload_module_classes=preload_module_classes,
-        prefetcher=prefetcher,
+    return _offload_whole_model(
+        model, device, state_dict, offload_buffers, preload_module_classes, prefetch
     )
-    add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
-    model._nbaccel_prefetcher = prefetcher
-    return model
 
 
 def cpu_offload_with_hook(
@@ -249,6 +239,21 @@ def disk_offload(
         }
         index = offload_state_dict(offload_dir, state)
     weights_map = OffloadedWeightsLoader(save_folder=offload_dir, index=index)
+    return _offload_whole_model(
+        model, device, weights_map, offload_buffers, preload_module_classes, prefetch
+    )
+
+
+def _offload_whole_model(
+    model: nn.Module,
+    device: torch.device,
+    weights_map: Mapping[str, torch.Tensor],
+    offload_buffers: bool,
+    preload_module_classes: list[str] | None,
+    prefetch: bool,
+) -> nn.Module:
+    """Hook every layer to load its weights from ``weights_map`` onto ``device`` for its forward
+    (the next layer prefetched); outputs come back on the inputs' device."""
     prefetcher = Prefetcher(enabled=prefetch)
     attach_align_device_hook(
         model,
