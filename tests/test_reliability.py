@@ -189,3 +189,38 @@ def test_single_node_launch_listens_on_loopback_only():
     for addresses in per_rank:
         assert set(addresses) <= {"127.0.0.1"}, addresses  # no TCPStore on 0.0.0.0 / ::
     assert [c for c in driver.net_connections("inet") if c.status == "LISTEN"] == []
+
+
+def _what_a_rank_can_see():
+    import sys
+
+    print("environment", dict(os.environ))
+    return dict(os.environ), list(sys.argv)
+
+
+def test_the_secret_never_reaches_environment_arguments_or_output():
+    from nbaccel.launch.group import WorkerGroup
+    from nbaccel.launch.transport import pack
+
+    class Lines(Renderer):
+        def __init__(self):
+            self.text = []
+
+        def line(self, rank, stream, text):
+            self.text.append(text)
+
+    lines = Lines()
+    payload, _ = pack((_what_a_rank_can_see, (), {}))
+    group = WorkerGroup(1, lambda i: dict(os.environ), lines, payload=payload)
+    group.expect_call(0)
+    try:
+        group.start()
+        group.pump_until(lambda: 0 in group.outcomes(0), 30)
+        env, argv = group.outcomes(0)[0].value
+    finally:
+        group.close()
+    secret = group._secret
+    seen = " ".join([*env.values(), *argv, *lines.text])
+    assert lines.text  # the rank did print its environment
+    assert secret.hex() not in seen and repr(secret) not in seen
+    assert secret.hex() not in " ".join(psutil.Process(get_forkserver().pid).cmdline())
