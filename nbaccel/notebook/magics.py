@@ -12,6 +12,8 @@ import linecache
 import re
 import time
 from argparse import Namespace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -30,8 +32,13 @@ __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extens
 _NAME_ERROR = re.compile(r"name '(\w+)' is not defined")
 
 
-def _usage(error: Exception) -> UsageError:
-    return UsageError(str(error))
+@contextmanager
+def _bad_input_is_usage() -> Iterator[None]:
+    """Turn a ValueError from option parsing into IPython's UsageError (a clean message)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @magics_class
@@ -121,19 +128,15 @@ class DistributedMagics(Magics):
             raise UsageError(f"-n must be at least 1, got {args.num_processes}.")
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout must be positive, got {args.timeout}.")
-        try:
+        with _bad_input_is_usage():
             names = parse_names(args.push)
-        except ValueError as exc:
-            raise _usage(exc) from None
         push = self._notebook_values(names)
         filename = self._register_source(line, cell)
         compile(cell, filename, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
         renderer = self._renderer(args.quiet)
         pool = self._ensure_pool(args.num_processes, args.backend, renderer)
-        try:
+        with _bad_input_is_usage():
             ranks = parse_ranks(args.ranks, pool.num_processes)
-        except ValueError as exc:
-            raise _usage(exc) from None
         env = {"NBACCEL_MIXED_PRECISION": args.mixed_precision} if args.mixed_precision else None
         ok = False
         try:
@@ -181,10 +184,8 @@ class DistributedMagics(Magics):
 
             num_processes = torch.cuda.device_count() or 2
         started = time.perf_counter()
-        try:
+        with _bad_input_is_usage():
             pool = pool_module.start_pool(num_processes, backend, renderer)
-        except ValueError as exc:
-            raise _usage(exc) from None
         if not renderer.quiet:
             renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
         return pool
@@ -211,18 +212,14 @@ class DistributedMagics(Magics):
         args = self._parse(self.dist_push, line)
         if args is None:
             return
-        try:
+        with _bad_input_is_usage():
             names = parse_names(args.names)
-        except ValueError as exc:
-            raise _usage(exc) from None
         if not names:
             raise UsageError("name at least one notebook variable: %dist_push x [y ...]")
         values = self._notebook_values(names)
         pool = self._pool()
-        try:
+        with _bad_input_is_usage():
             ranks = parse_ranks(args.ranks, pool.num_processes)
-        except ValueError as exc:
-            raise _usage(exc) from None
         pool.push(values, ranks=ranks, renderer=self._renderer())
 
     @magic_arguments()
@@ -237,17 +234,13 @@ class DistributedMagics(Magics):
         args = self._parse(self.dist_pull, line)
         if args is None:
             return
-        try:
+        with _bad_input_is_usage():
             names = parse_names(args.names)
-        except ValueError as exc:
-            raise _usage(exc) from None
         if not names:
             raise UsageError("name at least one variable: %dist_pull x [--rank R | --all]")
         pool = self._pool()
-        try:
+        with _bad_input_is_usage():
             ranks = pool.ranks if args.all else parse_ranks(str(args.rank), pool.num_processes)
-        except ValueError as exc:
-            raise _usage(exc) from None
         for name in names:
             values = pool.pull(name, ranks=ranks, renderer=self._renderer())
             self.shell.user_ns[name] = [values[r] for r in ranks] if args.all else values[ranks[0]]
