@@ -4,6 +4,8 @@ The public API follows Hugging Face Accelerate's names and signatures: swap
 ``from accelerate import ...`` for ``from nbaccel import ...``.
 """
 
+# First, so that in a kernel the fork server starts importing torch while this import does too.
+from nbaccel import _warm_up  # noqa: F401
 from nbaccel.accelerator import Accelerator
 from nbaccel.bigmodel import (
     cpu_offload,
@@ -98,15 +100,6 @@ __all__ = [
     "skip_first_batches",
     "UnpicklableError",
 ]
-
-
-def _warm_up() -> None:
-    from nbaccel.launch.forkserver import warm_up_if_in_kernel
-
-    warm_up_if_in_kernel()
-
-
-_warm_up()
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - thin shim, tested via the kernel

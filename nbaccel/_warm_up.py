@@ -1,0 +1,10 @@
+"""Imported first by ``nbaccel/__init__.py``: in a Jupyter kernel, start the fork server now.
+
+The server's ``import torch`` then runs on the other core while the kernel imports torch for
+nbaccel itself, so the first launch does not wait for it. Only the standard library is imported
+here; outside a kernel (scripts, workers, tests) nothing happens.
+"""
+
+from nbaccel.launch.forkserver import warm_up_if_in_kernel
+
+warm_up_if_in_kernel()
