@@ -41,6 +41,8 @@ def output_text(output: dict[str, Any]) -> str:
         return output.get("text", "")
     if kind in ("execute_result", "display_data"):
         data = output.get("data", {})
+        if "application/vnd.jupyter.widget-view+json" in data and kind == "display_data":
+            return ""  # a live widget; nbaccel prints its text twin when the launch ends
         if "text/plain" in data:
             return data["text/plain"] + "\n"
         return f"<{', '.join(sorted(data))}>\n"
