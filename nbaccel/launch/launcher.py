@@ -146,6 +146,7 @@ def notebook_launcher(
     other ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
     ranks become live progress; ``memory=False`` turns off the per-rank memory monitor.
     """
+    __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
     if _tpu_requested():
         from nbaccel.launch.xla import launch_xla
 
@@ -208,6 +209,7 @@ def notebook_launcher(
 
 def _run_once(group: WorkerGroup, timeout: float | None, monitor_interval: float) -> list[Any]:
     """Run the group's single call; return results by rank or raise the first failure."""
+    __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
     num_processes = group.num_processes
     renderer = group.renderer
     group.expect_call(0)
@@ -267,4 +269,5 @@ def debug_launcher(
     function: Callable[..., Any], args: tuple = (), num_processes: int = 2
 ) -> list[Any]:
     """Run ``function(*args)`` on ``num_processes`` CPU ranks (gloo) to debug distributed code."""
+    __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
     return notebook_launcher(function, args, num_processes=num_processes, cpu=True)

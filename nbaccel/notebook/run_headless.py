@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n\033[1mIn [{index}]:\033[0m " + cell.source.replace("\n", "\n         "))
         for output in cell.get("outputs", []):
             text = output_text(output)
+            if output.get("output_type") == "error":
+                text = "\n".join(output.get("traceback", [])) + "\n"
             sys.stdout.write(text)
             if output.get("output_type") == "error" and "raises-exception" not in cell.get(
                 "metadata", {}
