@@ -314,3 +314,15 @@ def test_interrupt_stops_every_rank(tmp_path):
         for p in pids
         if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
     ]
+
+
+def test_works_from_a_terminal_ipython_session():
+    code = (
+        "from nbaccel import notebook_launcher\n"
+        "def f(x):\n    print('hi', x)\n    return x * 2\n"
+        "print('RESULT', notebook_launcher(f, (21,), num_processes=2))"
+    )
+    ipython = os.path.join(os.path.dirname(sys.executable), "ipython")
+    out = subprocess.run([ipython, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "RESULT [42, 42]" in out.stdout, out.stdout + out.stderr
+    assert "[rank 0] hi 21" in out.stdout and "[rank 1] hi 21" in out.stdout
