@@ -52,6 +52,7 @@ class _Rank:
     events_closed: bool = False
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     busy_since: float | None = None
+    drain_deadline: float | None = None  # set when the process is seen dead
 
     @property
     def finished_io(self) -> bool:
@@ -105,6 +106,7 @@ class WorkerGroup:
         self._ranks = [_Rank(global_rank(i)) for i in range(num_processes)]
         self._by_rank = {r.rank: r for r in self._ranks}
         self._call_ids = itertools.count(1)
+        self._current_call: int | None = None
         self._shared: list[SharedTensors] = []
         self.started_at = time.time()
         self.closed = False
@@ -285,15 +287,12 @@ class WorkerGroup:
 
     def _drained(self, state: _Rank) -> bool:
         """True once a dead process's streams were read to the end (bounded wait)."""
-        deadline = getattr(state, "_drain_deadline", None)
-        if deadline is None:
-            state._drain_deadline = time.monotonic() + 1.0  # type: ignore[attr-defined]
+        if state.drain_deadline is None:
+            state.drain_deadline = time.monotonic() + 1.0
             return False
-        return time.monotonic() > deadline
+        return time.monotonic() > state.drain_deadline
 
     # ------------------------------------------------------------------ calls
-    _current_call: int | None = None
-
     def expect_call(self, call_id: int = 0) -> None:
         """Mark every rank busy with ``call_id`` (the "call" mode's single call is id 0)."""
         self._current_call = call_id
