@@ -109,11 +109,7 @@ def save_fsdp_model(
         return str(path)
     path = output_dir / f"{MODEL_NAME}_{model_index}.bin"
     state = get_fsdp_state_dict(model, full_state_dict=True)
-    if _rank() == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
-    _barrier()
-    return str(path)
+    return _save_full_on_rank0(state, path)
 
 
 def load_fsdp_model(
@@ -181,11 +177,7 @@ def save_fsdp_optimizer(
         return str(path)
     path = output_dir / f"{OPTIMIZER_NAME}_{optimizer_index}.bin"
     state = get_optimizer_state_dict(module, inner, options=_options(True))
-    if _rank() == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
-    _barrier()
-    return str(path)
+    return _save_full_on_rank0(state, path)
 
 
 def load_fsdp_optimizer(
@@ -319,3 +311,12 @@ def merge_fsdp_weights(
             shutil.rmtree(checkpoint_dir)
     _barrier()
     return str(target)
+
+
+def _save_full_on_rank0(state: dict, path: Path) -> str:
+    """Write a gathered (full) state dict from rank 0 only; every rank waits for it."""
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+    _barrier()
+    return str(path)
