@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.renderer import Renderer
+from nbaccel.launch.render import Renderer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "widgets.json"
 
@@ -218,8 +218,8 @@ def component_costs(n: int = 3000) -> dict:
     import cloudpickle
 
     from nbaccel.notebook.events import ProgressUpdate
-    from nbaccel.notebook.memory_sampler import sample_memory
-    from nbaccel.notebook.progress_bridge import RankTqdm
+    from nbaccel.notebook.rank.memory_sampler import sample_memory
+    from nbaccel.notebook.rank.progress_bridge import RankTqdm
 
     def per_call(fn) -> float:
         fn()

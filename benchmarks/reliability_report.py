@@ -21,7 +21,7 @@ from faults import FAULTS, succeed  # noqa: E402
 
 from nbaccel import notebook_launcher  # noqa: E402
 from nbaccel.launch.forkserver import get_forkserver  # noqa: E402
-from nbaccel.launch.renderer import Renderer  # noqa: E402
+from nbaccel.launch.render import Renderer  # noqa: E402
 
 
 def _resources() -> tuple[int, int, int, int]:

@@ -6,7 +6,6 @@ The public API follows Hugging Face Accelerate's names and signatures: swap
 
 # First, so that in a kernel the fork server starts importing torch while this import does too.
 from nbaccel import _warm_up  # noqa: F401
-from nbaccel.accelerator import Accelerator
 from nbaccel.bigmodel import (
     cpu_offload,
     cpu_offload_with_hook,
@@ -18,27 +17,9 @@ from nbaccel.bigmodel import (
     load_checkpoint_and_dispatch,
     load_checkpoint_in_model,
 )
-from nbaccel.configuration import (
-    DataLoaderConfiguration,
-    GradientAccumulationPlugin,
-    ProjectConfiguration,
-)
+from nbaccel.bigmodel.memory_estimate import estimate_memory
 from nbaccel.data import skip_first_batches
-from nbaccel.environment import detect_launch_environment, detect_platform
-from nbaccel.kwargs_handlers import (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    ProfileKwargs,
-)
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
-from nbaccel.launch.launcher import debug_launcher, notebook_launcher
-from nbaccel.launch.transport import UnpicklableError
-from nbaccel.memory import find_executable_batch_size
-from nbaccel.notebook.memory_estimate import estimate_memory
-from nbaccel.notebook.widgets.device_map import show_device_map
-from nbaccel.ops import (
+from nbaccel.distributed.collectives import (
     ShapeMismatchError,
     broadcast,
     broadcast_object_list,
@@ -48,9 +29,28 @@ from nbaccel.ops import (
     reduce,
     send_to_device,
 )
-from nbaccel.parallel.fsdp_plugin import FullyShardedDataParallelPlugin
-from nbaccel.seed import set_seed
-from nbaccel.state import AcceleratorState, DistributedType, GradientState, PartialState
+from nbaccel.distributed.environment import detect_launch_environment, detect_platform
+from nbaccel.distributed.random import set_seed
+from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
+from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
+from nbaccel.launch.launcher import debug_launcher, notebook_launcher
+from nbaccel.launch.transport import UnpicklableError
+from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
+from nbaccel.training.accelerator import Accelerator
+from nbaccel.training.batch_size import find_executable_batch_size
+from nbaccel.training.configuration import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
+from nbaccel.training.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 
 __version__ = "0.1.0"
 
@@ -104,12 +104,12 @@ __all__ = [
 
 def load_ipython_extension(ipython):  # pragma: no cover - thin shim, tested via the kernel
     """``%load_ext nbaccel``: register the magics."""
-    from nbaccel.notebook.magics import load_ipython_extension as _load
+    from nbaccel.notebook.kernel.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):  # pragma: no cover
-    from nbaccel.notebook.magics import unload_ipython_extension as _unload
+    from nbaccel.notebook.kernel.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

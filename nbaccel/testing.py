@@ -23,7 +23,12 @@ from nbaccel.launch.plan import free_port
 
 __all__ = ["RankFailures", "free_port", "run_on_ranks"]
 
-_PRELOAD = ["torch", "torch.distributed", "nbaccel.state", "nbaccel.ops"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "nbaccel.distributed.state",
+    "nbaccel.distributed.collectives",
+]
 _PEER_GRACE_S = 5.0
 
 

@@ -27,30 +27,7 @@ from nbaccel.bigmodel import (
     save_offload_index,
     set_module_tensor_to_device,
 )
-from nbaccel.configuration import (
-    DataLoaderConfiguration,
-    GradientAccumulationPlugin,
-    PrecisionType,
-    ProjectConfiguration,
-    RNGType,
-)
-from nbaccel.environment import is_torch_xla_available
-from nbaccel.kwargs_handlers import (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    ProfileKwargs,
-)
-from nbaccel.memory import find_executable_batch_size, release_memory
-from nbaccel.model_saving import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-)
-from nbaccel.ops import (
+from nbaccel.distributed.collectives import (
     broadcast,
     broadcast_object_list,
     concatenate,
@@ -62,14 +39,36 @@ from nbaccel.ops import (
     reduce,
     send_to_device,
 )
-from nbaccel.parallel.ddp import extract_model_from_parallel
-from nbaccel.parallel.fsdp_checkpoint import merge_fsdp_weights
-from nbaccel.parallel.fsdp_plugin import FullyShardedDataParallelPlugin
-from nbaccel.precision import convert_outputs_to_fp32, convert_to_fp32
-from nbaccel.rng import synchronize_rng_state, synchronize_rng_states
-from nbaccel.seed import set_seed
-from nbaccel.state import DistributedType
-from nbaccel.tracking import GeneralTracker, LoggerType
+from nbaccel.distributed.environment import is_torch_xla_available
+from nbaccel.distributed.random import set_seed, synchronize_rng_state, synchronize_rng_states
+from nbaccel.distributed.state import DistributedType
+from nbaccel.storage.weights import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+from nbaccel.training.batch_size import find_executable_batch_size, release_memory
+from nbaccel.training.configuration import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    PrecisionType,
+    ProjectConfiguration,
+    RNGType,
+)
+from nbaccel.training.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+)
+from nbaccel.training.precision import convert_outputs_to_fp32, convert_to_fp32
+from nbaccel.training.strategies.ddp import extract_model_from_parallel
+from nbaccel.training.strategies.fsdp_checkpoint import merge_fsdp_weights
+from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.trackers import GeneralTracker, LoggerType
 
 __all__ = [
     "align_module_device",

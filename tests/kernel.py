@@ -25,7 +25,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
-from nbaccel.notebook.run_headless import output_text
+from nbaccel.notebook.kernel.run_headless import output_text
 
 __all__ = ["cell_errors", "cell_text", "run_notebook", "stream_text"]
 

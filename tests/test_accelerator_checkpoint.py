@@ -57,8 +57,8 @@ def _params(model):
 
 def _roundtrip(tmp):
     from nbaccel import Accelerator, AcceleratorState, GradientState, ProjectConfiguration
-    from nbaccel.checkpoint import CheckpointError
-    from nbaccel.configuration import DataLoaderConfiguration
+    from nbaccel.training.checkpoint import CheckpointError
+    from nbaccel.training.configuration import DataLoaderConfiguration
 
     config = ProjectConfiguration(tmp, automatic_checkpoint_naming=True, total_limit=2)
     acc = Accelerator(project_config=config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbaccel.environment import (
+from nbaccel.distributed.environment import (
     LaunchEnvironment,
     detect_launch_environment,
     detect_platform,

@@ -16,14 +16,14 @@ from nbaccel.testing import run_on_ranks
 def _training_checks():
     import torch.distributed as dist
 
-    from nbaccel.parallel.fsdp import (
+    from nbaccel.distributed.state import PartialState
+    from nbaccel.training.strategies.fsdp import (
         FullyShardedDataParallelPlugin,
         get_fsdp_state_dict,
         rebind_optimizer,
         shard_model,
         sharded_fraction,
     )
-    from nbaccel.state import PartialState
 
     state = PartialState()
     rank, world = state.process_index, state.num_processes
@@ -108,7 +108,7 @@ def test_fsdp_training_matches_one_process_and_shards():
 def test_plugin_validation():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from nbaccel.parallel.fsdp import FullyShardedDataParallelPlugin, _blocks_to_wrap
+    from nbaccel.training.strategies.fsdp import FullyShardedDataParallelPlugin, _blocks_to_wrap
 
     with pytest.raises(NotImplementedError, match="only FSDP2"):
         FullyShardedDataParallelPlugin(fsdp_version=1)

@@ -47,13 +47,13 @@ def _accelerator_checks(root: str):
 
     from safetensors.torch import load_file
 
-    from nbaccel.accelerator import Accelerator
-    from nbaccel.parallel.fsdp import (
+    from nbaccel.distributed.state import DistributedType
+    from nbaccel.training.accelerator import Accelerator
+    from nbaccel.training.strategies.fsdp import (
         FullyShardedDataParallelPlugin,
         merge_fsdp_weights,
         sharded_fraction,
     )
-    from nbaccel.state import DistributedType
 
     plugin = FullyShardedDataParallelPlugin(
         transformer_cls_names_to_wrap=["Block"], state_dict_type="SHARDED_STATE_DICT"

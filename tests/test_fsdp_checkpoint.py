@@ -10,7 +10,8 @@ from nbaccel.testing import run_on_ranks
 
 
 def _roundtrip(root: str, state_dict_type: str):
-    from nbaccel.parallel.fsdp import (
+    from nbaccel.distributed.state import PartialState
+    from nbaccel.training.strategies.fsdp import (
         FullyShardedDataParallelPlugin,
         get_fsdp_state_dict,
         load_fsdp_model,
@@ -19,7 +20,6 @@ def _roundtrip(root: str, state_dict_type: str):
         save_fsdp_optimizer,
         shard_model,
     )
-    from nbaccel.state import PartialState
 
     state = PartialState()
     rank, world = state.process_index, state.num_processes
@@ -59,7 +59,7 @@ def _checkpoint_checks(root: str):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from nbaccel.parallel.fsdp import merge_fsdp_weights
+    from nbaccel.training.strategies.fsdp import merge_fsdp_weights
 
     sharded = _roundtrip(os.path.join(root, "sharded"), "SHARDED_STATE_DICT")
     full = _roundtrip(os.path.join(root, "full"), "FULL_STATE_DICT")
@@ -102,12 +102,12 @@ def test_sharded_and_full_checkpoints_round_trip(tmp_path):
 
 def _loading_and_precision_checks():
 
-    from nbaccel.parallel.fsdp import (
+    from nbaccel.distributed.state import PartialState
+    from nbaccel.training.strategies.fsdp import (
         FullyShardedDataParallelPlugin,
         get_fsdp_state_dict,
         shard_model,
     )
-    from nbaccel.state import PartialState
 
     rank = PartialState().process_index
     out = {}
@@ -156,7 +156,7 @@ def test_rank0_loading_mixed_precision_and_offload():
 def test_merge_rejects_non_dcp_directory(tmp_path):
     import pytest
 
-    from nbaccel.parallel.fsdp import merge_fsdp_weights
+    from nbaccel.training.strategies.fsdp import merge_fsdp_weights
 
     with pytest.raises(FileNotFoundError, match="not a torch.distributed.checkpoint"):
         merge_fsdp_weights(tmp_path, tmp_path / "out")

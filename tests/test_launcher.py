@@ -23,7 +23,7 @@ from nbaccel import (
     notebook_launcher,
 )
 from nbaccel.launch.forkserver import get_forkserver
-from nbaccel.launch.renderer import Renderer
+from nbaccel.launch.render import Renderer
 
 
 class Recorder(Renderer):
@@ -233,7 +233,7 @@ _NODE_SCRIPT = textwrap.dedent(
     """
     import sys
     from nbaccel import notebook_launcher
-    from nbaccel.launch.renderer import Renderer
+    from nbaccel.launch.render import Renderer
 
     def world():
         import torch

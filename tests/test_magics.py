@@ -19,7 +19,7 @@ CELLS = {
         'print(f"rank {rank} has {t.item()}")\n'
         "t"
     ),
-    "pids": "from nbaccel.notebook.pool import get_pool\nfirst_pids = dict(get_pool().pids)",
+    "pids": "from nbaccel.notebook.kernel.pool import get_pool\nfirst_pids = dict(get_pool().pids)",
     "allreduce": '%%distributed\ndist.all_reduce(t)\nprint("sum", t.item())',
     "rank1": '%%distributed --ranks 1\nprint("only on", rank)\nrank * 100',
     "notebook_vars": "import torch\nscale = torch.full((3,), 2.0)\noffset = 5",

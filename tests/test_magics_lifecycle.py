@@ -25,7 +25,7 @@ def _alive(pids: list[int]) -> list[int]:
 def test_workers_exit_when_the_kernel_dies(tmp_path):
     record = tmp_path / "pids.json"
     cells = [
-        "%load_ext nbaccel\nfrom nbaccel.notebook.pool import get_pool",
+        "%load_ext nbaccel\nfrom nbaccel.notebook.kernel.pool import get_pool",
         "%%distributed -n 2\npass",
         "import json, os, signal\n"
         f"open({str(record)!r}, 'w').write(json.dumps(list(get_pool().pids.values())))\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nbaccel.notebook.magics import auto_mode_transform
-from nbaccel.notebook.rank_spec import parse_names, parse_ranks
+from nbaccel.notebook.kernel.magics import auto_mode_transform
+from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_names():
 
 
 def test_auto_mode_transform():
-    from nbaccel.notebook.magics import DistributedMagics
+    from nbaccel.notebook.kernel.magics import DistributedMagics
 
     assert auto_mode_transform(["%%local\n", "x = 1\n"]) == ["x = 1\n"]
     assert auto_mode_transform(["x = 1\n"]) == ["x = 1\n"]

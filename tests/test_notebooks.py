@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nbaccel.notebook.run_headless import execute_notebook, output_text
+from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 

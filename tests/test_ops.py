@@ -18,7 +18,7 @@ from nbaccel import (
     reduce,
     send_to_device,
 )
-from nbaccel.ops import concatenate, find_batch_size, recursively_apply
+from nbaccel.distributed.collectives import concatenate, find_batch_size, recursively_apply
 from nbaccel.testing import run_on_ranks
 
 Pair = namedtuple("Pair", ["logits", "labels"])

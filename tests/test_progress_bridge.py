@@ -6,7 +6,7 @@ import time
 from collections import defaultdict
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.renderer import Renderer
+from nbaccel.launch.render import Renderer
 from nbaccel.notebook.events import MemorySample, ProgressUpdate
 
 

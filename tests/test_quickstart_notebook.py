@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.notebook.run_headless import execute_notebook, output_text
+from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ import nbaccel
 from nbaccel import notebook_launcher
 from nbaccel.launch.channel import AuthenticationFailed, Listener, connect, new_secret
 from nbaccel.launch.forkserver import get_forkserver
-from nbaccel.launch.renderer import Renderer
+from nbaccel.launch.render import Renderer
 
 
 def _launch(fault: str):

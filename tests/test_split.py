@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
+from nbaccel.distributed.work_split import split_for_process
 from nbaccel.testing import run_on_ranks
-from nbaccel.work_split import split_for_process
 
 
 def _splits() -> dict[str, Any]:

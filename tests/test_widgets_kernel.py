@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nbaccel.notebook.run_headless import execute_notebook, output_text
+from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -40,13 +40,13 @@ finally:
     # 4: device map of a meta model, as the last expression
     """from torch import nn
 from nbaccel.bigmodel.empty import init_empty_weights
-from nbaccel.notebook.widgets.device_map import show_device_map
+from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
 with init_empty_weights():
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
 placement = {"0": 0, "1": 0, "2": 0, "3": "cpu", "4": "cpu", "5": "disk", "6": "disk", "7": "disk"}
 show_device_map(model, placement, max_memory={0: "4MiB", "cpu": "2GiB"})""",
     # 5: memory estimate
-    """from nbaccel.notebook.memory_estimate import estimate_memory
+    """from nbaccel.bigmodel.memory_estimate import estimate_memory
 estimate_memory(lambda: nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10)))""",
     # 6: notebook tracker on rank 0 of a launch
     """def fit():

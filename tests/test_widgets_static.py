@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel.empty import init_empty_weights
+from nbaccel.bigmodel.memory_estimate import estimate_memory
 from nbaccel.cli import main as cli_main
-from nbaccel.notebook.memory_estimate import estimate_memory
-from nbaccel.notebook.widgets.device_map import DeviceMapView, show_device_map
+from nbaccel.notebook.kernel.widgets.device_map_view import DeviceMapView, show_device_map
 
 
 def _net() -> nn.Module:
@@ -86,7 +86,7 @@ def test_cli_estimate_memory(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_notebook_tracker_is_registered_and_records() -> None:
-    from nbaccel.tracking import available_trackers, build_tracker
+    from nbaccel.training.trackers import available_trackers, build_tracker
 
     assert "notebook" in available_trackers()
     tracker = build_tracker("notebook", "demo", None)
@@ -98,7 +98,7 @@ def test_notebook_tracker_is_registered_and_records() -> None:
 
 
 def test_output_panel_stays_bounded() -> None:
-    from nbaccel.notebook.widgets.output_panel import OutputPanel
+    from nbaccel.notebook.kernel.widgets.output_panel import OutputPanel
 
     panel = OutputPanel(max_lines=100)
     for i in range(20_000):

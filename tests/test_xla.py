@@ -37,8 +37,8 @@ def _collectives():
     import torch_xla.runtime as xr
 
     from nbaccel import broadcast, gather, gather_object, reduce
-    from nbaccel.parallel import xla
-    from nbaccel.state import PartialState
+    from nbaccel.distributed.state import PartialState
+    from nbaccel.training.strategies import xla
 
     state = PartialState()
     t = torch.tensor([2.0], device=xla.xla_device())
@@ -49,7 +49,7 @@ def _collectives():
         "all_reduce": xla.all_reduce_sum(t).cpu().tolist(),
         "broadcast_": xla.broadcast_(t.clone(), 0).cpu().tolist(),
         "exchange": xla.exchange_objects({"rank": 0}),
-        # nbaccel.ops on the XLA device
+        # nbaccel.distributed.collectives on the XLA device
         "gather": gather(t).cpu().tolist(),
         "reduce": reduce(t, "sum").cpu().tolist(),
         "broadcast": broadcast(t.clone()).cpu().tolist(),
@@ -130,9 +130,9 @@ def _train(model, optimizer, loader, accelerator=None, clip=False):
 
 
 def test_accelerator_trains_on_the_xla_device():
-    from nbaccel.accelerator import Accelerator
-    from nbaccel.parallel.xla import XLADeviceLoader
-    from nbaccel.state import DistributedType
+    from nbaccel.distributed.state import DistributedType
+    from nbaccel.training.accelerator import Accelerator
+    from nbaccel.training.strategies.xla import XLADeviceLoader
 
     accelerator = Accelerator()
     assert accelerator.device.type == "xla"
@@ -154,8 +154,8 @@ def test_accelerator_trains_on_the_xla_device():
 
 
 def test_bf16_autocast_on_xla():
-    from nbaccel.accelerator import Accelerator
-    from nbaccel.parallel.xla import autocast, configure_bf16
+    from nbaccel.training.accelerator import Accelerator
+    from nbaccel.training.strategies.xla import autocast, configure_bf16
 
     accelerator = Accelerator(mixed_precision="bf16")
     model = accelerator.prepare(_model())
@@ -177,7 +177,7 @@ def test_bf16_autocast_on_xla():
 def test_colab_kaggle_tpu_notebook_runs_on_the_xla_path(monkeypatch):
     from pathlib import Path
 
-    from nbaccel.notebook.run_headless import execute_notebook, output_text
+    from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
     monkeypatch.setenv("NBACCEL_XLA_LAUNCH", "1")  # the kernel inherits it: take the XLA path
     path = Path(__file__).resolve().parents[1] / "notebooks" / "colab_kaggle_tpu.ipynb"

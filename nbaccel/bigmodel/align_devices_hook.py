@@ -15,7 +15,7 @@ from torch import nn
 from nbaccel.bigmodel.hooks import ModelHook, SequentialHook
 from nbaccel.bigmodel.offload import Prefetcher
 from nbaccel.bigmodel.placement import _new_param, find_device, move_module_tensors, to_torch_device
-from nbaccel.ops import send_to_device
+from nbaccel.distributed.collectives import send_to_device
 
 __all__ = [
     "AlignDevicesHook",

@@ -11,7 +11,7 @@ from torch import nn
 
 from nbaccel.bigmodel.hooks import ModelHook, remove_hook_from_module
 from nbaccel.bigmodel.placement import to_torch_device
-from nbaccel.ops import send_to_device
+from nbaccel.distributed.collectives import send_to_device
 
 __all__ = [
     "CpuOffload",

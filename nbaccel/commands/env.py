@@ -131,7 +131,7 @@ def _devices() -> dict[str, Any]:
 def _environment() -> dict[str, Any]:
     from dataclasses import asdict
 
-    from nbaccel.environment import detect_launch_environment, detect_platform
+    from nbaccel.distributed.environment import detect_launch_environment, detect_platform
 
     try:
         launch: dict[str, Any] = asdict(detect_launch_environment())

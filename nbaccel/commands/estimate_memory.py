@@ -68,7 +68,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the estimate; exit code 2 on a bad factory."""
-    from nbaccel.notebook.memory_estimate import estimate_memory
+    from nbaccel.bigmodel.memory_estimate import estimate_memory
 
     try:
         factory = load_factory(args.factory)

@@ -17,9 +17,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.ops import broadcast_object_list, find_batch_size, recursively_apply, send_to_device
-from nbaccel.rng import synchronize_rng_states
-from nbaccel.state import GradientState, PartialState
+from nbaccel.distributed.collectives import (
+    broadcast_object_list,
+    find_batch_size,
+    recursively_apply,
+    send_to_device,
+)
+from nbaccel.distributed.random import synchronize_rng_states
+from nbaccel.distributed.state import GradientState, PartialState
 
 __all__ = ["DataLoaderDispatcher", "DataLoaderShard"]
 

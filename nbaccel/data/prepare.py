@@ -16,8 +16,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from nbaccel.data.iterable import IterableDatasetShard
 from nbaccel.data.loaders import DataLoaderDispatcher, DataLoaderShard
 from nbaccel.data.samplers import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
-from nbaccel.ops import broadcast_object_list
-from nbaccel.state import DistributedType, PartialState
+from nbaccel.distributed.collectives import broadcast_object_list
+from nbaccel.distributed.state import DistributedType, PartialState
 
 __all__ = ["prepare_data_loader", "skip_first_batches"]
 
@@ -175,11 +175,11 @@ def prepare_data_loader(
 
 
 def _xla_wrap(loader: DataLoader, state: PartialState) -> DataLoader:
-    """XLA seam: torch-xla's parallel loader when ``nbaccel.parallel.xla`` provides it."""
+    """XLA seam: torch-xla's parallel loader (``nbaccel.training.strategies.xla``)."""
     if state.distributed_type != DistributedType.XLA:
         return loader
     try:
-        from nbaccel.parallel.xla import wrap_dataloader
+        from nbaccel.training.strategies.xla import wrap_dataloader
     except ImportError:
         return loader  # batches still reach the XLA device through send_to_device
     return wrap_dataloader(loader, state.device)

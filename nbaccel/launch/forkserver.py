@@ -34,7 +34,8 @@ _PRELOAD = (
     "torch",
     "torch.distributed",
     "nbaccel.launch.worker",
-    "nbaccel.notebook.instrumentation",  # the widgets' worker hooks (tqdm bridge, memory sampler)
+    # the widgets' worker hooks (tqdm bridge, memory sampler)
+    "nbaccel.notebook.rank.instrumentation",
 )
 
 

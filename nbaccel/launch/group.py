@@ -23,7 +23,7 @@ from typing import Any
 
 from nbaccel.launch.channel import AuthenticationFailed, Connection, Listener, new_secret
 from nbaccel.launch.processes import WorkerProcess, start_worker
-from nbaccel.launch.renderer import Renderer
+from nbaccel.launch.render import Renderer
 from nbaccel.launch.transport import Packed, SharedTensors, pack
 
 __all__ = ["Outcome", "WorkerGroup"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, rebuild_exception
 from nbaccel.launch.group import Outcome, WorkerGroup
 from nbaccel.launch.plan import (
@@ -25,9 +26,8 @@ from nbaccel.launch.plan import (
     worker_hooks,
 )
 from nbaccel.launch.processes import describe_exit
-from nbaccel.launch.renderer import Renderer, TextRenderer
+from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.launch.transport import pack
-from nbaccel.state import MIXED_PRECISION_CHOICES
 
 __all__ = ["debug_launcher", "notebook_launcher"]
 
@@ -99,7 +99,7 @@ def _announce(num_processes: int, num_nodes: int, cpu: bool, defaulted: bool) ->
 
 def _default_renderer() -> Renderer:
     try:
-        from nbaccel.notebook.renderers import choose_renderer
+        from nbaccel.notebook.kernel.renderers import choose_renderer
     except ImportError:
         return TextRenderer()
     return choose_renderer()
@@ -108,7 +108,7 @@ def _default_renderer() -> Renderer:
 def _tpu_requested() -> bool:
     """True on a TPU host with torch-xla, or when NBACCEL_XLA_LAUNCH=1 asks for the XLA path
     explicitly (the torch-xla lane uses it with PJRT_DEVICE=CPU)."""
-    from nbaccel.environment import is_torch_xla_available, is_tpu_requested
+    from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
 
     if not is_torch_xla_available():
         return False

@@ -44,7 +44,7 @@ def resolve_start_method(start_method: str) -> str:
 def worker_hooks(memory: bool) -> tuple:
     """The notebook's worker hooks (tqdm bridge, memory sampler); none if unavailable."""
     try:
-        from nbaccel.notebook.instrumentation import worker_setup
+        from nbaccel.notebook.rank.instrumentation import worker_setup
     except ImportError:
         return ()
     return worker_setup(memory=memory)

@@ -140,7 +140,7 @@ def launch_xla(
     ``TPU_NUM_DEVICES`` / ``CPU_NUM_DEVICES`` instead).
     """
     global _PENDING
-    from nbaccel.environment import is_torch_xla_available
+    from nbaccel.distributed.environment import is_torch_xla_available
 
     if not is_torch_xla_available():
         raise ImportError(

@@ -1,0 +1,157 @@
+"""Randomness across ranks: seed every generator, share rank 0's state, save and restore it.
+
+``set_seed`` seeds ``random``, numpy, torch (CPU, CUDA, XLA) in this process.
+
+``synchronize_rng_states`` copies rank 0's generator state to every rank (prepared dataloaders do
+it at the start of each epoch, so every rank shuffles the same way). ``get_rng_states`` /
+``set_rng_states`` capture and restore one process's generators for checkpoints, as plain
+tensors and numbers that ``torch.load(weights_only=True)`` accepts.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nbaccel.distributed.state import DistributedType, PartialState
+
+__all__ = [
+    "get_rng_states",
+    "set_seed",
+    "set_rng_states",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
+]
+
+
+def _broadcast_bytes(state: torch.Tensor, partial: PartialState) -> torch.Tensor:
+    """Broadcast a uint8 state tensor from rank 0 (through the device for NCCL)."""
+    if partial.backend == "nccl":
+        on_device = state.to(partial.device)
+        dist.broadcast(on_device, src=0)
+        return on_device.cpu()
+    state = state.clone()
+    dist.broadcast(state, src=0)
+    return state
+
+
+def synchronize_rng_state(rng_type: str, generator: torch.Generator | None = None) -> None:
+    """Give every process rank 0's state of one generator: torch, cuda, xla or generator."""
+    partial = PartialState()
+    rng_type = str(getattr(rng_type, "value", rng_type))
+    if partial.num_processes <= 1:
+        return
+    if rng_type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        seed = torch.tensor(xm.get_rng_state(), device=partial.device)
+        seed = xm.all_reduce("sum", seed if partial.is_main_process else seed * 0)
+        xm.set_rng_state(int(seed.item()))
+        return
+    if partial.distributed_type == DistributedType.XLA:
+        return  # torch-xla collectives only; the generators below need torch.distributed
+    if rng_type == "torch":
+        torch.set_rng_state(_broadcast_bytes(torch.get_rng_state(), partial))
+    elif rng_type == "cuda":
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(_broadcast_bytes(torch.cuda.get_rng_state(), partial))
+    elif rng_type == "generator":
+        if generator is not None:
+            generator.set_state(_broadcast_bytes(generator.get_state(), partial))
+    else:
+        raise ValueError(
+            f"Unknown rng type {rng_type!r}; use 'torch', 'cuda', 'xla' or 'generator'."
+        )
+
+
+def synchronize_rng_states(
+    rng_types: Iterable[str], generator: torch.Generator | None = None
+) -> None:
+    """``synchronize_rng_state`` for each of ``rng_types``."""
+    for rng_type in rng_types:
+        synchronize_rng_state(rng_type, generator=generator)
+
+
+def get_rng_states() -> dict[str, Any]:
+    """This process's python, numpy, torch (and cuda / xla) generator states."""
+    version, internal, gauss = random.getstate()
+    states: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        states["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    if PartialState().distributed_type == DistributedType.XLA:
+        import torch_xla.core.xla_model as xm
+
+        states["xla"] = int(xm.get_rng_state())
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_states` captured."""
+    py = states["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        import numpy as np
+
+        n = states["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "xla" in states:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(states["xla"])
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed ``random``, ``numpy``, ``torch`` (CPU, CUDA and XLA) in this process.
+
+    Args:
+        seed: the seed.
+        device_specific: add the process index, so each rank draws different numbers.
+        deterministic: also ask torch for deterministic algorithms.
+    """
+    if device_specific:
+        seed += PartialState().process_index
+    random.seed(seed)
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    if os.environ.get("PJRT_DEVICE"):
+        try:
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(seed)
+        except ImportError:
+            pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True)

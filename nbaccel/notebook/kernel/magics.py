@@ -1,0 +1,359 @@
+"""IPython magics: ``%%distributed`` on a persistent pool, push/pull, status, auto mode.
+
+``%load_ext nbaccel`` registers them. Every magic takes ``--help``. See
+``nbaccel.notebook.kernel.pool`` for the pool itself (and its Python API).
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import linecache
+import re
+import time
+from argparse import Namespace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
+
+from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+from nbaccel.launch.errors import LaunchTimeout
+from nbaccel.notebook.kernel import pool as pool_module
+from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
+from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
+
+__all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+_NAME_ERROR = re.compile(r"name '(\w+)' is not defined")
+
+
+@contextmanager
+def _bad_input_is_usage() -> Iterator[None]:
+    """Turn a ValueError from option parsing into IPython's UsageError (a clean message)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """``%%distributed``, ``%dist_push``, ``%dist_pull``, ``%dist_status``, ``%dist_restart``,
+    ``%dist_shutdown``, ``%dist_mode`` and ``%%local``."""
+
+    auto = False
+
+    def _parse(self, magic: Any, line: str) -> Namespace | None:
+        """Parsed options, or None after printing the help for ``-h``/``--help``."""
+        if {"-h", "--help"} & set(arg_split(line)):
+            text = magic.parser.format_help().replace("::\n\n  %", "usage: %", 1)
+            if magic.__name__ in ("distributed", "local"):
+                text = text.replace("usage: %", "usage: %%", 1)
+            print(text.rstrip())
+            return None
+        return magic.parser.parse_argstring(line)
+
+    def _renderer(self, quiet: bool = False) -> CellRenderer:
+        return CellRenderer(quiet=quiet)
+
+    def _pool(self) -> pool_module.Pool:
+        pool = pool_module.get_pool()
+        if pool is None:
+            raise UsageError("no pool is running: start one with a %%distributed -n N cell.")
+        return pool
+
+    def _notebook_values(self, names: list[str]) -> dict[str, Any]:
+        missing = [name for name in names if name not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)}.")
+        return {name: self.shell.user_ns[name] for name in names}
+
+    # ------------------------------------------------------------------ %%distributed
+    @magic_arguments()
+    @argument(
+        "-n",
+        "--num_processes",
+        "--num-processes",
+        dest="num_processes",
+        type=int,
+        metavar="N",
+        help="number of ranks (default: the running pool's, else one per GPU, else 2). "
+        "Another number restarts the pool.",
+    )
+    @argument("--ranks", metavar="SPEC", help="run on these ranks only: 0, 0,2 or 1-3.")
+    @argument(
+        "--push",
+        action="append",
+        metavar="NAMES",
+        help="notebook variables to send to the ranks first (comma-separated).",
+    )
+    @argument(
+        "--mixed_precision",
+        "--mixed-precision",
+        dest="mixed_precision",
+        choices=MIXED_PRECISION_CHOICES,
+        help="mixed precision of Accelerator() objects created in this cell.",
+    )
+    @argument(
+        "--backend", metavar="B", help="process-group backend (gloo, nccl...); another restarts."
+    )
+    @argument("--timeout", type=float, metavar="S", help="interrupt the cell after S seconds.")
+    @argument(
+        "--quiet",
+        action="store_true",
+        help="hide printed output, displays and values (stderr and errors still show).",
+    )
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_cell_magic
+    def distributed(self, line: str, cell: str | None = None) -> None:
+        """Run the cell on every rank (or --ranks) of a persistent pool of worker processes.
+
+        The first cell starts the pool; names defined on the ranks stay there for the next
+        %%distributed cell. Output is labelled by rank, and so is the last expression's value.
+        """
+        __tracebackhide__ = True
+        args = self._parse(self.distributed, line)
+        if args is None:
+            return
+        if cell is None:
+            raise UsageError(
+                "%%distributed is a cell magic: put it (with two %) on the first line of a cell."
+            )
+        if args.num_processes is not None and args.num_processes < 1:
+            raise UsageError(f"-n must be at least 1, got {args.num_processes}.")
+        if args.timeout is not None and args.timeout <= 0:
+            raise UsageError(f"--timeout must be positive, got {args.timeout}.")
+        with _bad_input_is_usage():
+            names = parse_names(args.push)
+        push = self._notebook_values(names)
+        filename = self._register_source(line, cell)
+        compile(cell, filename, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        renderer = self._renderer(args.quiet)
+        pool = self._ensure_pool(args.num_processes, args.backend, renderer)
+        with _bad_input_is_usage():
+            ranks = parse_ranks(args.ranks, pool.num_processes)
+        env = {"NBACCEL_MIXED_PRECISION": args.mixed_precision} if args.mixed_precision else None
+        ok = False
+        try:
+            values = pool.run_cell(cell, ranks, push, args.timeout, filename, 2, env, renderer)
+            ok = True
+        except Exception as exc:
+            _show_values(renderer, getattr(exc, "rank_results", {}))
+            if isinstance(exc, NameError):
+                self._hint_push(exc)
+            if getattr(exc, "rank", None) is None and not isinstance(exc, LaunchTimeout):
+                raise
+            raise exc.with_traceback(None) from exc.__cause__  # the pool's frames are noise
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt from None
+        finally:
+            renderer.finish(ok)
+        _show_values(renderer, values)
+
+    def _register_source(self, line: str, cell: str) -> str:
+        """Put the cell in the notebook's linecache so the ranks' tracebacks show its lines."""
+        count = self.shell.execution_count - 1  # IPython counts the running cell already
+        filename = f"<rank-cell-{max(count, 0)}>"
+        text = f"%%distributed {line}".rstrip() + "\n" + cell
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        return filename
+
+    def _ensure_pool(
+        self, num_processes: int | None, backend: str | None, renderer: CellRenderer
+    ) -> pool_module.Pool:
+        pool = pool_module.get_pool()
+        if pool is not None:
+            wanted = num_processes or pool.num_processes
+            wanted_backend = backend if backend is not None else pool.backend
+            if wanted == pool.num_processes and wanted_backend == pool.backend:
+                renderer.start("", pool.num_processes)
+                return pool
+            renderer.notice(
+                f"restarting the pool ({pool.num_processes} -> {wanted} processes, backend "
+                f"{pool.backend or 'default'} -> {wanted_backend or 'default'}); names defined "
+                "on the ranks are lost."
+            )
+            num_processes, backend = wanted, wanted_backend
+        if num_processes is None:
+            import torch
+
+            num_processes = torch.cuda.device_count() or 2
+        started = time.perf_counter()
+        with _bad_input_is_usage():
+            pool = pool_module.start_pool(num_processes, backend, renderer)
+        if not renderer.quiet:
+            renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
+        return pool
+
+    def _hint_push(self, exc: NameError) -> None:
+        match = _NAME_ERROR.search(str(exc))
+        if match and match.group(1) in self.shell.user_ns and exc.args:
+            name = match.group(1)
+            exc.args = (
+                f"{exc.args[0]}. It exists in the notebook: send it to the ranks with "
+                f"%dist_push {name} (or --push {name} on this cell).",
+                *exc.args[1:],
+            )
+
+    # ------------------------------------------------------------------ names
+    @magic_arguments()
+    @argument("names", nargs="*", metavar="NAME", help="notebook variables to send.")
+    @argument("--ranks", metavar="SPEC", help="only these ranks: 0, 0,2 or 1-3.")
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Send notebook variables to the ranks (large CPU tensors through shared memory)."""
+        __tracebackhide__ = True
+        args = self._parse(self.dist_push, line)
+        if args is None:
+            return
+        with _bad_input_is_usage():
+            names = parse_names(args.names)
+        if not names:
+            raise UsageError("name at least one notebook variable: %dist_push x [y ...]")
+        values = self._notebook_values(names)
+        pool = self._pool()
+        with _bad_input_is_usage():
+            ranks = parse_ranks(args.ranks, pool.num_processes)
+        pool.push(values, ranks=ranks, renderer=self._renderer())
+
+    @magic_arguments()
+    @argument("names", nargs="*", metavar="NAME", help="names defined on the ranks.")
+    @argument("--rank", type=int, default=0, metavar="R", help="the rank to read (default 0).")
+    @argument("--all", action="store_true", help="a list with every rank's value, by rank.")
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_pull(self, line: str) -> None:
+        """Bring values from a rank (or --all ranks) into the notebook namespace."""
+        __tracebackhide__ = True
+        args = self._parse(self.dist_pull, line)
+        if args is None:
+            return
+        with _bad_input_is_usage():
+            names = parse_names(args.names)
+        if not names:
+            raise UsageError("name at least one variable: %dist_pull x [--rank R | --all]")
+        pool = self._pool()
+        with _bad_input_is_usage():
+            ranks = pool.ranks if args.all else parse_ranks(str(args.rank), pool.num_processes)
+        for name in names:
+            values = pool.pull(name, ranks=ranks, renderer=self._renderer())
+            self.shell.user_ns[name] = [values[r] for r in ranks] if args.all else values[ranks[0]]
+
+    # ------------------------------------------------------------------ lifecycle
+    @magic_arguments()
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_status(self, line: str) -> None:
+        """The pool's ranks: pid, device, memory, busy/idle and uptime."""
+        if self._parse(self.dist_status, line) is None:
+            return
+        pool = pool_module.get_pool()
+        if pool is None:
+            print("No pool is running.")
+            return
+        from IPython.display import display
+
+        header = f"Pool of {pool.describe()}"
+        display(status_bundle(pool.status(), header), raw=True)
+
+    @magic_arguments()
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """Restart the pool with the same settings; names defined on the ranks are lost."""
+        if self._parse(self.dist_restart, line) is None:
+            return
+        pool = self._pool()
+        started = time.perf_counter()
+        pool.restart(self._renderer())
+        print(
+            f"Restarted the pool of {pool.describe()} in {time.perf_counter() - started:.1f} s; "
+            "names defined on the ranks are gone."
+        )
+
+    @magic_arguments()
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_shutdown(self, line: str) -> None:
+        """Stop the pool's worker processes."""
+        if self._parse(self.dist_shutdown, line) is None:
+            return
+        print("Pool shut down." if pool_module.shutdown_pool() else "No pool is running.")
+
+    # ------------------------------------------------------------------ auto mode
+    @magic_arguments()
+    @argument("mode", nargs="?", choices=("on", "off"), help="on: every cell runs distributed.")
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_mode(self, line: str) -> None:
+        """Auto mode: with "on", every following cell runs on the ranks as if it began with
+        %%distributed. Cells that start with % or ! stay in the kernel; so does a %%local cell."""
+        args = self._parse(self.dist_mode, line)
+        if args is None:
+            return
+        if args.mode is not None:
+            DistributedMagics.auto = args.mode == "on"
+        print(f"Auto mode is {'on' if DistributedMagics.auto else 'off'}.")
+
+    @magic_arguments()
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @cell_magic
+    def local(self, line: str, cell: str) -> None:
+        """Run this cell in the notebook kernel, even in auto mode."""
+        if self._parse(self.local, line) is None:
+            return
+        self.shell.run_cell(cell, store_history=False)
+
+
+def _show_values(renderer: CellRenderer, values: dict[int, Any]) -> None:
+    for rank, bundle in sorted(values.items()):
+        if bundle:
+            renderer.show(rank, bundle["data"], bundle["metadata"])
+
+
+def auto_mode_transform(lines: list[str]) -> list[str]:
+    """Input transformer: ``%%local`` cells run as plain code; in auto mode, other cells get
+    ``%%distributed`` prepended (cells that start with ``%`` or ``!`` are left alone)."""
+    first = next((i for i, text in enumerate(lines) if text.strip()), None)
+    if first is None:
+        return lines
+    head = lines[first].lstrip()
+    if head.strip() == "%%local":
+        return lines[first + 1 :]
+    if not DistributedMagics.auto or head.startswith(("%", "!")):
+        return lines
+    return ["%%distributed\n", *lines[first:]]
+
+
+_atexit_registered = False
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbaccel``: register the magics and the auto-mode transformer."""
+    global _atexit_registered
+    ipython.register_magics(DistributedMagics)
+    if auto_mode_transform not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(auto_mode_transform)
+    if not _atexit_registered:
+        atexit.register(pool_module.shutdown_pool)
+        _atexit_registered = True
+    try:
+        from nbaccel.launch.forkserver import warm_up
+
+        warm_up()  # the fork server imports torch while the user types the first cell
+    except Exception:
+        pass
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbaccel``: stop the pool, leave auto mode."""
+    DistributedMagics.auto = False
+    if auto_mode_transform in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(auto_mode_transform)
+    pool_module.shutdown_pool()

@@ -1,0 +1,195 @@
+"""Which renderer a launch uses in this process, and the widget renderer itself.
+
+:func:`choose_renderer` returns a :class:`WidgetRenderer` inside a Jupyter kernel with
+ipywidgets (also under nbclient/nbconvert, where the widget state can be stored in the executed
+notebook), and the plain :class:`~nbaccel.launch.render.TextRenderer` elsewhere.
+``NBACCEL_RENDERER=text`` or ``=widgets`` forces the choice.
+
+The widget renderer keeps a text twin of everything: rank-labelled lines and the announcement
+are printed as text exactly like the text renderer (the first ``max_text_lines`` lines; the
+per-rank panel keeps a bounded tail of all of them), and the end of a launch displays a static
+summary (final progress, peak memory per rank) as HTML and plain text.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from typing import Any
+
+from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
+
+__all__ = ["WidgetRenderer", "choose_renderer", "widgets_available"]
+
+_STATUS_INTERVAL = 1.0
+
+
+def widgets_available() -> bool:
+    """True in a Jupyter kernel (a frontend may render widgets) with ipywidgets importable."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        return False
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    if type(shell).__name__ != "ZMQInteractiveShell":
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_renderer() -> Renderer:
+    """The renderer for a launch from this process (see the module docstring)."""
+    forced = os.environ.get("NBACCEL_RENDERER", "").lower()
+    if forced == "text":
+        return TextRenderer()
+    if forced in ("widget", "widgets") or widgets_available():
+        return WidgetRenderer()
+    return TextRenderer()
+
+
+class WidgetRenderer(Renderer):
+    """Progress bars, memory monitor and per-rank output panel for one launch."""
+
+    def __init__(self, max_text_lines: int = 2000) -> None:
+        self.max_text_lines = max_text_lines
+        self.text = TextRenderer()
+        self.root: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, announcement: str, num_processes: int) -> None:
+        import ipywidgets as widgets
+        from IPython.display import display
+
+        from nbaccel.notebook.kernel.widgets.memory_monitor import MemoryMonitor
+        from nbaccel.notebook.kernel.widgets.output_panel import OutputPanel
+        from nbaccel.notebook.kernel.widgets.progress import ProgressBoard
+
+        self.text.start(announcement, num_processes)
+        self.announcement = announcement
+        self.num_processes = num_processes
+        self.started = time.monotonic()
+        self._printed = 0
+        self._status_at = 0.0
+        self.status = widgets.HTML()
+        self.status.add_class("nbaccel-status")
+        self.progress = ProgressBoard()
+        self.memory = MemoryMonitor()
+        self.outputs = OutputPanel()
+        self._parts = {"progress": False, "memory": False, "outputs": False}
+        self.metrics: dict[str, Any] = {}
+        self.root = widgets.VBox([self.status])
+        self.root.add_class("nbaccel-launch")
+        self._set_status("running")
+        bundle = self.root._repr_mimebundle_()
+        bundle["text/plain"] = f"nbaccel: {announcement} (live view: progress, memory, output)"
+        self._handle = display(bundle, raw=True, display_id=True)
+
+    def finish(self, ok: bool) -> None:
+        if self.root is None:
+            return
+        from IPython.display import display
+
+        self.progress.finish(ok)
+        self.outputs.flush(force=True)
+        elapsed = time.monotonic() - self.started
+        self._set_status(f"{'finished' if ok else 'failed'} after {elapsed:.1f} s", ok)
+        text, rich = self.summary(ok, elapsed)
+        if text:
+            display({"text/plain": text, "text/html": rich}, raw=True)
+        if self.metrics:  # live plots become static images with their last values as text
+            self._attach(live=False)
+            for plot in self.metrics.values():
+                display(plot.bundle(), raw=True)
+
+    def summary(self, ok: bool, elapsed: float) -> tuple[str, str]:
+        """The launch's end as (plain text, HTML): final bars and peak memory per rank."""
+        bars = self.progress.summary_lines()
+        memory_text = self.memory.summary_text()
+        if not bars and not memory_text:
+            return "", ""
+        verb = "finished" if ok else "failed"
+        head = f"nbaccel: {self.num_processes} ranks {verb} in {elapsed:.1f} s"
+        text = "\n".join([head, *bars, *([memory_text] if memory_text else [])])
+        bar_html = "".join(f"<div>{html.escape(b)}</div>" for b in bars)
+        rich = (
+            f'<div class="nbaccel-summary"><b>{html.escape(head)}</b>'
+            f'<pre style="margin:2px 0">{bar_html}</pre>{self.memory.summary_html()}</div>'
+        )
+        return text, rich
+
+    # ------------------------------------------------------------------ events
+    def line(self, rank: int, stream: str, text: str) -> None:
+        if self._printed < self.max_text_lines:
+            self.text.line(rank, stream, text)
+        elif self._printed == self.max_text_lines:
+            self.text.notice(
+                f"more than {self.max_text_lines} lines: the rest is in the 'Output by rank' "
+                "panel above (its last lines per rank)"
+            )
+        self._printed += 1
+        self._attach("outputs")
+        self.outputs.add(rank, stream, text)
+        self._tick()
+
+    def event(self, rank: int, kind: str, payload: Any) -> None:
+        if kind == PROGRESS:
+            self._attach("progress")
+            self.progress.update(rank, payload)
+        elif kind == MEMORY:
+            self._attach("memory")
+            self.memory.update(rank, payload)
+        elif kind == METRICS:
+            self._metrics_update(payload)
+        else:
+            self.text.event(rank, kind, payload)
+        self._tick()
+
+    def _metrics_update(self, update: Any) -> None:
+        from nbaccel.notebook.kernel.widgets.metrics import MetricsPlot
+
+        plot = self.metrics.get(update.run)
+        if plot is None:
+            plot = self.metrics[update.run] = MetricsPlot(update.run)
+            plot.make_widget()
+            self._attach()
+        for step, values in update.points:
+            plot.add(values, step)
+        plot.refresh(force=update.final)
+
+    def notice(self, text: str) -> None:
+        self.text.notice(text)
+
+    # ------------------------------------------------------------------ helpers
+    def _attach(self, part: str | None = None, live: bool = True) -> None:
+        """(Re)build the view: status, then the parts that received something."""
+        if part is not None:
+            if self._parts[part]:
+                return
+            self._parts[part] = True
+        boxes = {"progress": self.progress, "memory": self.memory, "outputs": self.outputs}
+        shown = [boxes[name].box for name in ("progress", "memory") if self._parts[name]]
+        plots = [plot.widget for plot in self.metrics.values()] if live else []
+        outputs = [self.outputs.box] if self._parts["outputs"] else []
+        self.root.children = (self.status, *shown, *plots, *outputs)
+
+    def _tick(self) -> None:
+        self.outputs.flush()
+        now = time.monotonic()
+        if now - self._status_at >= _STATUS_INTERVAL:
+            self._set_status(f"running · {now - self.started:.0f} s")
+
+    def _set_status(self, state: str, ok: bool | None = None) -> None:
+        self._status_at = time.monotonic()
+        colour = {None: "#555", True: "#1e8449", False: "#c0392b"}[ok]
+        self.status.value = (
+            f'<span style="color:{colour}"><b>nbaccel</b> · {self.num_processes} ranks · '
+            f"{html.escape(state)}</span>"
+        )

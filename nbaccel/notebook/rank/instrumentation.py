@@ -1,0 +1,28 @@
+"""What the notebook installs in every worker: the tqdm bridge and the memory sampler.
+
+``notebook_launcher`` and the ``%%distributed`` pool both pass :func:`worker_setup`'s callables
+to ``WorkerGroup(setup=...)``; they run in each worker before the user's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from nbaccel.notebook.rank.memory_sampler import DEFAULT_INTERVAL, start_memory_sampler
+from nbaccel.notebook.rank.progress_bridge import install_progress_bridge
+
+__all__ = ["worker_setup"]
+
+
+def worker_setup(
+    memory: bool = True, progress: bool = True, interval: float = DEFAULT_INTERVAL
+) -> tuple[Callable[[], None], ...]:
+    """Importable setup hooks for workers: the progress bridge, and the memory sampler
+    (every ``interval`` seconds) when ``memory`` is true."""
+    hooks: list[Callable[[], None]] = []
+    if progress:
+        hooks.append(install_progress_bridge)
+    if memory:
+        hooks.append(partial(start_memory_sampler, interval))
+    return tuple(hooks)

@@ -1,0 +1,107 @@
+"""``Accelerator(log_with="notebook")``: metrics plotted live in the notebook.
+
+In the kernel itself the tracker draws a
+:class:`~nbaccel.notebook.kernel.widgets.metrics.MetricsPlot`
+under the cell. On a rank started by ``notebook_launcher`` or ``%%distributed`` (where trackers
+usually run) it sends ``metrics`` events, batched at most every ``interval`` seconds, and the
+launch's widget renderer plots them. ``finish()`` leaves a static plot and the last values as
+text in the notebook (the live widget is replaced by them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbaccel.launch.worker import emit, on_worker
+from nbaccel.notebook.events import METRICS, MetricsUpdate
+from nbaccel.training.trackers import GeneralTracker, register_tracker
+
+__all__ = ["NotebookTracker"]
+
+
+def _scalars(values: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in values.items():
+        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+            value = value.item()
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+class NotebookTracker(GeneralTracker):
+    """Live plots of the scalars passed to ``accelerator.log`` (non-scalars are ignored)."""
+
+    name = "notebook"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str = "run", interval: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(run_name)
+        self.interval = interval
+        self._pending: list[tuple[float, dict[str, float]]] = []
+        self._sent_at = 0.0
+        self._steps = 0
+        self._remote = on_worker()
+        self.plot = None
+        self._handle = None
+        if not self._remote:
+            from nbaccel.notebook.kernel.widgets.metrics import MetricsPlot
+
+            self.plot = MetricsPlot(run_name, interval)
+
+    @property
+    def tracker(self) -> Any:
+        return self.plot
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        scalars = _scalars(values)
+        if not scalars:
+            return
+        point = float(self._steps if step is None else step)
+        self._steps += 1
+        if self._remote:
+            self._pending.append((point, scalars))
+            if time.monotonic() - self._sent_at >= self.interval:
+                self._send()
+            return
+        self.plot.add(scalars, point)
+        if self.plot.widget is None and _in_kernel():
+            from IPython.display import display
+
+            bundle = self.plot.make_widget()._repr_mimebundle_()
+            bundle["text/plain"] = f"{self.run_name}: live metrics plot"
+            self._handle = display(bundle, raw=True, display_id=True)
+        self.plot.refresh()
+
+    def _send(self, final: bool = False) -> None:
+        if self._pending or final:
+            emit(METRICS, MetricsUpdate(self.run_name, self._pending, final))
+        self._pending = []
+        self._sent_at = time.monotonic()
+
+    def finish(self) -> None:
+        if self._remote:
+            self._send(final=True)
+            return
+        if self.plot is None or not self.plot.history:
+            return
+        if self._handle is not None:  # the live widget becomes a static plot + text
+            self._handle.update(self.plot.bundle(), raw=True)
+        elif _in_kernel():
+            from IPython.display import display
+
+            display(self.plot.bundle(), raw=True)
+        else:
+            print(self.plot.text())
+
+
+register_tracker("notebook", NotebookTracker)

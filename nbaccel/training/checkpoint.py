@@ -1,0 +1,334 @@
+"""Training checkpoints: ``save_state`` / ``load_state`` of everything a run needs to resume.
+
+A checkpoint directory holds the models (``model.safetensors``, ``model_1.safetensors``, ...),
+optimizers (``optimizer.bin``, ...), schedulers, dataloader positions, the fp16 scaler,
+registered objects, one RNG file per rank (``random_states_<rank>.pkl``) and a manifest
+(``nbaccel_checkpoint.json``) written last. Every process calls both functions.
+
+The directory is built in a staging sibling and renamed into place (:mod:`nbaccel.storage.atomic`),
+so a save killed half-way leaves the previous checkpoint loadable. Loading checks the manifest
+first and names every missing file, rather than failing on the first one.
+
+Model and optimizer state go through :func:`model_state` / :func:`optimizer_state` and their
+loaders: under FSDP they delegate to ``nbaccel.training.strategies.fsdp`` (``save_fsdp_state`` /
+``load_fsdp_state`` when it provides them) or use torch's full-state-dict API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nbaccel.distributed.random import get_rng_states, set_rng_states
+from nbaccel.distributed.state import AcceleratorState, DistributedType, PartialState
+from nbaccel.storage.atomic import begin_staging, commit_staging, recover, staging_path
+from nbaccel.storage.weights import load_into_model, write_weights
+
+__all__ = ["CheckpointError", "Checkpointables", "load_checkpoint", "save_checkpoint"]
+
+MANIFEST_NAME = "nbaccel_checkpoint.json"
+FORMAT = "nbaccel-checkpoint"
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint directory is missing, partial, foreign or does not fit the prepared objects."""
+
+
+@dataclass
+class Checkpointables:
+    """What ``save_state`` saves and ``load_state`` restores, in preparation order."""
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
+    custom: list[Any] = field(default_factory=list)
+    scaler: Any = None
+
+
+def _name(stem: str, index: int, ext: str) -> str:
+    return f"{stem}.{ext}" if index == 0 else f"{stem}_{index}.{ext}"
+
+
+def _fsdp_module(name: str) -> Callable[..., Any] | None:
+    try:
+        import nbaccel.training.strategies.fsdp as fsdp
+    except ImportError:
+        return None
+    return getattr(fsdp, name, None)
+
+
+# -- model / optimizer state: the seams FSDP specialises ------------------------------------------
+def model_state(model: torch.nn.Module, state: PartialState) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of ``model``; collective under FSDP."""
+    from nbaccel.training.strategies.ddp import extract_model_from_parallel
+
+    if state.distributed_type == DistributedType.FSDP:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    return extract_model_from_parallel(model).state_dict()
+
+
+def load_model_state(
+    model: torch.nn.Module, tensors: dict, aliases: dict, state: PartialState, strict: bool
+) -> None:
+    """Load a full state dict into ``model`` (resharding it under FSDP)."""
+    from nbaccel.training.strategies.ddp import extract_model_from_parallel
+
+    if state.distributed_type == DistributedType.FSDP:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        expected = set(model.state_dict().keys())
+        tensors = {**{a: tensors[k] for a, k in aliases.items() if k in tensors}, **tensors}
+        tensors = {k: v for k, v in tensors.items() if k in expected}
+        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
+        return
+    load_into_model(extract_model_from_parallel(model), tensors, aliases, strict=strict)
+
+
+def optimizer_state(optimizer: Any, model: torch.nn.Module | None, state: PartialState) -> dict:
+    """The full state dict of ``optimizer``; collective under FSDP."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if state.distributed_type == DistributedType.FSDP and model is not None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, inner, options=options)
+    return inner.state_dict()
+
+
+def load_optimizer_state(
+    optimizer: Any, sd: dict, model: torch.nn.Module | None, state: PartialState
+) -> None:
+    """Load a full optimizer state dict (resharding it under FSDP)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if state.distributed_type == DistributedType.FSDP and model is not None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, inner, sd, options=options)
+        return
+    inner.load_state_dict(sd)
+
+
+# -- save ---------------------------------------------------------------------------------------
+def _is_writer(state: PartialState, save_on_each_node: bool) -> bool:
+    return state.is_local_main_process if save_on_each_node else state.is_main_process
+
+
+def save_checkpoint(
+    output_dir: str | os.PathLike,
+    objects: Checkpointables,
+    state_dict_fn: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+    safe_serialization: bool = True,
+    save_on_each_node: bool = False,
+    pre_hooks: Sequence[Callable[..., None]] = (),
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint atomically into ``output_dir`` (every process must call this).
+
+    ``state_dict_fn(model)`` gives each model's full state dict; ``extra`` goes in the manifest.
+    """
+    state = PartialState()
+    writer = _is_writer(state, save_on_each_node)
+    final = Path(output_dir).absolute()
+    staging = begin_staging(final) if writer else None
+    state.wait_for_everyone()
+    staging = staging or staging_path(final)
+    fsdp_save = _fsdp_module("save_fsdp_state") if _is_fsdp(state) else None
+    models = list(objects.models)
+    weights = [] if fsdp_save is not None else [state_dict_fn(m) for m in models]
+    for hook in pre_hooks:
+        hook(models, weights, str(staging))
+    files: list[str] = []
+    if fsdp_save is not None:
+        files += list(fsdp_save(objects, staging) or [])
+    else:
+        optimizer_states = [
+            optimizer_state(opt, _model_for(opt, objects.models), state)
+            for opt in objects.optimizers
+        ]
+    if writer:
+        if fsdp_save is None:
+            for i, sd in enumerate(weights):
+                stem = "model" if safe_serialization else "pytorch_model"
+                base = stem if i == 0 else f"{stem}_{i}"
+                files += write_weights(sd, staging, "1000TB", safe_serialization, base_name=base)
+            for i, sd in enumerate(optimizer_states):
+                files.append(_save(sd, staging / _name("optimizer", i, "bin")))
+        for i, sched in enumerate(objects.schedulers):
+            files.append(_save(sched.state_dict(), staging / _name("scheduler", i, "bin")))
+        for i, loader in enumerate(objects.dataloaders):
+            if hasattr(loader, "state_dict"):
+                files.append(_save(loader.state_dict(), staging / _name("dataloader", i, "bin")))
+        if objects.scaler is not None:
+            files.append(_save(objects.scaler.state_dict(), staging / "scaler.pt"))
+        for i, obj in enumerate(objects.custom):
+            files.append(_save(obj.state_dict(), staging / f"custom_checkpoint_{i}.pkl"))
+    _save(get_rng_states(), staging / f"random_states_{state.process_index}.pkl")
+    state.wait_for_everyone()
+    if writer:
+        manifest = {
+            "format": FORMAT,
+            "version": 1,
+            "num_processes": state.num_processes,
+            "models": len(weights) if fsdp_save is None else len(models),
+            "optimizers": len(objects.optimizers),
+            "schedulers": len(objects.schedulers),
+            "dataloaders": sum(hasattr(d, "state_dict") for d in objects.dataloaders),
+            "custom_objects": len(objects.custom),
+            "scaler": objects.scaler is not None,
+            "safe_serialization": safe_serialization,
+            "files": sorted(files),
+            **(extra or {}),
+        }
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        commit_staging(final)
+    state.wait_for_everyone()
+    return final
+
+
+def _is_fsdp(state: PartialState) -> bool:
+    # FSDP is an AcceleratorState setting; PartialState keeps saying MULTI_CPU/MULTI_GPU.
+    shared = AcceleratorState._shared_state.get("distributed_type", state.distributed_type)
+    return shared == DistributedType.FSDP
+
+
+def _save(obj: Any, path: Path) -> str:
+    torch.save(obj, path)
+    return path.name
+
+
+# -- load ---------------------------------------------------------------------------------------
+def _load(path: Path, trusted: bool = False) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=not trusted)
+
+
+def read_manifest(input_dir: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint, or a ``CheckpointError`` saying what is wrong."""
+    if not input_dir.is_dir():
+        raise CheckpointError(f"No checkpoint at {input_dir}: the directory does not exist.")
+    present = sorted(p.name for p in input_dir.iterdir())
+    path = input_dir / MANIFEST_NAME
+    if not path.exists():
+        raise CheckpointError(
+            f"{input_dir} is not a complete nbaccel checkpoint: {MANIFEST_NAME} is missing (it "
+            f"is written last by Accelerator.save_state). Found: {present or 'nothing'}."
+        )
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an nbaccel checkpoint manifest.")
+    missing = [name for name in manifest["files"] if name not in present]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {input_dir} is incomplete: missing {missing}. Found: {present}."
+        )
+    return manifest
+
+
+def _check_counts(manifest: dict[str, Any], objects: Checkpointables, input_dir: Path) -> None:
+    wanted = {
+        "models": len(objects.models),
+        "optimizers": len(objects.optimizers),
+        "schedulers": len(objects.schedulers),
+        "custom_objects": len(objects.custom),
+    }
+    wrong = [
+        f"{manifest[k]} {k} saved but {v} to restore" for k, v in wanted.items() if manifest[k] != v
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"Checkpoint {input_dir} does not fit this Accelerator: {'; '.join(wrong)}. Prepare "
+            "(and register_for_checkpointing) the same objects, in the same order, as when saving."
+        )
+
+
+def load_checkpoint(
+    input_dir: str | os.PathLike,
+    objects: Checkpointables,
+    pre_hooks: Sequence[Callable[..., None]] = (),
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Restore ``objects`` from a checkpoint written by :func:`save_checkpoint`."""
+    state = PartialState()
+    input_dir = Path(input_dir).absolute()
+    if state.is_local_main_process:
+        recover(input_dir)
+    state.wait_for_everyone()
+    manifest = read_manifest(input_dir)
+    models = list(objects.models)
+    for hook in pre_hooks:
+        hook(models, str(input_dir))
+    if len(models) == len(objects.models):  # hooks that load models themselves remove them
+        _check_counts(manifest, objects, input_dir)
+    fsdp_load = _fsdp_module("load_fsdp_state") if _is_fsdp(state) else None
+    if fsdp_load is not None:
+        fsdp_load(objects, input_dir)
+    else:
+        safe = manifest["safe_serialization"]
+        stem = "model" if safe else "pytorch_model"
+        for i, model in enumerate(models):
+            tensors, aliases = _read_model(input_dir, stem if i == 0 else f"{stem}_{i}", safe)
+            load_model_state(model, tensors, aliases, state, strict)
+        for i, opt in enumerate(objects.optimizers):
+            sd = _load(input_dir / _name("optimizer", i, "bin"))
+            load_optimizer_state(opt, sd, _model_for(opt, objects.models), state)
+    for i, sched in enumerate(objects.schedulers):
+        sched.load_state_dict(_load(input_dir / _name("scheduler", i, "bin")))
+    for i, loader in enumerate(d for d in objects.dataloaders if hasattr(d, "load_state_dict")):
+        path = input_dir / _name("dataloader", i, "bin")
+        if path.exists():
+            loader.load_state_dict(_load(path))
+    if objects.scaler is not None and (input_dir / "scaler.pt").exists():
+        objects.scaler.load_state_dict(_load(input_dir / "scaler.pt"))
+    for i, obj in enumerate(objects.custom):
+        obj.load_state_dict(_load(input_dir / f"custom_checkpoint_{i}.pkl", trusted=True))
+    rng_path = input_dir / f"random_states_{state.process_index}.pkl"
+    if rng_path.exists():
+        set_rng_states(_load(rng_path))
+    else:
+        warnings.warn(
+            f"{rng_path.name} is not in the checkpoint (saved with {manifest['num_processes']} "
+            f"processes, loading with {state.num_processes}): random states not restored.",
+            stacklevel=2,
+        )
+    return manifest
+
+
+def _read_model(input_dir: Path, base: str, safe: bool) -> tuple[dict, dict]:
+    """The tensors of one model of a checkpoint and its tied-name record."""
+    path = input_dir / f"{base}.{'safetensors' if safe else 'bin'}"
+    if not path.exists():
+        raise CheckpointError(f"Checkpoint {input_dir} has no weights file {path.name}.")
+    if safe:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    else:
+        tensors = _load(path)
+    tied = input_dir / f"{path.name}.tied.json"
+    return tensors, (json.loads(tied.read_text()) if tied.exists() else {})
+
+
+def _model_for(optimizer: Any, models: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
+    """The prepared model whose parameters ``optimizer`` updates (FSDP needs the pair)."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if any(id(p) in owned for p in model.parameters()):
+            return model
+    return models[0] if models else None

@@ -1,0 +1,313 @@
+"""FSDP2 model sharding on torch's ``fully_shard``: on GPUs with NCCL and on CPUs with gloo.
+
+Entry points (the Accelerator calls these; each also works on its own with a plain optimizer):
+
+- ``shard_model(model, plugin, device)``: wrap the chosen blocks (transformer layer classes, a
+  size threshold or a callable policy), optionally with activation checkpointing, then the root.
+  Parameters become ``DTensor`` shards: each of N ranks holds about 1/N of every tensor.
+- ``rebind_optimizer(optimizer, model)``: an optimizer built *before* ``shard_model`` still
+  points at the old full parameters; this re-points its param groups at the sharded ones (it
+  refuses, with a clear error, an optimizer that already has state).
+- ``is_fsdp_model(model)``.
+
+Checkpoint functions live in ``nbaccel.training.strategies.fsdp_checkpoint`` and are
+re-exported here:
+
+- ``save_fsdp_state(objects, output_dir)`` / ``load_fsdp_state(objects, input_dir)``: the seam
+  ``save_state`` / ``load_state`` call on every rank (``objects`` has ``.models`` and
+  ``.optimizers``); the format follows ``plugin.state_dict_type``.
+- ``get_fsdp_state_dict(model)``: the full state dict gathered on rank 0 (``save_model``,
+  ``get_state_dict``); every rank must call it.
+- ``save_fsdp_model`` / ``load_fsdp_model``, ``save_fsdp_optimizer`` / ``load_fsdp_optimizer``
+  (``SHARDED_STATE_DICT`` through ``torch.distributed.checkpoint``, ``FULL_STATE_DICT`` through
+  rank 0), ``find_model_for_optimizer`` and ``merge_fsdp_weights``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nbaccel.training.strategies.fsdp_checkpoint import (
+    find_model_for_optimizer,
+    get_fsdp_state_dict,
+    load_fsdp_model,
+    load_fsdp_optimizer,
+    load_fsdp_state,
+    merge_fsdp_weights,
+    save_fsdp_model,
+    save_fsdp_optimizer,
+    save_fsdp_state,
+)
+from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+
+__all__ = [
+    "FullyShardedDataParallelPlugin",
+    "find_model_for_optimizer",
+    "get_fsdp_state_dict",
+    "is_fsdp_model",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "load_fsdp_state",
+    "merge_fsdp_weights",
+    "rebind_optimizer",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+    "save_fsdp_state",
+    "shard_model",
+    "sharded_fraction",
+]
+
+_PARAM_MAP = "_nbaccel_fsdp_param_map"
+
+
+def is_fsdp_model(model: Any) -> bool:
+    """True when ``model`` (or the module under ``torch.compile``) was sharded with FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = getattr(model, "_orig_mod", model)
+    return isinstance(inner, FSDPModule)
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """FSDP2 needs a process group: join the launcher's world, or make a private one-rank group."""
+    if dist.is_initialized():
+        return
+    from nbaccel.distributed.state import PartialState
+
+    PartialState()  # initialises the group from torchrun / nbaccel launcher variables
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(minutes=30),
+    )
+
+
+def _class_names(model: nn.Module) -> set[str]:
+    return {type(m).__name__ for m in model.modules()}
+
+
+def _blocks_to_wrap(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[nn.Module]:
+    """The submodules that get their own FSDP unit, innermost first (never the root)."""
+    policy = plugin.auto_wrap_policy
+    if policy is None or policy == "NO_WRAP":
+        return []
+    if callable(policy):
+        chosen = [m for m in model.modules() if m is not model and policy(m)]
+    elif policy == "TRANSFORMER_BASED_WRAP":
+        names = plugin.transformer_cls_names_to_wrap or list(
+            getattr(model, "_no_split_modules", None) or []
+        )
+        if not names:
+            raise ValueError(
+                "auto_wrap_policy='TRANSFORMER_BASED_WRAP' needs transformer_cls_names_to_wrap "
+                "(the model has no _no_split_modules to fall back on)."
+            )
+        missing = set(names) - _class_names(model)
+        if missing:
+            raise ValueError(
+                f"transformer_cls_names_to_wrap names classes that are not in the model: "
+                f"{sorted(missing)}. Classes in the model: {sorted(_class_names(model))}."
+            )
+        chosen = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    else:  # SIZE_BASED_WRAP: bottom-up, a block is wrapped once its unwrapped params reach the bar
+        chosen = []
+        threshold = plugin.min_num_params or 0
+        covered: set[int] = set()
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                visit(child)
+            if module is model:
+                return
+            own = sum(
+                p.numel()
+                for p in module.parameters()
+                if id(p) not in covered and not isinstance(p, nn.parameter.UninitializedParameter)
+            )
+            if own >= threshold and own > 0:
+                chosen.append(module)
+                covered.update(id(p) for p in module.parameters())
+
+        visit(model)
+        return chosen
+    # innermost first: fully_shard must see nested units before their parents
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    return sorted(chosen, key=lambda m: -depth[id(m)])
+
+
+def _apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Swap each block for a checkpoint wrapper around it (state-dict keys are unchanged)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if not blocks:
+        raise ValueError(
+            "activation_checkpointing=True needs blocks to checkpoint: set "
+            "transformer_cls_names_to_wrap, min_num_params or a callable auto_wrap_policy."
+        )
+    wanted = {id(b) for b in blocks}
+    wrapped: dict[int, nn.Module] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in wanted:
+                new = checkpoint_wrapper(child, preserve_rng_state=True)
+                setattr(parent, name, new)
+                wrapped[id(child)] = new
+    return [wrapped.get(id(b), b) for b in blocks]
+
+
+def _rank0_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0's weights before sharding, broadcast into the shards (cpu_ram_efficient_loading)."""
+    if dist.get_rank() != 0:
+        return {}
+    return {k: v for k, v in model.state_dict().items() if not v.is_meta}
+
+
+def shard_model(
+    model: nn.Module,
+    plugin: FullyShardedDataParallelPlugin | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 and return it (it is now an ``FSDPModule``).
+
+    Args:
+        model: the module; on ``meta`` (except on rank 0) when ``cpu_ram_efficient_loading``.
+        plugin: the options (defaults to ``FullyShardedDataParallelPlugin()``).
+        device: where the shards live (``cuda:N`` with NCCL, ``cpu`` with gloo).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    plugin = plugin or FullyShardedDataParallelPlugin()
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if is_fsdp_model(model):
+        return model
+    if device.type == "xla":
+        raise NotImplementedError(
+            "FSDP2 on XLA devices is not supported; on TPUs use the XLA data-parallel path "
+            "(Accelerator() without fsdp_plugin)."
+        )
+    _ensure_process_group(device)
+    old_params = dict(model.named_parameters(remove_duplicate=False))
+    full_state = _rank0_full_state(model) if plugin.cpu_ram_efficient_loading else None
+    if any(p.is_meta for p in model.parameters()):
+        if full_state is None:
+            raise ValueError(
+                "The model has parameters on the meta device; set cpu_ram_efficient_loading=True "
+                "in the FullyShardedDataParallelPlugin so rank 0's weights are broadcast, or "
+                "build the model with real weights on every rank."
+            )
+    else:
+        model.to(device)
+
+    blocks = _blocks_to_wrap(model, plugin)
+    if plugin.activation_checkpointing:
+        blocks = _apply_activation_checkpointing(model, blocks)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward}
+    if plugin.mixed_precision_policy is not None:
+        options["mp_policy"] = plugin.mixed_precision_policy
+    options["offload_policy"] = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if plugin.cpu_offload
+        else OffloadPolicy()
+    )
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+    if full_state is not None:
+        _load_rank0_weights(model, full_state, device)
+    _remember_param_map(model, old_params, dict(model.named_parameters(remove_duplicate=False)))
+    del old_params
+    return model
+
+
+def _load_rank0_weights(model: nn.Module, state: dict[str, torch.Tensor], device: torch.device):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, dict(state), options=options)
+
+
+def _strip_wrapper_prefix(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _remember_param_map(
+    model: nn.Module, old_params: dict[str, nn.Parameter], new_params: dict[str, nn.Parameter]
+) -> None:
+    """Keep ``id(old parameter) -> (weakref(old), new sharded parameter)`` for rebinding.
+
+    The weak reference guards against id reuse: once an old parameter is freed, a new object
+    with the same id must not be mistaken for it.
+    """
+    clean_new = {_strip_wrapper_prefix(n): p for n, p in new_params.items()}
+    mapping = {}
+    for name, old in old_params.items():
+        new = clean_new.get(_strip_wrapper_prefix(name))
+        if new is not None and new is not old:
+            mapping[id(old)] = (weakref.ref(old), new)
+    object.__setattr__(model, _PARAM_MAP, mapping)
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer, models: nn.Module | Iterable[nn.Module]
+) -> int:
+    """Point ``optimizer``'s param groups at the sharded parameters of ``models``.
+
+    An optimizer created before ``shard_model`` holds the old, full parameters; FSDP2 replaces
+    them with ``DTensor`` shards, so without this the optimizer would update tensors nobody uses.
+    Returns how many parameters were re-pointed. Raises when the optimizer already has state for
+    the old parameters (it has stepped: that state cannot be sharded consistently).
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    models = [models] if isinstance(models, nn.Module) else list(models)
+    mapping: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+    for model in models:
+        mapping.update(getattr(getattr(model, "_orig_mod", model), _PARAM_MAP, {}))
+    if not mapping:
+        return 0
+
+    def new_for(p: torch.Tensor) -> nn.Parameter | None:
+        entry = mapping.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else None
+
+    stale = [p for p in inner.state if inner.state[p] and new_for(p) is not None]
+    if stale:
+        raise RuntimeError(
+            "This optimizer already has state (it has stepped) for parameters of a model that was "
+            "then sharded with FSDP2. Create the optimizer before its first step, then call "
+            "accelerator.prepare(model, optimizer) (or shard_model before building it)."
+        )
+    count = 0
+    for group in inner.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            new = new_for(p)
+            if new is not None:
+                params[i] = new
+                count += 1
+    return count
+
+
+def sharded_fraction(model: nn.Module) -> float:
+    """Local elements over global elements of ``model``'s parameters (about 1/N when sharded)."""
+    local = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        local += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return local / max(total, 1)

@@ -1,0 +1,200 @@
+"""``FullyShardedDataParallelPlugin``: the options of FSDP2 model sharding, validated up front.
+
+Pass one to ``Accelerator(fsdp_plugin=...)``; ``nbaccel.training.strategies.fsdp.shard_model``
+reads it. Only
+FSDP2 (torch's ``fully_shard``) is implemented; every option is checked here so that a typo fails
+when the plugin is built, not in the middle of ``prepare`` on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["FullyShardedDataParallelPlugin"]
+
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.strip().lower() in ("1", "true", "yes")
+
+
+def _to_dtype(value: Any, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(
+        f"{what}={value!r} is not a dtype; use a torch.dtype or one of {list(_DTYPES)}."
+    )
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """How ``Accelerator.prepare`` shards a model with FSDP2 (torch's ``fully_shard``).
+
+    Args:
+        fsdp_version: must be 2; FSDP1 (``FullyShardedDataParallel``) is not supported.
+        reshard_after_forward: free the gathered parameters after forward (ZeRO-3, the default)
+            or keep them until backward (ZeRO-2-like, more memory, less communication).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        mixed_precision_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, a dict of its
+            fields (dtypes may be strings such as ``"bf16"``), a dtype string for both param and
+            reduce dtypes, or None (``Accelerator(mixed_precision="bf16")`` then fills it in).
+        auto_wrap_policy: ``"TRANSFORMER_BASED_WRAP"``, ``"SIZE_BASED_WRAP"``, ``"NO_WRAP"``, or a
+            callable ``policy(module) -> bool`` choosing the submodules that get their own shard
+            group. None picks transformer-based when layer class names are known, size-based when
+            ``min_num_params`` is set, and otherwise only the root is sharded.
+        transformer_cls_names_to_wrap: layer class names (list or comma-separated string); the
+            model's ``_no_split_modules`` is used when this is None and transformer wrapping is on.
+        min_num_params: size threshold for ``SIZE_BASED_WRAP`` (default 100 million).
+        activation_checkpointing: recompute the activations of every wrapped block in backward.
+        state_dict_type: ``"FULL_STATE_DICT"`` (gathered on rank 0) or ``"SHARDED_STATE_DICT"``
+            (one ``torch.distributed.checkpoint`` directory, each rank writing its shard).
+        cpu_ram_efficient_loading: only rank 0 holds real weights before sharding; the others
+            may build the model on the ``meta`` device and receive rank 0's values while sharding.
+    """
+
+    fsdp_version: int = 2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    mixed_precision_policy: Any = None
+    auto_wrap_policy: str | Callable[[torch.nn.Module], bool] | None = None
+    transformer_cls_names_to_wrap: list[str] | str | None = None
+    min_num_params: int | None = None
+    activation_checkpointing: bool = False
+    state_dict_type: str = "FULL_STATE_DICT"
+    cpu_ram_efficient_loading: bool = False
+
+    def __post_init__(self) -> None:
+        self.fsdp_version = int(os.environ.get("FSDP_VERSION", self.fsdp_version))
+        if self.fsdp_version == 1:
+            raise NotImplementedError(
+                "fsdp_version=1 (FullyShardedDataParallel) is not supported by nbaccel: only FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) is. Use fsdp_version=2."
+            )
+        if self.fsdp_version != 2:
+            raise ValueError(f"fsdp_version must be 2 (FSDP2), not {self.fsdp_version!r}.")
+        for name in ("reshard_after_forward", "cpu_offload", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}.")
+        flag = _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+        if flag is not None:
+            self.cpu_ram_efficient_loading = flag
+        self.state_dict_type = self._check_state_dict_type(self.state_dict_type)
+        self.transformer_cls_names_to_wrap = self._check_cls_names(
+            self.transformer_cls_names_to_wrap
+        )
+        if self.min_num_params is not None and (
+            not isinstance(self.min_num_params, int) or self.min_num_params < 0
+        ):
+            raise ValueError(
+                f"min_num_params must be a non-negative int, not {self.min_num_params!r}."
+            )
+        self.auto_wrap_policy = self._check_auto_wrap(self.auto_wrap_policy)
+        self.mixed_precision_policy = self._check_mixed_precision(self.mixed_precision_policy)
+
+    # -- validation -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_state_dict_type(value: Any) -> str:
+        text = getattr(value, "name", value)  # accepts torch's StateDictType enum too
+        text = str(text).upper()
+        if text == "LOCAL_STATE_DICT":
+            raise NotImplementedError(
+                "state_dict_type='LOCAL_STATE_DICT' is an FSDP1 format; with FSDP2 use "
+                "'SHARDED_STATE_DICT' (torch.distributed.checkpoint) or 'FULL_STATE_DICT'."
+            )
+        if text not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type must be one of {STATE_DICT_TYPES}, not {value!r}.")
+        return text
+
+    @staticmethod
+    def _check_cls_names(value: Any) -> list[str] | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
+            raise TypeError(
+                "transformer_cls_names_to_wrap must be a list of class names or a comma-separated "
+                f"string, not {value!r}."
+            )
+        return list(value)
+
+    def _check_auto_wrap(self, value: Any) -> str | Callable | None:
+        if value is None:
+            if self.transformer_cls_names_to_wrap:
+                return "TRANSFORMER_BASED_WRAP"
+            if self.min_num_params is not None:
+                return "SIZE_BASED_WRAP"
+            return None
+        if callable(value):
+            return value
+        text = str(value).upper()
+        aliases = {"TRANSFORMER": "TRANSFORMER_BASED_WRAP", "SIZE": "SIZE_BASED_WRAP"}
+        text = aliases.get(text, text)
+        if text not in AUTO_WRAP_POLICIES:
+            raise ValueError(
+                f"auto_wrap_policy must be one of {AUTO_WRAP_POLICIES} or a callable, "
+                f"not {value!r}."
+            )
+        if text == "SIZE_BASED_WRAP" and self.min_num_params is None:
+            self.min_num_params = 100_000_000
+        return text
+
+    @staticmethod
+    def _check_mixed_precision(value: Any) -> Any:
+        if value is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if isinstance(value, MixedPrecisionPolicy):
+            return value
+        if isinstance(value, str | torch.dtype):
+            dtype = _to_dtype(value, "mixed_precision_policy")
+            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        if isinstance(value, dict):
+            known = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
+            unknown = set(value) - known
+            if unknown:
+                raise ValueError(
+                    f"Unknown mixed_precision_policy keys {sorted(unknown)}; use {sorted(known)}."
+                )
+            kwargs = {
+                k: (v if k == "cast_forward_inputs" else _to_dtype(v, k)) for k, v in value.items()
+            }
+            return MixedPrecisionPolicy(**kwargs)
+        raise TypeError(
+            "mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields or a "
+            f"dtype, not {type(value).__name__}."
+        )
+
+    # -- helpers used by shard_model ------------------------------------------------------------
+    def set_mixed_precision(self, mixed_precision: str) -> None:
+        """Fill the policy from ``Accelerator(mixed_precision=...)`` when none was given."""
+        if self.mixed_precision_policy is None and mixed_precision in ("bf16", "fp16"):
+            dtype = _DTYPES[mixed_precision]
+            self.mixed_precision_policy = self._check_mixed_precision(
+                {"param_dtype": dtype, "reduce_dtype": torch.float32}
+            )
+
+    @property
+    def is_sharded_state_dict(self) -> bool:
+        return self.state_dict_type == "SHARDED_STATE_DICT"

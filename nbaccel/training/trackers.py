@@ -1,0 +1,265 @@
+"""Experiment trackers: one interface, a registry by name, two built-ins.
+
+``GeneralTracker`` is the interface (``name``, ``requires_logging_directory``, ``tracker``,
+``store_init_configuration``, ``log``, ``finish``). Built in: ``"jsonl"`` (one JSON object per
+line in ``<logging_dir>/<run_name>/metrics.jsonl``, no dependencies) and ``"tensorboard"`` (when
+``torch.utils.tensorboard`` can be imported). Other packages add theirs with
+:func:`register_tracker` (the notebook widgets register ``"notebook"``). Trackers run on the main
+process only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "GeneralTracker",
+    "JSONLinesTracker",
+    "LoggerType",
+    "TensorBoardTracker",
+    "TrackerSet",
+    "available_trackers",
+    "filter_trackers",
+    "register_tracker",
+]
+
+
+class LoggerType:
+    """Tracker names known to nbaccel (strings; plug-ins may add more)."""
+
+    ALL = "all"
+    JSONL = "jsonl"
+    TENSORBOARD = "tensorboard"
+    NOTEBOOK = "notebook"
+
+
+class GeneralTracker:
+    """Base class of trackers.
+
+    Subclasses set ``name`` and ``requires_logging_directory``, take ``run_name`` (and
+    ``logging_dir`` when they need one) in ``__init__``, and implement ``log``.
+    """
+
+    name: str = "general"
+    requires_logging_directory: bool = False
+    main_process_only: bool = True
+
+    def __init__(self, run_name: str = "run", **kwargs: Any) -> None:
+        self.run_name = run_name
+
+    @property
+    def tracker(self) -> Any:
+        """The underlying library object (the run, the writer...)."""
+        return None
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        """Record the run's hyper-parameters once, at the start."""
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Record ``values`` (scalars, or anything the tracker accepts) at ``step``."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Flush and close."""
+
+
+def _plain(value: Any) -> Any:
+    """Tensors and numpy scalars as Python numbers, so they serialise."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class JSONLinesTracker(GeneralTracker):
+    """Append one JSON object per ``log`` call to ``<logging_dir>/<run_name>/metrics.jsonl``."""
+
+    name = "jsonl"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__(run_name)
+        self.directory = Path(logging_dir) / run_name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in finish
+
+    @property
+    def tracker(self) -> Any:
+        return self._file
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        (self.directory / "config.json").write_text(json.dumps(_plain(values), default=str))
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        record = {"step": step, "time": time.time(), **_plain(dict(values))}
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+
+    def finish(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorBoardTracker(GeneralTracker):
+    """Scalars (and dicts of scalars) to TensorBoard event files under ``logging_dir/run_name``."""
+
+    name = "tensorboard"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        super().__init__(run_name)
+        self.writer = SummaryWriter(os.path.join(logging_dir, run_name), **kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.writer
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        self.writer.add_hparams(_plain(values), metric_dict={})
+        self.writer.flush()
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        for key, value in _plain(dict(values)).items():
+            if isinstance(value, int | float):
+                self.writer.add_scalar(key, value, global_step=step, **kwargs)
+            elif isinstance(value, str):
+                self.writer.add_text(key, value, global_step=step, **kwargs)
+            elif isinstance(value, dict):
+                self.writer.add_scalars(key, value, global_step=step, **kwargs)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+def _tensorboard_available() -> bool:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_REGISTRY: dict[str, tuple[type[GeneralTracker], Any]] = {
+    "jsonl": (JSONLinesTracker, lambda: True),
+    "tensorboard": (TensorBoardTracker, _tensorboard_available),
+}
+
+
+def register_tracker(name: str, tracker_cls: type[GeneralTracker], available: Any = None) -> None:
+    """Make ``log_with=name`` build ``tracker_cls``; ``available()`` says if it can run here."""
+    _REGISTRY[name] = (tracker_cls, available or (lambda: True))
+
+
+def available_trackers() -> list[str]:
+    """Names of the registered trackers that can run in this environment."""
+    return [name for name, (_cls, ok) in _REGISTRY.items() if ok()]
+
+
+def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
+    """Resolve ``log_with`` into tracker names and instances (``"all"`` = every available)."""
+    if log_with is None:
+        return []
+    items = log_with if isinstance(log_with, list | tuple) else [log_with]
+    resolved: list[Any] = []
+    for item in items:
+        if isinstance(item, GeneralTracker):
+            resolved.append(item)
+            continue
+        name = str(getattr(item, "value", item)).lower()
+        if name == "all":
+            resolved += [n for n in available_trackers() if n not in resolved]
+            continue
+        if name not in _REGISTRY:
+            raise ValueError(f"Unknown tracker {name!r}; registered: {sorted(_REGISTRY)}.")
+        cls, ok = _REGISTRY[name]
+        if not ok():
+            raise ImportError(f"Tracker {name!r} is not available here (its package is missing).")
+        if cls.requires_logging_directory and logging_dir is None:
+            raise ValueError(
+                f"Tracker {name!r} writes files: pass project_dir= (or a ProjectConfiguration "
+                "with logging_dir) to Accelerator."
+            )
+        if name not in resolved:
+            resolved.append(name)
+    return resolved
+
+
+def build_tracker(name: str, run_name: str, logging_dir: str | None, **kwargs: Any) -> Any:
+    """Instantiate a registered tracker by name."""
+    cls, _ok = _REGISTRY[name]
+    if cls.requires_logging_directory:
+        return cls(run_name, logging_dir=logging_dir, **kwargs)
+    return cls(run_name, **kwargs)
+
+
+class _InactiveTracker(GeneralTracker):
+    """What ``get_tracker`` returns on processes that do not track: every call does nothing."""
+
+    name = "inactive"
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        return None
+
+
+class TrackerSet:
+    """The trackers of one accelerator: built on the main process only, used by name."""
+
+    def __init__(self, log_with: Any, logging_dir: str | None, is_main_process: bool) -> None:
+        self.wanted = filter_trackers(log_with, logging_dir)
+        self.logging_dir = logging_dir
+        self.is_main_process = is_main_process
+        self.trackers: list[GeneralTracker] = []
+
+    def init(self, project_name: str, config: dict | None, init_kwargs: dict | None) -> None:
+        init_kwargs = init_kwargs or {}
+        for item in self.wanted:
+            if isinstance(item, GeneralTracker):
+                tracker = item
+            elif self.is_main_process:
+                tracker = build_tracker(
+                    item, project_name, self.logging_dir, **init_kwargs.get(item, {})
+                )
+            else:
+                continue
+            if self.is_main_process or not tracker.main_process_only:
+                self.trackers.append(tracker)
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def log(self, values: dict[str, Any], step: int | None, log_kwargs: dict | None) -> None:
+        log_kwargs = log_kwargs or {}
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+
+    def get(self, name: str, unwrap: bool = False) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if self.is_main_process and any(getattr(w, "name", w) == name for w in self.wanted):
+            raise ValueError(f"Tracker {name!r} is not started yet: call init_trackers() first.")
+        if self.is_main_process:
+            raise ValueError(
+                f"No tracker named {name!r}; started: {[t.name for t in self.trackers]}."
+            )
+        return _InactiveTracker()
+
+    def finish(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+
+# The notebook widgets register the "notebook" tracker (live plots); imported last on purpose.
+from nbaccel.notebook.rank import tracker as _notebook_tracker  # noqa: E402,F401
