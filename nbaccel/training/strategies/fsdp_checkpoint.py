@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nbaccel.distributed.state import AcceleratorState
+
 __all__ = [
     "find_model_for_optimizer",
     "get_fsdp_state_dict",
@@ -217,10 +219,8 @@ def load_fsdp_optimizer(
 def _plugin(plugin: Any) -> Any:
     if plugin is not None:
         return plugin
-    from nbaccel.distributed.state import AcceleratorState
-
-    state = AcceleratorState._shared_state
-    return state.get("fsdp_plugin")
+    state = AcceleratorState.current()
+    return None if state is None else state.fsdp_plugin
 
 
 def save_fsdp_state(objects: Any, output_dir: str | os.PathLike, plugin: Any = None) -> list[str]:
