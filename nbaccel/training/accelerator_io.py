@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.storage.weights import save_model_weights
+from nbaccel.storage.weights import save_model_weights, write_safetensors
 from nbaccel.training.checkpoint import Checkpointables, load_checkpoint, save_checkpoint
 
 __all__ = ["StateIOMixin"]
@@ -59,9 +59,7 @@ class StateIOMixin:
         f = Path(f)
         tmp = f.with_name(f".{f.name}.partial")
         if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in obj.items()}, str(tmp), {"format": "pt"})
+            write_safetensors(obj, tmp)
         else:
             torch.save(obj, tmp)
         os.replace(tmp, f)

@@ -30,7 +30,7 @@ import torch
 from nbaccel.distributed.random import get_rng_states, set_rng_states
 from nbaccel.distributed.state import PartialState
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover, staging_path
-from nbaccel.storage.weights import write_weights
+from nbaccel.storage.weights import read_weights, write_weights
 from nbaccel.training.strategies.base import Strategy
 
 __all__ = ["CheckpointError", "Checkpointables", "load_checkpoint", "save_checkpoint"]
@@ -239,18 +239,11 @@ def load_checkpoint(
 
 
 def _read_model(input_dir: Path, base: str, safe: bool) -> tuple[dict, dict]:
-    """The tensors of one model of a checkpoint and its tied-name record."""
+    """The tensors of one model of a checkpoint and its tie record."""
     path = input_dir / f"{base}.{'safetensors' if safe else 'bin'}"
     if not path.exists():
         raise CheckpointError(f"Checkpoint {input_dir} has no weights file {path.name}.")
-    if safe:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(path))
-    else:
-        tensors = _load(path)
-    tied = input_dir / f"{path.name}.tied.json"
-    return tensors, (json.loads(tied.read_text()) if tied.exists() else {})
+    return read_weights(path)
 
 
 def _model_for(optimizer: Any, models: Sequence[torch.nn.Module]) -> torch.nn.Module | None:

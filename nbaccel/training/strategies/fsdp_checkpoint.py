@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nbaccel.distributed.state import AcceleratorState
+from nbaccel.storage.weights import write_safetensors
 
 __all__ = [
     "find_model_for_optimizer",
@@ -302,9 +303,7 @@ def merge_fsdp_weights(
             state = {k[len("model.") :]: v for k, v in state.items()}
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in state.items()}, str(target), {"format": "pt"})
+            write_safetensors(state, target)
         else:
             torch.save(state, target)
         if remove_checkpoint_dir:
