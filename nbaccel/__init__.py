@@ -36,6 +36,7 @@ from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
 from nbaccel.launch.launcher import debug_launcher, notebook_launcher
 from nbaccel.launch.transport import UnpicklableError
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
+from nbaccel.notebook.rank import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.training.accelerator import Accelerator
 from nbaccel.training.batch_size import find_executable_batch_size
 from nbaccel.training.configuration import (

@@ -65,9 +65,9 @@ from nbaccel.training.kwargs_handlers import (
     ProfileKwargs,
 )
 from nbaccel.training.precision import convert_outputs_to_fp32, convert_to_fp32
-from nbaccel.training.strategies.ddp import extract_model_from_parallel
 from nbaccel.training.strategies.fsdp_checkpoint import merge_fsdp_weights
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.wrappers import extract_model_from_parallel
 from nbaccel.training.trackers import GeneralTracker, LoggerType
 
 __all__ = [

@@ -3,14 +3,15 @@
 Checkpoints: one ``.safetensors`` / ``.bin`` / ``.pt`` file, or a folder with an index
 (``*.index.json`` with a ``weight_map``, or a plain ``{name: file}`` json) and its shards. Keys are
 compared with the model before any tensor is read: ``strict=True`` refuses mismatches, and every
-loading error lists the missing and unexpected keys. Tied weights are filled from whichever name
-the checkpoint has and stay tied. Disk-mapped tensors from safetensors are indexed in place, not
-copied; from ``.bin`` they are written once as safetensors into ``offload_folder``.
+loading error lists the missing and unexpected keys. Files, indexes and tied names follow
+:mod:`nbaccel.storage.weights`: tied weights (the model's ties and the checkpoint's tie record)
+are filled from whichever name the checkpoint has and stay tied. Disk-mapped tensors from
+safetensors are indexed in place, not copied; from ``.bin`` they are written once as safetensors
+into ``offload_folder``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -22,76 +23,19 @@ from torch import nn
 from nbaccel.bigmodel import offload as _offload
 from nbaccel.bigmodel.device_map import _lookup, get_device_map
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
-from nbaccel.bigmodel.offload import SafetensorsFile, save_offload_index
+from nbaccel.bigmodel.offload import save_offload_index
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.tied_parameters import find_tied_parameters
+from nbaccel.storage.safetensors_file import SafetensorsFile
+from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record, tied_twins
 
 __all__ = ["CheckpointMismatchError", "load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 
 logger = logging.getLogger(__name__)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 class CheckpointMismatchError(RuntimeError):
     """A checkpoint's keys or shapes do not match the model."""
-
-
-def _checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, list[str] | None]:
-    """{file: keys (None when only known after loading)} for a file, or a folder with an index."""
-    path = Path(checkpoint)
-    if path.is_file():
-        if path.suffix == ".json":
-            return _from_index(path)
-        return {str(path): None}
-    if not path.is_dir():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-    indexes = sorted(path.glob("*.index.json")) or sorted(path.glob("index.json"))
-    if len(indexes) > 1:
-        safetensors_ones = [p for p in indexes if "safetensors" in p.name]
-        indexes = safetensors_ones[:1] or indexes[:1]
-    if indexes:
-        return _from_index(indexes[0])
-    weights = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
-    safetensors = [p for p in weights if p.suffix == ".safetensors"]
-    weights = safetensors or weights
-    if len(weights) != 1:
-        raise ValueError(
-            f"{str(path)!r} holds {len(weights)} weight files and no index: pass one file, or a "
-            "folder with a '*.index.json' mapping each tensor name to its shard."
-        )
-    return {str(weights[0]): None}
-
-
-def _from_index(index_path: Path) -> dict[str, list[str]]:
-    with open(index_path) as f:
-        data = json.load(f)
-    weight_map = data.get("weight_map", data)
-    if not isinstance(weight_map, Mapping) or not all(
-        isinstance(v, str) for v in weight_map.values()
-    ):
-        raise ValueError(
-            f"{index_path} is not a checkpoint index (no 'weight_map' of name -> file)."
-        )
-    files: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        files.setdefault(str(index_path.parent / shard), []).append(name)
-    return files
-
-
-def _load_torch_file(path: str) -> Mapping[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    if (
-        isinstance(state, Mapping)
-        and "state_dict" in state
-        and isinstance(state["state_dict"], Mapping)
-    ):
-        state = state["state_dict"]
-    if not isinstance(state, Mapping):
-        raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__}).")
-    return state
 
 
 def _fmt(keys: list[str], limit: int = 30) -> str:
@@ -165,16 +109,15 @@ def load_checkpoint_in_model(
         for leaf, b in mod._buffers.items():
             if b is not None and leaf not in mod._non_persistent_buffers_set:
                 owners[pre + leaf] = (mod, leaf, False)
-    tied = {name: group for group in find_tied_parameters(model) for name in group}
+    twins = tied_twins(find_tied_parameters(model), tie_record(checkpoint))
+    tied = {n: [t for t in g if t in owners] for n, g in twins.items() if n in owners}
 
-    files = _checkpoint_files(checkpoint)
+    files = checkpoint_files(checkpoint)
     opened: dict[str, SafetensorsFile | Mapping[str, torch.Tensor]] = {}
     ckpt_keys: list[str] = []
     for path, keys in files.items():
         if keys is None:
-            handle = (
-                SafetensorsFile(path) if path.endswith(".safetensors") else _load_torch_file(path)
-            )
+            handle = open_weights(path)
             opened[path] = handle
             keys = list(handle.keys())
             files[path] = keys
@@ -197,9 +140,7 @@ def load_checkpoint_in_model(
     for path, keys in files.items():
         handle = opened.pop(path, None)
         if handle is None:
-            handle = (
-                SafetensorsFile(path) if path.endswith(".safetensors") else _load_torch_file(path)
-            )
+            handle = open_weights(path)
         to_write: dict[str, torch.Tensor] = {}
         for key in keys:
             if key not in owners or key in placed:

@@ -1,7 +1,7 @@
 """Where offloaded weights live between forwards, and how they come back in time.
 
-- :class:`SafetensorsFile` reads a safetensors file in place: tensors are zero-copy views of a
-  private memory map (or exact-size ``pread`` copies when loading into memory). A checkpoint in
+- :class:`~nbaccel.storage.safetensors_file.SafetensorsFile` reads a safetensors file in place
+  (zero-copy views of a private memory map, or exact-size ``pread`` copies). A checkpoint in
   safetensors is therefore never rewritten to offload it; other formats are written once, as
   safetensors, into the offload folder (:func:`offload_state_dict`).
 - :class:`OffloadedWeightsLoader` is the name -> tensor mapping the hooks read from: in-memory
@@ -14,16 +14,16 @@
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
-import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nbaccel.storage.safetensors_file import SafetensorsFile
+from nbaccel.storage.weights import drop_tied_aliases, write_safetensors
 
 __all__ = [
     "OffloadedWeightsLoader",
@@ -37,22 +37,6 @@ __all__ = [
 ]
 
 INDEX_NAME = "index.json"
-_PAGE = mmap.PAGESIZE
-_MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the pages in without touching them from Python
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 def _dtype_from_str(name: str) -> torch.dtype:
@@ -60,92 +44,6 @@ def _dtype_from_str(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"Unknown dtype {name!r} in an offload index.")
     return dtype
-
-
-class SafetensorsFile:
-    """One safetensors file, read lazily: the header on open, tensor bytes only when asked."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        base = 8 + header_len
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for name, info in header.items():
-            if info["dtype"] not in _ST_DTYPES:
-                raise ValueError(
-                    f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}."
-                )
-            begin, end = info["data_offsets"]
-            self.entries[name] = (
-                _ST_DTYPES[info["dtype"]],
-                tuple(info["shape"]),
-                base + begin,
-                base + end,
-            )
-        self._mm: mmap.mmap | None = None
-        self._lock = threading.Lock()
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            with self._lock:
-                if self._mm is None:
-                    with open(self.path, "rb") as f:
-                        # Private copy-on-write mapping: writable views for torch, file untouched.
-                        self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._mm
-
-    def view(self, name: str) -> torch.Tensor:
-        """Zero-copy tensor over the mapped file (pages are read when touched)."""
-        dtype, shape, begin, end = self.entries[name]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        count = (end - begin) // itemsize
-        if count == 0:
-            return torch.empty(shape, dtype=dtype)
-        if begin % itemsize:
-            return self.read(name)
-        return torch.frombuffer(self._map(), dtype=dtype, count=count, offset=begin).view(shape)
-
-    def read(self, name: str) -> torch.Tensor:
-        """A fresh in-memory copy, read with ``pread`` straight into the tensor (no mapping)."""
-        dtype, shape, begin, end = self.entries[name]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin:
-            view = memoryview(buf.numpy())
-            done = 0
-            with open(self.path, "rb", buffering=0) as f:
-                fd = f.fileno()
-                while done < end - begin:
-                    n = os.preadv(fd, [view[done:]], begin + done)
-                    if n <= 0:
-                        raise OSError(f"{self.path}: file ends inside tensor {name!r}.")
-                    done += n
-        return buf.view(dtype).view(shape)
-
-    def advise(self, name: str, populate: bool) -> None:
-        """Page the tensor's bytes in (``populate``) or drop them from this process's mapping."""
-        if self._mm is None:
-            return
-        _, _, begin, end = self.entries[name]
-        start = begin - begin % _PAGE
-        length = end - start
-        if length <= 0:
-            return
-        try:
-            if populate:
-                try:
-                    self._mm.madvise(_MADV_POPULATE_READ, start, length)
-                except OSError:
-                    self._mm.madvise(mmap.MADV_WILLNEED, start, length)
-            else:
-                self._mm.madvise(mmap.MADV_DONTNEED, start, length)
-        except (OSError, ValueError):
-            pass
 
 
 class OffloadedWeightsLoader(Mapping):
@@ -289,43 +187,21 @@ def offload_state_dict(
 ) -> dict[str, dict[str, Any]]:
     """Write ``state_dict`` once as one safetensors file in ``save_dir`` and index it.
 
-    Tensors sharing memory (tied weights) are stored once and indexed under every name.
+    Tensors sharing memory (tied weights) are stored once (``storage.weights``' convention) and
+    indexed under every name.
     """
-    from safetensors.torch import save_file
-
     os.makedirs(save_dir, exist_ok=True)
-    unique: dict[str, torch.Tensor] = {}
-    alias: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    storages: dict[int, int] = {}
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach()
-        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        if tensor.numel() and key in seen:
-            alias[name] = seen[key]
-            continue
-        seen[key] = name
-        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-        storages[ptr] = storages.get(ptr, 0) + 1
-        unique[name] = tensor
-    # safetensors refuses tensors that share a storage: copy the (rare) partial views.
-    out = {}
-    for name, tensor in unique.items():
-        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-        tensor = tensor.to("cpu")
-        out[name] = (
-            tensor.clone() if storages.get(ptr, 0) > 1 and ptr != -1 else tensor.contiguous()
-        )
-    save_file(out, os.path.join(save_dir, file_name))
+    unique, aliases = drop_tied_aliases({k: v.detach() for k, v in state_dict.items()})
+    write_safetensors(unique, os.path.join(save_dir, file_name))
     index = {}
-    for name, tensor in out.items():
+    for name, tensor in unique.items():
         index[name] = {
             "safetensors_file": file_name,
             "weight_name": name,
             "dtype": str(tensor.dtype).replace("torch.", ""),
             "shape": list(tensor.shape),
         }
-    for name, target in alias.items():
+    for name, target in aliases.items():
         index[name] = dict(index[target])
     save_offload_index(index, save_dir)
     return index

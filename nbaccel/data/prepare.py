@@ -2,7 +2,8 @@
 
 ``prepare_data_loader`` rebuilds the loader (torch does not let a batch sampler be swapped) with
 the same options, a sharded batch sampler (or an ``IterableDatasetShard``, or a dispatcher), a
-shuffling generator every rank can synchronise, and the device placement options.
+shuffling generator every rank can synchronise, and the device placement options; on an XLA
+device the result is wrapped in torch-xla's background loader (:mod:`nbaccel.data.xla_loader`).
 ``skip_first_batches`` gives a loader that starts ``num_batches`` into the current epoch.
 """
 
@@ -16,8 +17,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from nbaccel.data.iterable import IterableDatasetShard
 from nbaccel.data.loaders import DataLoaderDispatcher, DataLoaderShard
 from nbaccel.data.samplers import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
+from nbaccel.data.xla_loader import wrap_for_device
 from nbaccel.distributed.collectives import broadcast_object_list
-from nbaccel.distributed.state import DistributedType, PartialState
+from nbaccel.distributed.state import PartialState
 
 __all__ = ["prepare_data_loader", "skip_first_batches"]
 
@@ -125,7 +127,7 @@ def prepare_data_loader(
             **options,
         )
         loader.total_batch_size = global_batch
-        return _xla_wrap(loader, state)
+        return wrap_for_device(loader, state.device)
 
     generator = None
     remainder, total_batch_size = -1, None
@@ -171,18 +173,7 @@ def prepare_data_loader(
         **source,
         **options,
     )
-    return _xla_wrap(loader, state)
-
-
-def _xla_wrap(loader: DataLoader, state: PartialState) -> DataLoader:
-    """XLA seam: torch-xla's parallel loader (``nbaccel.training.strategies.xla``)."""
-    if state.distributed_type != DistributedType.XLA:
-        return loader
-    try:
-        from nbaccel.training.strategies.xla import wrap_dataloader
-    except ImportError:
-        return loader  # batches still reach the XLA device through send_to_device
-    return wrap_dataloader(loader, state.device)
+    return wrap_for_device(loader, state.device)
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:

@@ -2,7 +2,8 @@
 
 Every collective first compares the shapes every rank holds (one small object gather) and raises
 a :class:`ShapeMismatchError` naming each rank's shapes, instead of hanging or crashing inside the
-backend. On a single process they return their input unchanged.
+backend. On a single process they return their input unchanged. The tensors travel through the
+run's :class:`~nbaccel.distributed.comm.Communicator` (``PartialState().communicator``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nbaccel.distributed.state import DistributedType, PartialState
+from nbaccel.distributed.state import PartialState
 
 __all__ = [
     "ShapeMismatchError",
@@ -117,8 +117,7 @@ def _exchange_signatures(data: Any, operation: str, same_shapes: bool, hint: str
     rank sees the same signatures, so every rank raises the same error and none is left waiting.
     """
     mine = _signature(data)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = _state().communicator.exchange_objects(mine, "nbaccel.signatures")
 
     def key(sig: _Signature) -> list:
         if same_shapes:
@@ -155,36 +154,15 @@ def _check_same_shapes(data: Any, operation: str, dims_must_match: bool = True) 
     _exchange_signatures(data, operation, same_shapes=True, hint=hint)
 
 
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _uses_torch_distributed(state: PartialState) -> bool:
-    return state.num_processes > 1 and state.distributed_type != DistributedType.XLA
-
-
 def gather(tensor: Any) -> Any:
     """Gather tensors (nested) from every process and concatenate them on the first dimension."""
     state = _state()
-    if state.distributed_type == DistributedType.XLA and state.num_processes > 1:
-        import torch_xla.core.xla_model as xm
-
-        return recursively_apply(lambda t: xm.all_gather(t, dim=0), tensor)
-    if not _uses_torch_distributed(state):
+    if state.num_processes <= 1:
         return tensor
-    _check_same_shapes(tensor, "gather")
-
-    def _gather_one(t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        if t.ndim == 0:
-            t = t.reshape(1)
-        out = torch.empty(
-            (state.num_processes * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device
-        )
-        _all_gather_single(out, t)
-        return out
-
-    return recursively_apply(_gather_one, tensor, error_on_other_type=True)
+    comm = state.communicator
+    if comm.checks_shapes:
+        _check_same_shapes(tensor, "gather")
+    return recursively_apply(comm.all_gather, tensor, error_on_other_type=comm.checks_shapes)
 
 
 def gather_object(obj: Any) -> list[Any]:
@@ -192,13 +170,7 @@ def gather_object(obj: Any) -> list[Any]:
     state = _state()
     if state.num_processes <= 1:
         return list(obj) if isinstance(obj, list | tuple) else [obj]
-    if state.distributed_type == DistributedType.XLA:
-        from nbaccel.training.strategies.xla import exchange_objects
-
-        every = exchange_objects(obj, "nbaccel.gather_object")
-    else:
-        every = [None] * state.num_processes
-        dist.all_gather_object(every, obj)
+    every = state.communicator.exchange_objects(obj, "nbaccel.gather_object")
     if all(isinstance(o, list | tuple) for o in every):
         return [item for o in every for item in o]
     return every
@@ -212,22 +184,18 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', not {reduction!r}.")
     state = _state()
+    communicate = reduction != "none" and state.num_processes > 1
 
     def _reduce_one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
-        if reduction == "none" or state.num_processes <= 1:
+        if not communicate:
             return out * scale if scale != 1.0 else out
-        if state.distributed_type == DistributedType.XLA:
-            import torch_xla.core.xla_model as xm
-
-            out = xm.all_reduce("sum", out)
-        else:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out = state.communicator.all_reduce_sum(out)
         if reduction == "mean":
             out = out / state.num_processes
         return out * scale if scale != 1.0 else out
 
-    if _uses_torch_distributed(state) and reduction != "none":
+    if communicate and state.communicator.checks_shapes:
         _check_same_shapes(tensor, "reduce", dims_must_match=False)
     return recursively_apply(_reduce_one, tensor, error_on_other_type=True)
 
@@ -242,21 +210,13 @@ def _check_source(from_process: int, num_processes: int) -> None:
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Broadcast (nested) tensors from ``from_process`` to every process, in place."""
     state = _state()
-    if state.distributed_type == DistributedType.XLA and state.num_processes > 1:
-        from nbaccel.training.strategies.xla import broadcast_
-
-        _check_source(from_process, state.num_processes)
-        return recursively_apply(broadcast_, tensor, from_process, error_on_other_type=True)
-    if not _uses_torch_distributed(state):
+    if state.num_processes <= 1:
         return tensor
     _check_source(from_process, state.num_processes)
-    _check_same_shapes(tensor, "broadcast", dims_must_match=False)
-
-    def _broadcast_one(t: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(t, src=from_process)
-        return t
-
-    return recursively_apply(_broadcast_one, tensor, error_on_other_type=True)
+    comm = state.communicator
+    if comm.checks_shapes:
+        _check_same_shapes(tensor, "broadcast", dims_must_match=False)
+    return recursively_apply(comm.broadcast_, tensor, from_process, error_on_other_type=True)
 
 
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
@@ -264,12 +224,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     state = _state()
     if state.num_processes > 1:
         _check_source(from_process, state.num_processes)
-        if state.distributed_type == DistributedType.XLA:
-            from nbaccel.training.strategies.xla import exchange_objects
-
-            object_list[:] = exchange_objects(list(object_list), "nbaccel.bcast")[from_process]
-            return object_list
-        dist.broadcast_object_list(object_list, src=from_process)
+        state.communicator.broadcast_objects(object_list, from_process)
     return object_list
 
 
@@ -278,7 +233,7 @@ def pad_across_processes(
 ) -> Any:
     """Pad (nested) tensors on ``dim`` to the largest size any process holds."""
     state = _state()
-    if not _uses_torch_distributed(state):
+    if state.num_processes <= 1 or not state.communicator.checks_shapes:
         return tensor
 
     every = _exchange_signatures(tensor, "pad_across_processes", same_shapes=False)

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nbaccel.distributed.state import DistributedType, PartialState
+from nbaccel.distributed import xla_runtime
+from nbaccel.distributed.state import PartialState
 
 __all__ = [
     "get_rng_states",
@@ -29,17 +29,6 @@ __all__ = [
 ]
 
 
-def _broadcast_bytes(state: torch.Tensor, partial: PartialState) -> torch.Tensor:
-    """Broadcast a uint8 state tensor from rank 0 (through the device for NCCL)."""
-    if partial.backend == "nccl":
-        on_device = state.to(partial.device)
-        dist.broadcast(on_device, src=0)
-        return on_device.cpu()
-    state = state.clone()
-    dist.broadcast(state, src=0)
-    return state
-
-
 def synchronize_rng_state(rng_type: str, generator: torch.Generator | None = None) -> None:
     """Give every process rank 0's state of one generator: torch, cuda, xla or generator."""
     partial = PartialState()
@@ -47,22 +36,18 @@ def synchronize_rng_state(rng_type: str, generator: torch.Generator | None = Non
     if partial.num_processes <= 1:
         return
     if rng_type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        seed = torch.tensor(xm.get_rng_state(), device=partial.device)
-        seed = xm.all_reduce("sum", seed if partial.is_main_process else seed * 0)
-        xm.set_rng_state(int(seed.item()))
+        xla_runtime.synchronize_rng_state(partial.device, partial.is_main_process)
         return
-    if partial.distributed_type == DistributedType.XLA:
-        return  # torch-xla collectives only; the generators below need torch.distributed
+    # rank 0's generator state (a uint8 tensor) through the run's communicator
+    share = partial.communicator.broadcast_host_tensor
     if rng_type == "torch":
-        torch.set_rng_state(_broadcast_bytes(torch.get_rng_state(), partial))
+        torch.set_rng_state(share(torch.get_rng_state()))
     elif rng_type == "cuda":
         if torch.cuda.is_available():
-            torch.cuda.set_rng_state(_broadcast_bytes(torch.cuda.get_rng_state(), partial))
+            torch.cuda.set_rng_state(share(torch.cuda.get_rng_state()))
     elif rng_type == "generator":
         if generator is not None:
-            generator.set_state(_broadcast_bytes(generator.get_state(), partial))
+            generator.set_state(share(generator.get_state()))
     else:
         raise ValueError(
             f"Unknown rng type {rng_type!r}; use 'torch', 'cuda', 'xla' or 'generator'."
@@ -99,10 +84,7 @@ def get_rng_states() -> dict[str, Any]:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
-    if PartialState().distributed_type == DistributedType.XLA:
-        import torch_xla.core.xla_model as xm
-
-        states["xla"] = int(xm.get_rng_state())
+    states.update(PartialState().communicator.device_rng_states())
     return states
 
 
@@ -120,9 +102,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
     if "xla" in states:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(states["xla"])
+        xla_runtime.set_rng_state(states["xla"])
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
@@ -148,10 +128,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         torch.cuda.manual_seed_all(seed)
     if os.environ.get("PJRT_DEVICE"):
         try:
-            import torch_xla.core.xla_model as xm
-
-            xm.set_rng_state(seed)
-        except ImportError:
+            xla_runtime.set_rng_state(seed)
+        except ImportError:  # PJRT_DEVICE set without torch-xla installed
             pass
     if deterministic:
         torch.use_deterministic_algorithms(True)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nbaccel.distributed import xla_runtime
+from nbaccel.distributed.comm import Communicator
 from nbaccel.distributed.environment import (
     LaunchEnvironment,
     detect_launch_environment,
@@ -48,21 +50,11 @@ class DistributedType(str, Enum):
     MEGATRON_LM = "MEGATRON_LM"  # idem
 
 
-def _xla_device() -> torch.device:
-    import torch_xla
-
-    if hasattr(torch_xla, "device"):  # torch-xla >= 2.7
-        return torch_xla.device()
-    import torch_xla.core.xla_model as xm
-
-    return xm.xla_device()
-
-
 def _pick_device(cpu: bool, launch: LaunchEnvironment) -> torch.device:
     if cpu:
         return torch.device("cpu")
     if is_tpu_requested() and is_torch_xla_available():
-        return _xla_device()
+        return xla_runtime.xla_device()
     if torch.cuda.is_available():
         return torch.device("cuda", launch.local_rank % torch.cuda.device_count())
     if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
@@ -72,6 +64,12 @@ def _pick_device(cpu: bool, launch: LaunchEnvironment) -> torch.device:
 
 def _default_backend(device: torch.device) -> str:
     return {"cuda": "nccl", "xla": "xla", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+# The communication backend of each kind of run (torch.distributed unless listed).
+_COMMUNICATORS: dict[DistributedType, type[Communicator]] = {
+    DistributedType.XLA: xla_runtime.XLACommunicator,
+}
 
 
 def _distributed_type(device: torch.device, world_size: int) -> DistributedType:
@@ -122,18 +120,17 @@ class PartialState:
             if launch.world_size > 1 or dist.is_initialized():
                 self._init_process_group(timeout)
         self.distributed_type = _distributed_type(self.device, self.num_processes)
+        communicator = _COMMUNICATORS.get(self.distributed_type, Communicator)
+        self.communicator = communicator(self.device, self.backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.fork_launched = os.environ.get("NBACCEL_FORK_LAUNCHED") == "1"
 
     def _init_xla(self) -> None:
-        import torch_xla.runtime as xr
-
         self.backend = "xla"
-        self.num_processes = xr.world_size()
-        self.process_index = xr.global_ordinal()
-        self.local_process_index = xr.local_ordinal()
-        self.local_num_processes = max(xr.world_size() // max(xr.process_count(), 1), 1)
+        world = xla_runtime.world()
+        self.num_processes, self.process_index = world[0], world[1]
+        self.local_process_index, self.local_num_processes = world[2], world[3]
 
     def _init_process_group(self, timeout: datetime.timedelta | None) -> None:
         if not dist.is_initialized():
@@ -203,9 +200,7 @@ class PartialState:
     def wait_for_everyone(self) -> None:
         """Barrier: every process waits here until all of them arrive."""
         if self.distributed_type == DistributedType.XLA:
-            import torch_xla.core.xla_model as xm
-
-            xm.rendezvous("nbaccel.wait_for_everyone")
+            xla_runtime.rendezvous("nbaccel.wait_for_everyone")
         elif self.use_distributed:
             dist.barrier()
 
@@ -350,6 +345,16 @@ class AcceleratorState(PartialState):
     @property
     def initialized(self) -> bool:
         return "mixed_precision" in self._shared_state
+
+    @classmethod
+    def current(cls) -> AcceleratorState | None:
+        """This process's state when an ``Accelerator`` (or ``AcceleratorState``) built it, else
+        None; never builds one (so it never starts a process group)."""
+        if "mixed_precision" not in cls._shared_state:
+            return None
+        state = cls.__new__(cls)
+        state.__dict__ = cls._shared_state
+        return state
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:

@@ -1,10 +1,18 @@
-"""Model weights on disk: safetensors (or torch) shards plus an index, tied weights saved once.
+"""Model weights on disk, the one module that writes and reads them (``save_model``,
+``save_state``, ``load_checkpoint_in_model``, offload folders).
 
-The layout is the one the Hugging Face ecosystem reads: ``model.safetensors`` for one shard, or
+Layout: the one the Hugging Face ecosystem reads: ``model.safetensors`` for one shard, or
 ``model-00001-of-0000N.safetensors`` files plus ``model.safetensors.index.json`` (``weight_map``:
-parameter name -> file). Parameters that share storage (tied embeddings) are written once; the
-extra names are recorded in the index metadata and come back by themselves when the model ties
-them again. Writes go through a staging directory (:mod:`nbaccel.storage.atomic`).
+parameter name -> file); ``.bin`` files (``torch.save``) the same way. Reading also accepts any
+single weight file, a folder with one, or a plain ``{name: file}`` json index
+(:func:`checkpoint_files`), and opens safetensors files in place (:func:`open_weights`).
+
+Tied weights, one convention: tensors that share storage are written once, under their first
+name, and the other names are recorded as ``{dropped name: kept name}`` (``tied_weights`` in the
+index metadata, or ``<file>.tied.json`` beside a single file; :func:`tie_record`). A name the
+checkpoint lacks is filled from its twin, where twins are the model's own tied parameters plus
+the record (:func:`tied_twins`); loaders give every twin the same tensor.
+Writes go through a staging directory (:mod:`nbaccel.storage.atomic`).
 """
 
 from __future__ import annotations
@@ -12,25 +20,34 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover
+from nbaccel.storage.safetensors_file import SafetensorsFile
 
 __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
+    "checkpoint_files",
     "drop_tied_aliases",
+    "load_into_model",
     "load_model_weights",
+    "model_tie_groups",
+    "open_weights",
     "parse_size",
     "read_weights",
     "save_model_weights",
     "shard_state_dict",
+    "tie_record",
+    "tied_twins",
+    "write_safetensors",
+    "write_weights",
 ]
 
 WEIGHTS_NAME = "pytorch_model.bin"
@@ -57,7 +74,14 @@ def parse_size(size: int | str) -> int:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        t.dtype,
+        t.shape,
+        t.stride(),
+    )
 
 
 def drop_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
@@ -67,7 +91,11 @@ def drop_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, dic
     seen: dict[tuple[Any, ...], str] = {}
     storages: set[tuple[Any, int]] = set()
     for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.device.type == "meta"
+            or not tensor.numel()
+        ):
             kept[name] = tensor
             continue
         key = _storage_key(tensor)
@@ -97,14 +125,19 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], max_shard_size: int
     return shards
 
 
-def _write(tensors: dict[str, torch.Tensor], path: Path, safe: bool) -> None:
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    if safe:
-        from safetensors.torch import save_file
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """One safetensors file of ``tensors`` (moved to the CPU, made contiguous)."""
+    from safetensors.torch import save_file
 
-        save_file(tensors, str(path), metadata={"format": "pt"})
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(cpu, str(path), metadata={"format": "pt"})
+
+
+def _write(tensors: dict[str, torch.Tensor], path: Path, safe: bool) -> None:
+    if safe:
+        write_safetensors(tensors, path)
     else:
-        torch.save(tensors, path)
+        torch.save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path)
 
 
 def write_weights(
@@ -158,35 +191,146 @@ def save_model_weights(
     return names
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+# -- reading ------------------------------------------------------------------------------
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def read_weights(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor saved in ``directory`` (one file or an index) and its tied-name record."""
-    directory = Path(directory)
-    recover(directory)
-    for index_name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
-        if (directory / index_name).exists():
-            doc = json.loads((directory / index_name).read_text())
-            tensors: dict[str, torch.Tensor] = {}
-            for name in sorted(set(doc["weight_map"].values())):
-                tensors.update(_read_file(directory / name))
-            return tensors, doc.get("metadata", {}).get("tied_weights", {})
-    for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
-        if (directory / name).exists():
-            tied = directory / f"{name}.tied.json"
-            aliases = json.loads(tied.read_text()) if tied.exists() else {}
-            return _read_file(directory / name), aliases
-    found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    raise FileNotFoundError(
-        f"No model weights in {directory}: expected {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or an "
-        f"index file ({SAFE_WEIGHTS_INDEX_NAME}); found {found or 'nothing'}."
-    )
+def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, list[str] | None]:
+    """{file: its tensor names (None until opened)} of a checkpoint: one weight file, an index
+    (``*.index.json`` with a ``weight_map``, or a plain ``{name: file}`` json), or a folder holding
+    an index or exactly one weight file (safetensors preferred)."""
+    path = Path(checkpoint)
+    if path.is_file():
+        return _from_index(path) if path.suffix == ".json" else {str(path): None}
+    if not path.is_dir():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    indexes = sorted(path.glob("*.index.json")) or sorted(path.glob("index.json"))
+    if len(indexes) > 1:
+        indexes = [p for p in indexes if "safetensors" in p.name][:1] or indexes[:1]
+    if indexes:
+        return _from_index(indexes[0])
+    weights = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    weights = [p for p in weights if p.suffix == ".safetensors"] or weights
+    if not weights:
+        found = sorted(p.name for p in path.iterdir())
+        raise FileNotFoundError(
+            f"No model weights in {path}: expected {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or an "
+            f"index file ({SAFE_WEIGHTS_INDEX_NAME}); found {found or 'nothing'}."
+        )
+    if len(weights) > 1:
+        raise ValueError(
+            f"{str(path)!r} holds {len(weights)} weight files and no index: pass one file, or a "
+            "folder with a '*.index.json' mapping each tensor name to its shard."
+        )
+    return {str(weights[0]): None}
+
+
+def _index_doc(index_path: Path) -> dict[str, Any]:
+    with open(index_path) as f:
+        return json.load(f)
+
+
+def _from_index(index_path: Path) -> dict[str, list[str]]:
+    data = _index_doc(index_path)
+    weight_map = data.get("weight_map", data)
+    if not isinstance(weight_map, Mapping) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise ValueError(
+            f"{index_path} is not a checkpoint index (no 'weight_map' of name -> file)."
+        )
+    files: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        files.setdefault(str(index_path.parent / shard), []).append(name)
+    return files
+
+
+def _load_torch_file(path: str) -> Mapping[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if (
+        isinstance(state, Mapping)
+        and "state_dict" in state
+        and isinstance(state["state_dict"], Mapping)
+    ):
+        state = state["state_dict"]
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__}).")
+    return state
+
+
+def open_weights(path: str | os.PathLike) -> SafetensorsFile | Mapping[str, torch.Tensor]:
+    """One weight file, opened: safetensors in place (header only, :class:`SafetensorsFile`),
+    torch files memory-mapped when they can be (a mapping name -> tensor)."""
+    path = str(path)
+    return SafetensorsFile(path) if path.endswith(".safetensors") else _load_torch_file(path)
+
+
+def tie_record(checkpoint: str | os.PathLike) -> dict[str, str]:
+    """The ``{dropped name: kept name}`` tie record of a checkpoint ({} when it has none)."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        indexes = sorted(path.glob("*.index.json"))
+        if indexes:
+            path = ([p for p in indexes if "safetensors" in p.name] or indexes)[0]
+        else:
+            names = (SAFE_WEIGHTS_NAME, WEIGHTS_NAME)
+            path = next((path / n for n in names if (path / n).exists()), path)
+    if path.suffix == ".json" and path.is_file():
+        data = _index_doc(path)
+        metadata = data.get("metadata") if "weight_map" in data else None
+        return dict((metadata or {}).get("tied_weights", {}))
+    tied = path.with_name(f"{path.name}.tied.json")
+    return json.loads(tied.read_text()) if path.is_file() and tied.exists() else {}
+
+
+def model_tie_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names of ``model`` that share one Parameter object."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [sorted(names) for names in groups.values() if len(names) > 1]
+
+
+def tied_twins(
+    groups: Iterable[Iterable[str]], record: Mapping[str, str] | None = None
+) -> dict[str, list[str]]:
+    """name -> every name holding the same tensor (itself included), from a model's tie
+    ``groups`` and a checkpoint's tie ``record``; untied names are not listed."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for group in [*map(list, groups), *([a, k] for a, k in (record or {}).items())]:
+        for name in group[1:]:
+            parent[root(name)] = root(group[0])
+    members: dict[str, list[str]] = {}
+    for name in parent:
+        members.setdefault(root(name), []).append(name)
+    return {n: sorted(g) for g in members.values() if len(g) > 1 for n in g}
+
+
+def read_weights(
+    checkpoint: str | os.PathLike,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a checkpoint (a folder with one file or an index, or one weight file), in
+    memory, and its tie record."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.suffix not in (*_WEIGHT_SUFFIXES, ".json"):
+        recover(checkpoint)  # a folder save_model_weights was replacing when it was killed
+    tensors: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(checkpoint):
+        handle = open_weights(path)
+        if isinstance(handle, SafetensorsFile):
+            tensors.update({k: handle.read(k) for k in handle.entries})
+        else:
+            tensors.update(handle)
+    return tensors, tie_record(checkpoint)
 
 
 def load_into_model(
@@ -195,15 +339,19 @@ def load_into_model(
     aliases: Mapping[str, str] | None = None,
     strict: bool = True,
 ) -> tuple[list[str], list[str]]:
-    """Load ``tensors`` into ``model``; tied names come back from their kept twin.
+    """Load ``tensors`` into ``model``; a tied name missing from ``tensors`` comes from its twin
+    (the model's own ties and the ``aliases`` record, see the module docstring).
 
     Raises ``KeyError`` listing missing and unexpected names when ``strict``.
     """
     tensors = dict(tensors)
     expected = model.state_dict()
-    for alias, kept in (aliases or {}).items():
-        if alias in expected and alias not in tensors and kept in tensors:
-            tensors[alias] = tensors[kept]
+    twins = tied_twins(model_tie_groups(model), aliases)
+    for name in expected:
+        if name not in tensors:
+            source = next((t for t in twins.get(name, ()) if t in tensors), None)
+            if source is not None:
+                tensors[name] = tensors[source]
     missing = [k for k in expected if k not in tensors]
     unexpected = [k for k in tensors if k not in expected]
     if strict and (missing or unexpected):

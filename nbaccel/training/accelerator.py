@@ -1,7 +1,9 @@
 """``Accelerator``: the training API users call, as a thin orchestrator over nbaccel's modules.
 
 Who runs where: :mod:`nbaccel.distributed.state`. Mixed precision:
-:mod:`nbaccel.training.precision`. Model wrapping: :mod:`nbaccel.training.strategies`.
+:mod:`nbaccel.training.precision`. Everything that depends on the kind of parallelism (model
+wrapping, clipping, optimizer step, state dicts, sharded checkpoints): the ``Strategy`` chosen
+once in ``__init__`` (:mod:`nbaccel.training.strategies`).
 Optimizer / scheduler wrappers: :mod:`nbaccel.training.optimizer`,
 :mod:`nbaccel.training.scheduler`. Data sharding: :mod:`nbaccel.data`. Checkpoints:
 :mod:`nbaccel.training.checkpoint`, :mod:`nbaccel.storage.weights`. Trackers:
@@ -21,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
-from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState
+from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.training.accelerator_control import ProcessControlMixin
 from nbaccel.training.accelerator_io import StateIOMixin
 from nbaccel.training.configuration import (
@@ -40,17 +42,16 @@ from nbaccel.training.kwargs_handlers import (
 from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.scheduler import AcceleratedScheduler
-from nbaccel.training.strategies.ddp import (
+from nbaccel.training.strategies.registry import select_strategy
+from nbaccel.training.strategies.wrappers import (
     extract_model_from_parallel,
     no_sync_context,
     trigger_sync_context,
-    wrap_ddp,
 )
 from nbaccel.training.trackers import TrackerSet
 
 __all__ = ["Accelerator"]
 
-_DATA_PARALLEL = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU)
 _HANDLERS = (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -153,6 +154,9 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             self.handlers.get(GradScalerKwargs),
         )
         self.scaler = self.precision.scaler
+        self.strategy = select_strategy(
+            self.state, self.precision, self.handlers.get(DistributedDataParallelKwargs)
+        )
         self.profile_handler = self.handlers.get(ProfileKwargs)
         self.step = 0
         self._models: list[torch.nn.Module] = []
@@ -256,7 +260,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             before = dict(model.named_parameters())
             prepared = self.prepare_model(model, placement)
             # FSDP shards and moving to an XLA device both give the model new Parameter objects
-            if self.distributed_type in (DistributedType.FSDP, DistributedType.XLA):
+            if self.strategy.replaces_parameters:
                 after = dict(extract_model_from_parallel(prepared).named_parameters())
                 moved.update({id(p): after[n] for n, p in before.items() if n in after})
             return prepared
@@ -272,33 +276,15 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         """Place ``model``, add autocast, wrap it for DDP/FSDP, compile it if asked."""
         if device_placement is None:
             device_placement = self.device_placement
-        fsdp = self.distributed_type == DistributedType.FSDP
-        if device_placement and not fsdp and not _has_device_map(model):
-            model = model.to(self.device)  # shard_model places (or materialises) FSDP shards
-        self.precision.wrap_forward(model)
-        if not evaluation_mode and self.num_processes > 1:
-            if self.distributed_type in _DATA_PARALLEL:
-                model = wrap_ddp(
-                    model, self.device, self.handlers.get(DistributedDataParallelKwargs)
-                )
-            elif self.distributed_type == DistributedType.FSDP:
-                from nbaccel.training.strategies.fsdp import shard_model
-
-                model = shard_model(model, self.state.fsdp_plugin, self.device)
-        elif not evaluation_mode and self.distributed_type == DistributedType.FSDP:
-            from nbaccel.training.strategies.fsdp import shard_model
-
-            model = shard_model(model, self.state.fsdp_plugin, self.device)
+        place = device_placement and not _has_device_map(model)
+        model = self.strategy.prepare_model(model, place, evaluation_mode)
         backend = self.dynamo_backend
         if backend and str(backend).lower() != "no":
             options = _dynamo_options(self.dynamo_plugin)
             model = torch.compile(model, backend=str(backend).lower(), **options)
         self._models.append(model)
-        if self.distributed_type == DistributedType.FSDP:
-            from nbaccel.training.strategies.fsdp import rebind_optimizer
-
-            for optimizer in self._optimizers:  # prepared before this model: follow its shards
-                rebind_optimizer(optimizer, model)
+        for optimizer in self._optimizers:  # prepared before this model: follow its parameters
+            self.strategy.prepare_optimizer(optimizer, [model])
         return model
 
     def prepare_optimizer(
@@ -308,11 +294,10 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         placement = self.device_placement if device_placement is None else device_placement
-        if self.distributed_type == DistributedType.FSDP:
-            from nbaccel.training.strategies.fsdp import rebind_optimizer
-
-            rebind_optimizer(optimizer, self._models)  # built before an earlier prepare(model)
-        wrapped = AcceleratedOptimizer(optimizer, placement, self.scaler, self.distributed_type)
+        self.strategy.prepare_optimizer(optimizer, self._models)  # built before prepare(model)?
+        wrapped = AcceleratedOptimizer(
+            optimizer, placement, self.scaler, step_fn=self.strategy.optimizer_step
+        )
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -342,6 +327,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
         )
+        prepared = self.strategy.prepare_dataloader(prepared)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -368,7 +354,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         steps = self.gradient_state.num_steps
         if steps > 1:
             loss = loss / steps
-        self.precision.scale_and_backward(loss, **kwargs)
+        self.strategy.backward(loss, **kwargs)
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -398,7 +384,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None):
         """Let DDP processes with different numbers of batches finish together (torch Join)."""
-        if self.distributed_type not in _DATA_PARALLEL or self.num_processes <= 1:
+        if not self.strategy.joins_uneven_inputs:
             yield
             return
         from torch.distributed.algorithms.join import Join
@@ -435,25 +421,13 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2):
         """``torch.nn.utils.clip_grad_norm_`` on unscaled gradients; returns the total norm."""
-        parameters = list(parameters)
         self.unscale_gradients()
-        self._xla_sync_gradients(parameters)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return self.strategy.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` on unscaled gradients."""
-        parameters = list(parameters)
         self.unscale_gradients()
-        self._xla_sync_gradients(parameters)
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
-
-    def _xla_sync_gradients(self, parameters: list[Any]) -> None:
-        """XLA seam: gradients are all-reduced before clipping (``strategies.xla``)."""
-        if self.distributed_type == DistributedType.XLA:
-            with contextlib.suppress(ImportError):
-                from nbaccel.training.strategies.xla import reduce_gradients
-
-                reduce_gradients(parameters)
+        self.strategy.clip_grad_value_(list(parameters), clip_value)
 
 
 def _has_device_map(model: torch.nn.Module) -> bool:

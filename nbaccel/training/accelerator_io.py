@@ -1,7 +1,7 @@
 """The persistence half of ``Accelerator``: checkpoints, model saving, state dicts.
 
-Mixed into :class:`nbaccel.Accelerator`; the work is done by :mod:`nbaccel.training.checkpoint` and
-:mod:`nbaccel.storage.weights`.
+Mixed into :class:`nbaccel.Accelerator`; the work is done by :mod:`nbaccel.training.checkpoint`,
+:mod:`nbaccel.storage.weights` and the accelerator's strategy (state dicts, unwrapping).
 """
 
 from __future__ import annotations
@@ -16,15 +16,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.distributed.state import DistributedType
-from nbaccel.storage.weights import save_model_weights
-from nbaccel.training.checkpoint import (
-    Checkpointables,
-    load_checkpoint,
-    model_state,
-    save_checkpoint,
-)
-from nbaccel.training.strategies.ddp import extract_model_from_parallel
+from nbaccel.storage.weights import save_model_weights, write_safetensors
+from nbaccel.training.checkpoint import Checkpointables, load_checkpoint, save_checkpoint
 
 __all__ = ["StateIOMixin"]
 
@@ -36,13 +29,11 @@ class StateIOMixin:
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile=True
     ) -> torch.nn.Module:
         """The user's module inside the wrappers ``prepare`` added."""
-        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
+        return self.strategy.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full state dict of a prepared model (gathered under FSDP: call on every rank)."""
-        if self.distributed_type == DistributedType.FSDP or unwrap:
-            return model_state(model, self.state)
-        return model.state_dict()
+        return self.strategy.model_state_dict(model, unwrap)
 
     def save_model(
         self,
@@ -68,9 +59,7 @@ class StateIOMixin:
         f = Path(f)
         tmp = f.with_name(f".{f.name}.partial")
         if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in obj.items()}, str(tmp), {"format": "pt"})
+            write_safetensors(obj, tmp)
         else:
             torch.save(obj, tmp)
         os.replace(tmp, f)
@@ -137,7 +126,7 @@ class StateIOMixin:
         final = save_checkpoint(
             output_dir,
             self._checkpointables(),
-            lambda model: self.get_state_dict(model),
+            self.strategy,
             safe_serialization=safe_serialization,
             save_on_each_node=config.save_on_each_node,
             pre_hooks=list(self._save_model_state_pre_hook.values()),
@@ -165,6 +154,7 @@ class StateIOMixin:
         manifest = load_checkpoint(
             input_dir,
             self._checkpointables(),
+            self.strategy,
             pre_hooks=list(self._load_model_state_pre_hook.values()),
             strict=kw.get("strict", True),
         )

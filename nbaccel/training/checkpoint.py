@@ -9,9 +9,10 @@ The directory is built in a staging sibling and renamed into place (:mod:`nbacce
 so a save killed half-way leaves the previous checkpoint loadable. Loading checks the manifest
 first and names every missing file, rather than failing on the first one.
 
-Model and optimizer state go through :func:`model_state` / :func:`optimizer_state` and their
-loaders: under FSDP they delegate to ``nbaccel.training.strategies.fsdp`` (``save_fsdp_state`` /
-``load_fsdp_state`` when it provides them) or use torch's full-state-dict API.
+Model and optimizer state go through the accelerator's strategy
+(:class:`~nbaccel.training.strategies.base.Strategy`): a strategy with its own checkpoint format
+(FSDP) writes and reads the models and optimizers itself; otherwise this module writes the full
+state dicts the strategy gives.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Any
 import torch
 
 from nbaccel.distributed.random import get_rng_states, set_rng_states
-from nbaccel.distributed.state import AcceleratorState, DistributedType, PartialState
+from nbaccel.distributed.state import PartialState
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover, staging_path
-from nbaccel.storage.weights import load_into_model, write_weights
+from nbaccel.storage.weights import read_weights, write_weights
+from nbaccel.training.strategies.base import Strategy
 
 __all__ = ["CheckpointError", "Checkpointables", "load_checkpoint", "save_checkpoint"]
 
@@ -57,75 +59,6 @@ def _name(stem: str, index: int, ext: str) -> str:
     return f"{stem}.{ext}" if index == 0 else f"{stem}_{index}.{ext}"
 
 
-def _fsdp_module(name: str) -> Callable[..., Any] | None:
-    try:
-        import nbaccel.training.strategies.fsdp as fsdp
-    except ImportError:
-        return None
-    return getattr(fsdp, name, None)
-
-
-# -- model / optimizer state: the seams FSDP specialises ------------------------------------------
-def model_state(model: torch.nn.Module, state: PartialState) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of ``model``; collective under FSDP."""
-    from nbaccel.training.strategies.ddp import extract_model_from_parallel
-
-    if state.distributed_type == DistributedType.FSDP:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
-    return extract_model_from_parallel(model).state_dict()
-
-
-def load_model_state(
-    model: torch.nn.Module, tensors: dict, aliases: dict, state: PartialState, strict: bool
-) -> None:
-    """Load a full state dict into ``model`` (resharding it under FSDP)."""
-    from nbaccel.training.strategies.ddp import extract_model_from_parallel
-
-    if state.distributed_type == DistributedType.FSDP:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        expected = set(model.state_dict().keys())
-        tensors = {**{a: tensors[k] for a, k in aliases.items() if k in tensors}, **tensors}
-        tensors = {k: v for k, v in tensors.items() if k in expected}
-        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
-        return
-    load_into_model(extract_model_from_parallel(model), tensors, aliases, strict=strict)
-
-
-def optimizer_state(optimizer: Any, model: torch.nn.Module | None, state: PartialState) -> dict:
-    """The full state dict of ``optimizer``; collective under FSDP."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if state.distributed_type == DistributedType.FSDP and model is not None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(model, inner, options=options)
-    return inner.state_dict()
-
-
-def load_optimizer_state(
-    optimizer: Any, sd: dict, model: torch.nn.Module | None, state: PartialState
-) -> None:
-    """Load a full optimizer state dict (resharding it under FSDP)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if state.distributed_type == DistributedType.FSDP and model is not None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(model, inner, sd, options=options)
-        return
-    inner.load_state_dict(sd)
-
-
 # -- save ---------------------------------------------------------------------------------------
 def _is_writer(state: PartialState, save_on_each_node: bool) -> bool:
     return state.is_local_main_process if save_on_each_node else state.is_main_process
@@ -134,7 +67,7 @@ def _is_writer(state: PartialState, save_on_each_node: bool) -> bool:
 def save_checkpoint(
     output_dir: str | os.PathLike,
     objects: Checkpointables,
-    state_dict_fn: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+    strategy: Strategy,
     safe_serialization: bool = True,
     save_on_each_node: bool = False,
     pre_hooks: Sequence[Callable[..., None]] = (),
@@ -142,7 +75,8 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint atomically into ``output_dir`` (every process must call this).
 
-    ``state_dict_fn(model)`` gives each model's full state dict; ``extra`` goes in the manifest.
+    ``strategy`` gives each model's and optimizer's full state dict (or writes them in its own
+    format); ``extra`` goes in the manifest.
     """
     state = PartialState()
     writer = _is_writer(state, save_on_each_node)
@@ -150,21 +84,21 @@ def save_checkpoint(
     staging = begin_staging(final) if writer else None
     state.wait_for_everyone()
     staging = staging or staging_path(final)
-    fsdp_save = _fsdp_module("save_fsdp_state") if _is_fsdp(state) else None
+    own_format = strategy.sharded_checkpoints
     models = list(objects.models)
-    weights = [] if fsdp_save is not None else [state_dict_fn(m) for m in models]
+    weights = [] if own_format else [strategy.model_state_dict(m) for m in models]
     for hook in pre_hooks:
         hook(models, weights, str(staging))
     files: list[str] = []
-    if fsdp_save is not None:
-        files += list(fsdp_save(objects, staging) or [])
+    if own_format:
+        files += strategy.save_sharded_checkpoint(objects, staging)
     else:
         optimizer_states = [
-            optimizer_state(opt, _model_for(opt, objects.models), state)
+            strategy.optimizer_state_dict(opt, _model_for(opt, objects.models))
             for opt in objects.optimizers
         ]
     if writer:
-        if fsdp_save is None:
+        if not own_format:
             for i, sd in enumerate(weights):
                 stem = "model" if safe_serialization else "pytorch_model"
                 base = stem if i == 0 else f"{stem}_{i}"
@@ -187,7 +121,7 @@ def save_checkpoint(
             "format": FORMAT,
             "version": 1,
             "num_processes": state.num_processes,
-            "models": len(weights) if fsdp_save is None else len(models),
+            "models": len(models) if own_format else len(weights),
             "optimizers": len(objects.optimizers),
             "schedulers": len(objects.schedulers),
             "dataloaders": sum(hasattr(d, "state_dict") for d in objects.dataloaders),
@@ -201,12 +135,6 @@ def save_checkpoint(
         commit_staging(final)
     state.wait_for_everyone()
     return final
-
-
-def _is_fsdp(state: PartialState) -> bool:
-    # FSDP is an AcceleratorState setting; PartialState keeps saying MULTI_CPU/MULTI_GPU.
-    shared = AcceleratorState._shared_state.get("distributed_type", state.distributed_type)
-    return shared == DistributedType.FSDP
 
 
 def _save(obj: Any, path: Path) -> str:
@@ -261,6 +189,7 @@ def _check_counts(manifest: dict[str, Any], objects: Checkpointables, input_dir:
 def load_checkpoint(
     input_dir: str | os.PathLike,
     objects: Checkpointables,
+    strategy: Strategy,
     pre_hooks: Sequence[Callable[..., None]] = (),
     strict: bool = True,
 ) -> dict[str, Any]:
@@ -276,18 +205,17 @@ def load_checkpoint(
         hook(models, str(input_dir))
     if len(models) == len(objects.models):  # hooks that load models themselves remove them
         _check_counts(manifest, objects, input_dir)
-    fsdp_load = _fsdp_module("load_fsdp_state") if _is_fsdp(state) else None
-    if fsdp_load is not None:
-        fsdp_load(objects, input_dir)
+    if strategy.sharded_checkpoints:
+        strategy.load_sharded_checkpoint(objects, input_dir)
     else:
         safe = manifest["safe_serialization"]
         stem = "model" if safe else "pytorch_model"
         for i, model in enumerate(models):
             tensors, aliases = _read_model(input_dir, stem if i == 0 else f"{stem}_{i}", safe)
-            load_model_state(model, tensors, aliases, state, strict)
+            strategy.load_model_state_dict(model, tensors, aliases, strict)
         for i, opt in enumerate(objects.optimizers):
             sd = _load(input_dir / _name("optimizer", i, "bin"))
-            load_optimizer_state(opt, sd, _model_for(opt, objects.models), state)
+            strategy.load_optimizer_state_dict(opt, sd, _model_for(opt, objects.models))
     for i, sched in enumerate(objects.schedulers):
         sched.load_state_dict(_load(input_dir / _name("scheduler", i, "bin")))
     for i, loader in enumerate(d for d in objects.dataloaders if hasattr(d, "load_state_dict")):
@@ -311,18 +239,11 @@ def load_checkpoint(
 
 
 def _read_model(input_dir: Path, base: str, safe: bool) -> tuple[dict, dict]:
-    """The tensors of one model of a checkpoint and its tied-name record."""
+    """The tensors of one model of a checkpoint and its tie record."""
     path = input_dir / f"{base}.{'safetensors' if safe else 'bin'}"
     if not path.exists():
         raise CheckpointError(f"Checkpoint {input_dir} has no weights file {path.name}.")
-    if safe:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(path))
-    else:
-        tensors = _load(path)
-    tied = input_dir / f"{path.name}.tied.json"
-    return tensors, (json.loads(tied.read_text()) if tied.exists() else {})
+    return read_weights(path)
 
 
 def _model_for(optimizer: Any, models: Sequence[torch.nn.Module]) -> torch.nn.Module | None:

@@ -6,16 +6,18 @@ It behaves like the optimizer it wraps (``param_groups``, ``state_dict``, ...), 
   is False), so the plain ``step(); zero_grad()`` loop body accumulates correctly;
 - under fp16 the step goes through the ``GradScaler``; when the scaled gradients overflowed the
   step is skipped and ``step_was_skipped`` says so (schedulers then hold the learning rate);
-- on XLA the step goes through torch-xla, which also all-reduces the gradients.
+- otherwise the step goes through ``step_fn`` when given: the strategy's optimizer step (on XLA,
+  torch-xla's, which also all-reduces the gradients).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from nbaccel.distributed.state import DistributedType, GradientState
+from nbaccel.distributed.state import GradientState
 
 __all__ = ["AcceleratedOptimizer"]
 
@@ -27,7 +29,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         optimizer: the torch optimizer.
         device_placement: move a loaded optimizer state to the parameters' device.
         scaler: the fp16 ``torch.amp.GradScaler``, or None.
-        distributed_type: the run's ``DistributedType`` (XLA steps through torch-xla).
+        step_fn: ``step_fn(optimizer, closure)`` steps the wrapped optimizer (default: its own
+            ``step``); the Accelerator passes its strategy's ``optimizer_step``.
     """
 
     def __init__(
@@ -35,13 +38,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         device_placement: bool = True,
         scaler: torch.amp.GradScaler | None = None,
-        distributed_type: DistributedType = DistributedType.NO,
+        step_fn: Callable[[torch.optim.Optimizer, Any], Any] | None = None,
     ) -> None:
         # Deliberately no super().__init__: every attribute is the wrapped optimizer's.
         self.optimizer = optimizer
         self.scaler = scaler
         self.device_placement = device_placement
-        self.distributed_type = distributed_type
+        self.step_fn = step_fn
         self.gradient_state = GradientState()
         self._step_was_skipped = False
         self._unscaled = False
@@ -113,8 +116,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.scaler.update()
             # GradScaler lowers the scale exactly when it found inf/nan and skipped the step.
             self._step_was_skipped = self.scaler.get_scale() < scale_before
-        elif self.distributed_type == DistributedType.XLA:
-            result = _xla_optimizer_step(self.optimizer, closure)
+        elif self.step_fn is not None:
+            result = self.step_fn(self.optimizer, closure)
             self._step_was_skipped = False
         else:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -145,15 +148,3 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.gradient_state = GradientState()
-
-
-def _xla_optimizer_step(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-    """XLA seam: all-reduce gradients and step through torch-xla (``strategies.xla``)."""
-    try:
-        from nbaccel.training.strategies.xla import optimizer_step
-    except ImportError:
-        import torch_xla.core.xla_model as xm
-
-        kwargs = {"closure": closure} if closure is not None else {}
-        return xm.optimizer_step(optimizer, optimizer_args=kwargs)
-    return optimizer_step(optimizer, closure)

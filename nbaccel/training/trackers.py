@@ -4,8 +4,9 @@
 ``store_init_configuration``, ``log``, ``finish``). Built in: ``"jsonl"`` (one JSON object per
 line in ``<logging_dir>/<run_name>/metrics.jsonl``, no dependencies) and ``"tensorboard"`` (when
 ``torch.utils.tensorboard`` can be imported). Other packages add theirs with
-:func:`register_tracker` (the notebook widgets register ``"notebook"``). Trackers run on the main
-process only.
+:func:`register_tracker_class` (``nbaccel.notebook.rank.tracker`` registers ``"notebook"`` when
+``nbaccel`` is imported). :data:`LOGGER_TYPE_TO_CLASS` maps every registered name to its class.
+Trackers run on the main process only.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LOGGER_TYPE_TO_CLASS",
     "GeneralTracker",
     "JSONLinesTracker",
     "LoggerType",
@@ -25,6 +28,7 @@ __all__ = [
     "available_trackers",
     "filter_trackers",
     "register_tracker",
+    "register_tracker_class",
 ]
 
 
@@ -150,20 +154,41 @@ def _tensorboard_available() -> bool:
     return True
 
 
-_REGISTRY: dict[str, tuple[type[GeneralTracker], Any]] = {
-    "jsonl": (JSONLinesTracker, lambda: True),
-    "tensorboard": (TensorBoardTracker, _tensorboard_available),
+#: ``log_with`` name -> tracker class, for every registered tracker.
+LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
+    "jsonl": JSONLinesTracker,
+    "tensorboard": TensorBoardTracker,
 }
+# name -> "can it run here?" (a missing optional package makes a tracker unavailable)
+_AVAILABLE: dict[str, Callable[[], bool]] = {"tensorboard": _tensorboard_available}
 
 
-def register_tracker(name: str, tracker_cls: type[GeneralTracker], available: Any = None) -> None:
+def register_tracker_class(
+    name: str, tracker_cls: type[GeneralTracker], available: Callable[[], bool] | None = None
+) -> None:
     """Make ``log_with=name`` build ``tracker_cls``; ``available()`` says if it can run here."""
-    _REGISTRY[name] = (tracker_cls, available or (lambda: True))
+    if not (isinstance(tracker_cls, type) and issubclass(tracker_cls, GeneralTracker)):
+        raise TypeError(
+            f"register_tracker_class needs a GeneralTracker subclass, not {tracker_cls!r}."
+        )
+    LOGGER_TYPE_TO_CLASS[name] = tracker_cls
+    if available is not None:
+        _AVAILABLE[name] = available
+    else:
+        _AVAILABLE.pop(name, None)
+
+
+register_tracker = register_tracker_class  # the name nbaccel used first
+
+
+def _available(name: str) -> bool:
+    check = _AVAILABLE.get(name)
+    return check is None or bool(check())
 
 
 def available_trackers() -> list[str]:
     """Names of the registered trackers that can run in this environment."""
-    return [name for name, (_cls, ok) in _REGISTRY.items() if ok()]
+    return [name for name in LOGGER_TYPE_TO_CLASS if _available(name)]
 
 
 def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
@@ -180,10 +205,12 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
         if name == "all":
             resolved += [n for n in available_trackers() if n not in resolved]
             continue
-        if name not in _REGISTRY:
-            raise ValueError(f"Unknown tracker {name!r}; registered: {sorted(_REGISTRY)}.")
-        cls, ok = _REGISTRY[name]
-        if not ok():
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(
+                f"Unknown tracker {name!r}; registered: {sorted(LOGGER_TYPE_TO_CLASS)}."
+            )
+        cls = LOGGER_TYPE_TO_CLASS[name]
+        if not _available(name):
             raise ImportError(f"Tracker {name!r} is not available here (its package is missing).")
         if cls.requires_logging_directory and logging_dir is None:
             raise ValueError(
@@ -197,7 +224,7 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
 
 def build_tracker(name: str, run_name: str, logging_dir: str | None, **kwargs: Any) -> Any:
     """Instantiate a registered tracker by name."""
-    cls, _ok = _REGISTRY[name]
+    cls = LOGGER_TYPE_TO_CLASS[name]
     if cls.requires_logging_directory:
         return cls(run_name, logging_dir=logging_dir, **kwargs)
     return cls(run_name, **kwargs)
@@ -259,7 +286,3 @@ class TrackerSet:
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
-
-
-# The notebook widgets register the "notebook" tracker (live plots); imported last on purpose.
-from nbaccel.notebook.rank import tracker as _notebook_tracker  # noqa: E402,F401

@@ -6,6 +6,9 @@ under the cell. On a rank started by ``notebook_launcher`` or ``%%distributed`` 
 usually run) it sends ``metrics`` events, batched at most every ``interval`` seconds, and the
 launch's widget renderer plots them. ``finish()`` leaves a static plot and the last values as
 text in the notebook (the live widget is replaced by them).
+
+Importing this module registers the tracker; ``nbaccel/__init__.py`` does, so
+``log_with="notebook"`` works wherever nbaccel is imported.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from nbaccel.launch.worker import emit, on_worker
 from nbaccel.notebook.events import METRICS, MetricsUpdate
-from nbaccel.training.trackers import GeneralTracker, register_tracker
+from nbaccel.training.trackers import GeneralTracker, register_tracker_class
 
 __all__ = ["NotebookTracker"]
 
@@ -104,4 +107,4 @@ class NotebookTracker(GeneralTracker):
             print(self.plot.text())
 
 
-register_tracker("notebook", NotebookTracker)
+register_tracker_class("notebook", NotebookTracker)

@@ -1,27 +1,46 @@
-"""How a model is wrapped for data parallelism, unwrapped again, and kept from syncing.
+"""Data parallelism (DDP across processes, nothing to wrap on one): ``DDPStrategy``.
 
-DDP itself is torch's; this module only decides the constructor options, registers the
-communication hook the user asked for, and knows how to look through the wrappers nbaccel may
-have added (DDP, ``torch.compile``, the mixed-precision forward).
+DDP itself is torch's; this module only decides the constructor options and registers the
+communication hook the user asked for. Unwrapping and ``no_sync`` are in
+:mod:`nbaccel.training.strategies.wrappers` (re-exported here).
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.strategies.base import Strategy
+from nbaccel.training.strategies.wrappers import (
+    extract_model_from_parallel,
+    no_sync_context,
+    trigger_sync_context,
+)
 
 __all__ = [
+    "DDPStrategy",
     "extract_model_from_parallel",
     "no_sync_context",
     "trigger_sync_context",
     "wrap_ddp",
 ]
+
+
+class DDPStrategy(Strategy):
+    """Every process holds the whole model; DDP averages gradients across processes.
+
+    On one process (``DistributedType.NO``) the model is not wrapped: the base behaviour.
+    """
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.num_processes <= 1:
+            return model
+        return wrap_ddp(model, self.device, self.ddp_kwargs)
+
+    @property
+    def joins_uneven_inputs(self) -> bool:
+        return self.num_processes > 1
 
 
 def wrap_ddp(
@@ -61,68 +80,3 @@ def _register_comm_hook(model: DistributedDataParallel, handler: DistributedData
             else powerSGD_hook.batched_powerSGD_hook
         )
         model.register_comm_hook(state, fn)
-
-
-def extract_model_from_parallel(
-    model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-) -> torch.nn.Module:
-    """The user's module inside DDP / ``torch.compile`` wrappers.
-
-    ``keep_fp32_wrapper=False`` also removes the mixed-precision forward nbaccel installed.
-    ``keep_torch_compile=False`` returns the module underneath a compiled one.
-    """
-    compiled = None
-    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-        compiled = model
-        model = model._orig_mod
-    while isinstance(model, DistributedDataParallel) or type(model).__name__ in (
-        "DataParallel",
-        "DistributedDataParallel",
-    ):
-        model = model.module
-    if not keep_fp32_wrapper:
-        from nbaccel.training.precision import PrecisionPolicy
-
-        PrecisionPolicy.unwrap_forward(model)
-    if compiled is not None and keep_torch_compile:
-        if compiled._orig_mod is not model:
-            compiled._orig_mod = model
-        return compiled
-    return model
-
-
-def no_sync_context(model: torch.nn.Module) -> Any:
-    """A context in which backward passes of ``model`` do not synchronise gradients."""
-    inner = model._orig_mod if hasattr(model, "_orig_mod") else model
-    if isinstance(inner, DistributedDataParallel):
-        return inner.no_sync()
-    if hasattr(inner, "set_requires_gradient_sync"):  # FSDP2 modules
-        return _fsdp2_no_sync(inner)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fsdp2_no_sync(model: Any) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-@contextlib.contextmanager
-def trigger_sync_context(model: torch.nn.Module) -> Iterator[None]:
-    """Make the next backward of a DDP model synchronise, even after forwards under no_sync."""
-    inner = model._orig_mod if hasattr(model, "_orig_mod") else model
-    if not isinstance(inner, DistributedDataParallel):
-        yield
-        return
-    old = inner.require_backward_grad_sync, inner.require_forward_param_sync
-    inner.require_backward_grad_sync = True
-    inner.require_forward_param_sync = True
-    # The forward ran with sync off, so the reducer was not told a backward is coming: tell it.
-    inner.reducer.prepare_for_backward([])
-    try:
-        yield
-    finally:
-        inner.require_backward_grad_sync, inner.require_forward_param_sync = old

@@ -9,6 +9,7 @@ Entry points (the Accelerator calls these; each also works on its own with a pla
   points at the old full parameters; this re-points its param groups at the sharded ones (it
   refuses, with a clear error, an optimizer that already has state).
 - ``is_fsdp_model(model)``.
+- ``FSDPStrategy``: the strategy the Accelerator uses under ``fsdp_plugin=...``.
 
 Checkpoint functions live in ``nbaccel.training.strategies.fsdp_checkpoint`` and are
 re-exported here:
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import datetime
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.fsdp_checkpoint import (
     find_model_for_optimizer,
     get_fsdp_state_dict,
@@ -48,6 +50,7 @@ from nbaccel.training.strategies.fsdp_checkpoint import (
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 
 __all__ = [
+    "FSDPStrategy",
     "FullyShardedDataParallelPlugin",
     "find_model_for_optimizer",
     "get_fsdp_state_dict",
@@ -311,3 +314,79 @@ def sharded_fraction(model: nn.Module) -> float:
         total += p.numel()
         local += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
     return local / max(total, 1)
+
+
+def _full_options(**extra: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **extra)
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2: every rank holds a shard of each parameter (``fully_shard``), gloo or NCCL.
+
+    State dicts are gathered into full tensors (on CPU) and scattered back on load; checkpoints
+    use the plugin's ``state_dict_type`` (sharded ``torch.distributed.checkpoint`` directories or
+    full files written by rank 0).
+    """
+
+    replaces_parameters = True
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool, evaluation_mode: bool = False
+    ) -> nn.Module:
+        # no .to(device) first: shard_model places (or materialises) each rank's shards
+        self.precision.wrap_forward(model)
+        if evaluation_mode:
+            return model
+        return shard_model(model, self.state.fsdp_plugin, self.device)
+
+    def prepare_optimizer(self, optimizer: Any, models: Iterable[nn.Module]) -> None:
+        rebind_optimizer(optimizer, list(models))
+
+    def model_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+
+    def load_model_state_dict(
+        self,
+        model: nn.Module,
+        tensors: Mapping[str, torch.Tensor],
+        aliases: Mapping[str, str] | None = None,
+        strict: bool = True,
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        expected = set(model.state_dict().keys())
+        aliases = aliases or {}
+        tensors = {**{a: tensors[k] for a, k in aliases.items() if k in tensors}, **tensors}
+        tensors = {k: v for k, v in tensors.items() if k in expected}
+        set_model_state_dict(model, tensors, options=_full_options())
+
+    def optimizer_state_dict(self, optimizer: Any, model: nn.Module | None) -> dict:
+        if model is None:
+            return super().optimizer_state_dict(optimizer, model)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return get_optimizer_state_dict(model, inner, options=_full_options(cpu_offload=True))
+
+    def load_optimizer_state_dict(
+        self, optimizer: Any, state_dict: dict, model: nn.Module | None
+    ) -> None:
+        if model is None:
+            super().load_optimizer_state_dict(optimizer, state_dict, model)
+            return
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        inner = getattr(optimizer, "optimizer", optimizer)
+        set_optimizer_state_dict(model, inner, state_dict, options=_full_options())
+
+    sharded_checkpoints = True
+
+    def save_sharded_checkpoint(self, objects: Any, directory: Any) -> list[str]:
+        return save_fsdp_state(objects, directory, self.state.fsdp_plugin)
+
+    def load_sharded_checkpoint(self, objects: Any, directory: Any) -> None:
+        load_fsdp_state(objects, directory, self.state.fsdp_plugin)

@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nbaccel.distributed.state import AcceleratorState
+from nbaccel.storage.weights import write_safetensors
+
 __all__ = [
     "find_model_for_optimizer",
     "get_fsdp_state_dict",
@@ -217,10 +220,8 @@ def load_fsdp_optimizer(
 def _plugin(plugin: Any) -> Any:
     if plugin is not None:
         return plugin
-    from nbaccel.distributed.state import AcceleratorState
-
-    state = AcceleratorState._shared_state
-    return state.get("fsdp_plugin")
+    state = AcceleratorState.current()
+    return None if state is None else state.fsdp_plugin
 
 
 def save_fsdp_state(objects: Any, output_dir: str | os.PathLike, plugin: Any = None) -> list[str]:
@@ -302,9 +303,7 @@ def merge_fsdp_weights(
             state = {k[len("model.") :]: v for k, v in state.items()}
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in state.items()}, str(target), {"format": "pt"})
+            write_safetensors(state, target)
         else:
             torch.save(state, target)
         if remove_checkpoint_dir:

@@ -1,4 +1,4 @@
-"""The torch-xla (TPU) pieces of a training step: device, optimizer step, graph cuts, loaders, bf16.
+"""The torch-xla (TPU) training step: ``XLAStrategy``, the optimizer step, graph cuts, bf16.
 
 torch-xla records operations lazily and compiles a graph when told to cut it (``mark_step``).
 nbaccel cuts after every optimizer step and lets torch-xla's ``MpDeviceLoader`` cut between
@@ -8,27 +8,36 @@ function: nbaccel imports and works without torch-xla installed.
 - ``optimizer_step(optimizer, closure)``: all-reduce (average) the gradients across replicas and
   step, through ``xm.optimizer_step``; then ``mark_step``. ``reduce_gradients(params)`` averages
   early (``clip_grad_norm_`` needs the global gradients) and the step then skips its own.
-- ``wrap_dataloader(loader, device)``: batches land on the XLA device, prefetched in the
-  background by ``MpDeviceLoader``; ``len``, ``set_epoch`` and the prepared loader's attributes
-  still work.
 - ``configure_bf16(mixed_precision, downcast_bf16)``: the ``XLA_USE_BF16`` /
   ``XLA_DOWNCAST_BF16`` switches (honoured by torch-xla < 2.6; newer releases dropped them, so
   nbaccel's bf16 there is ``torch.autocast("xla", dtype=torch.bfloat16)``, see ``autocast``).
-- ``all_gather`` / ``all_reduce_sum`` / ``broadcast_`` / ``exchange_objects``: the collectives
-  ``nbaccel.distributed.collectives`` uses on XLA replicas (``xm.all_gather``, ``xm.all_reduce``,
-  ``xm.collective_broadcast``, ``xm.rendezvous`` for picklable objects).
+
+The runtime primitives (device, collectives, RNG) live in :mod:`nbaccel.distributed.xla_runtime`
+and the device loader in :mod:`nbaccel.data.xla_loader`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from nbaccel.data.xla_loader import XLADeviceLoader
+from nbaccel.data.xla_loader import wrap_for_device as wrap_dataloader
+from nbaccel.distributed.xla_runtime import (
+    all_gather,
+    all_reduce_sum,
+    broadcast_,
+    exchange_objects,
+    mark_step,
+    xla_device,
+)
+from nbaccel.training.strategies.base import Strategy
+
 __all__ = [
     "XLADeviceLoader",
+    "XLAStrategy",
     "all_gather",
     "all_reduce_sum",
     "autocast",
@@ -41,29 +50,6 @@ __all__ = [
     "wrap_dataloader",
     "xla_device",
 ]
-
-
-def xla_device() -> torch.device:
-    """This process's XLA device (a TPU core, or the CPU under ``PJRT_DEVICE=CPU``)."""
-    import torch_xla
-
-    if hasattr(torch_xla, "device"):
-        return torch_xla.device()
-    import torch_xla.core.xla_model as xm
-
-    return xm.xla_device()
-
-
-def mark_step() -> None:
-    """Cut the lazily recorded graph here: compile (once) and run it."""
-    import torch_xla
-
-    if hasattr(torch_xla, "sync"):
-        torch_xla.sync()
-    else:  # torch-xla < 2.6
-        import torch_xla.core.xla_model as xm
-
-        xm.mark_step()
 
 
 # ids of parameters whose gradients reduce_gradients already averaged for the coming step
@@ -126,81 +112,27 @@ def configure_bf16(mixed_precision: str, downcast_bf16: bool = False) -> dict[st
     return changes
 
 
-class XLADeviceLoader:
-    """A prepared dataloader whose batches arrive on the XLA device, prefetched by torch-xla.
+class XLAStrategy(Strategy):
+    """Replicas on XLA devices: torch-xla averages gradients in the optimizer step.
 
-    Iterating builds a ``torch_xla.distributed.parallel_loader.MpDeviceLoader`` over the wrapped
-    loader (which keeps its sharding and its end-of-data bookkeeping); everything else
-    (``len``, ``set_epoch``, ``batch_size``, ``dataset``, ...) is the wrapped loader's.
+    The model is placed on the XLA device (which gives it new Parameter objects) and not
+    wrapped; loaders feed the device through torch-xla's background loader.
     """
 
-    def __init__(self, dataloader: Any, device: torch.device | None = None, **kwargs: Any):
-        self._loader = dataloader
-        self._device = device
-        self._kwargs = kwargs
+    replaces_parameters = True
 
-    @property
-    def device(self) -> torch.device:
-        return self._device if self._device is not None else xla_device()
+    def prepare_dataloader(self, dataloader: Any) -> Any:
+        return wrap_dataloader(dataloader, self.device)
 
-    @property
-    def base_dataloader(self) -> Any:
-        return self._loader
+    def clip_grad_norm_(
+        self, parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        reduce_gradients(parameters)  # clip the global gradients, not this replica's
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
-    def __iter__(self) -> Iterator[Any]:
-        import torch_xla.distributed.parallel_loader as pl
+    def clip_grad_value_(self, parameters: list[torch.Tensor], clip_value: float) -> None:
+        reduce_gradients(parameters)
+        super().clip_grad_value_(parameters, clip_value)
 
-        return iter(pl.MpDeviceLoader(self._loader, self.device, **self._kwargs))
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_loader":
-            raise AttributeError(name)
-        return getattr(self._loader, name)
-
-    def __repr__(self) -> str:
-        return f"XLADeviceLoader({self._loader!r})"
-
-
-def wrap_dataloader(dataloader: Any, device: torch.device | None = None, **kwargs: Any) -> Any:
-    """Wrap a (prepared) dataloader for the XLA device; other devices get it back unchanged."""
-    if isinstance(dataloader, XLADeviceLoader):
-        return dataloader
-    if device is not None and torch.device(device).type != "xla":
-        return dataloader
-    return XLADeviceLoader(dataloader, device, **kwargs)
-
-
-# -- collectives on XLA replicas (nbaccel.distributed.collectives uses them on XLA) --
-def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate every replica's ``tensor`` on dim 0 (scalars become one element each)."""
-    import torch_xla.core.xla_model as xm
-
-    return xm.all_gather(tensor.reshape(1) if tensor.ndim == 0 else tensor, dim=0)
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum of ``tensor`` over replicas (a new tensor)."""
-    import torch_xla.core.xla_model as xm
-
-    return xm.all_reduce(xm.REDUCE_SUM, tensor)
-
-
-def broadcast_(tensor: torch.Tensor, from_process: int = 0) -> torch.Tensor:
-    """Overwrite ``tensor`` on every replica with replica ``from_process``'s values."""
-    import torch_xla.core.xla_model as xm
-
-    xm.collective_broadcast([tensor], root_ordinal=from_process)
-    return tensor
-
-
-def exchange_objects(obj: Any, tag: str = "nbaccel.objects") -> list[Any]:
-    """Every replica's picklable ``obj``, indexed by replica (through ``xm.rendezvous``)."""
-    import pickle
-
-    import torch_xla.core.xla_model as xm
-
-    payloads = xm.rendezvous(tag, pickle.dumps(obj))
-    return [pickle.loads(p) for p in payloads]
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+        return optimizer_step(optimizer, closure)

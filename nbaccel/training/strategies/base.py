@@ -1,0 +1,154 @@
+"""The strategy interface: everything in training that depends on the kind of parallelism.
+
+A :class:`Strategy` is chosen once per ``Accelerator`` (:func:`~nbaccel.training.strategies.
+registry.select_strategy`, keyed by ``DistributedType``); the Accelerator, the checkpoint module
+and the optimizer wrapper call its methods instead of asking which kind of run this is.
+
+This base class is a single process on one device: the model is placed and left unwrapped,
+gradients are clipped and stepped by torch, state dicts are the module's own. Subclasses:
+``DDPStrategy`` (``strategies.ddp``), ``FSDPStrategy`` (``strategies.fsdp``), ``XLAStrategy``
+(``strategies.xla``). Collectives differ per backend too, but they live one layer down, in
+:mod:`nbaccel.distributed.comm` (``PartialState().communicator``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from nbaccel.distributed.state import AcceleratorState
+from nbaccel.storage.weights import load_into_model
+from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.strategies.wrappers import extract_model_from_parallel
+
+__all__ = ["Strategy"]
+
+
+class Strategy:
+    """How one kind of run prepares, steps and saves a model (base: one process, one device).
+
+    Args:
+        state: the process's ``AcceleratorState``.
+        precision: the accelerator's mixed-precision policy (forward wrapping, loss scaling).
+        ddp_kwargs: the user's ``DistributedDataParallelKwargs``, for strategies that use DDP.
+    """
+
+    #: ``prepare_model`` gives the model new Parameter objects (optimizers must follow them).
+    replaces_parameters = False
+
+    def __init__(
+        self,
+        state: AcceleratorState,
+        precision: PrecisionPolicy,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+    ) -> None:
+        self.state = state
+        self.precision = precision
+        self.ddp_kwargs = ddp_kwargs
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def joins_uneven_inputs(self) -> bool:
+        """Whether ``join_uneven_inputs`` runs torch's ``Join`` (DDP across processes)."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.state.distributed_type.value}, {self.device})"
+
+    # -- model, optimizer, data ---------------------------------------------------------------
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
+        """Place ``model``, add the mixed-precision forward, wrap it (not for evaluation)."""
+        if device_placement:
+            model = model.to(self.device)
+        self.precision.wrap_forward(model)
+        return model if evaluation_mode else self.wrap_model(model)
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The parallel wrapper around a placed model (none here)."""
+        return model
+
+    def prepare_optimizer(self, optimizer: Any, models: Iterable[torch.nn.Module]) -> None:
+        """Make ``optimizer`` update the parameters of the prepared ``models`` (nothing here)."""
+
+    def prepare_dataloader(self, dataloader: Any) -> Any:
+        """The last step of preparing a (sharded) dataloader (nothing here)."""
+        return dataloader
+
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> torch.nn.Module:
+        """The user's module inside the wrappers ``prepare`` added."""
+        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
+
+    # -- the training step --------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled under fp16."""
+        self.precision.scale_and_backward(loss, **kwargs)
+
+    def clip_grad_norm_(
+        self, parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        """Clip the (unscaled) gradients of ``parameters`` by their total norm; return it."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: list[torch.Tensor], clip_value: float) -> None:
+        """Clip the (unscaled) gradients of ``parameters`` elementwise."""
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+        """One step of the (unwrapped) ``optimizer`` on this process's gradients."""
+        return optimizer.step(closure) if closure is not None else optimizer.step()
+
+    # -- state dicts --------------------------------------------------------------------------
+    def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict of a prepared model (collective for sharded strategies)."""
+        return (extract_model_from_parallel(model) if unwrap else model).state_dict()
+
+    def load_model_state_dict(
+        self,
+        model: torch.nn.Module,
+        tensors: Mapping[str, torch.Tensor],
+        aliases: Mapping[str, str] | None = None,
+        strict: bool = True,
+    ) -> None:
+        """Load a full state dict (``aliases``: the file's tied-name record) into ``model``."""
+        load_into_model(extract_model_from_parallel(model), tensors, aliases, strict=strict)
+
+    def optimizer_state_dict(self, optimizer: Any, model: torch.nn.Module | None) -> dict:
+        """The full state dict of ``optimizer`` (``model``: the prepared model it updates)."""
+        return getattr(optimizer, "optimizer", optimizer).state_dict()
+
+    def load_optimizer_state_dict(
+        self, optimizer: Any, state_dict: dict, model: torch.nn.Module | None
+    ) -> None:
+        """Load a full optimizer state dict."""
+        getattr(optimizer, "optimizer", optimizer).load_state_dict(state_dict)
+
+    # -- checkpoints in the strategy's own format ---------------------------------------------
+    #: Models and optimizers are checkpointed by the strategy (``save_sharded_checkpoint``)
+    #: instead of as full state dicts written by the checkpoint module.
+    sharded_checkpoints = False
+
+    def save_sharded_checkpoint(self, objects: Any, directory: Any) -> list[str]:
+        """Write the models and optimizers of ``objects`` (``.models``, ``.optimizers``) into
+        ``directory`` in the strategy's own format (every rank calls it); return the names."""
+        raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format.")
+
+    def load_sharded_checkpoint(self, objects: Any, directory: Any) -> None:
+        """Restore what :meth:`save_sharded_checkpoint` wrote into ``objects``."""
+        raise NotImplementedError(f"{type(self).__name__} has no sharded checkpoint format.")

@@ -1,0 +1,41 @@
+"""The strategy of a run, chosen once from its ``DistributedType``.
+
+``select_strategy`` is called when an ``Accelerator`` is built; :data:`STRATEGIES` is the one
+place that maps each kind of run to its strategy class (add a parallelism by adding a row).
+"""
+
+from __future__ import annotations
+
+from nbaccel.distributed.state import AcceleratorState, DistributedType
+from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.strategies.base import Strategy
+from nbaccel.training.strategies.ddp import DDPStrategy
+from nbaccel.training.strategies.fsdp import FSDPStrategy
+from nbaccel.training.strategies.xla import XLAStrategy
+
+__all__ = ["STRATEGIES", "select_strategy"]
+
+STRATEGIES: dict[DistributedType, type[Strategy]] = {
+    DistributedType.NO: DDPStrategy,
+    DistributedType.MULTI_CPU: DDPStrategy,
+    DistributedType.MULTI_GPU: DDPStrategy,
+    DistributedType.MULTI_XPU: DDPStrategy,
+    DistributedType.FSDP: FSDPStrategy,
+    DistributedType.XLA: XLAStrategy,
+}
+
+
+def select_strategy(
+    state: AcceleratorState,
+    precision: PrecisionPolicy,
+    ddp_kwargs: DistributedDataParallelKwargs | None = None,
+) -> Strategy:
+    """The strategy for ``state.distributed_type``."""
+    kind = state.distributed_type
+    if kind not in STRATEGIES:
+        raise NotImplementedError(
+            f"{kind.value} runs are not supported by nbaccel; supported: "
+            f"{', '.join(k.value for k in STRATEGIES)}."
+        )
+    return STRATEGIES[kind](state, precision, ddp_kwargs)
