@@ -1,10 +1,11 @@
 """Device maps: plan where every module lives (``infer_auto_device_map``) and validate user maps.
 
 When the model fits without offloading, the map is exactly Accelerate's (``greedy_fill``: a
-sequential fill keeping the largest layer free on the main devices). When layers must be offloaded
-to the CPU or the disk, nbaccel's own planner below is used instead. It walks the module tree once per pass with a stack, reading sizes from one precomputed
-dictionary, so it runs in time linear in modules and tensors. It packs devices in order (GPU 0,
-GPU 1, ..., cpu, disk) with three differences from a naive sequential fill:
+sequential fill keeping the largest layer free on the main devices). When layers must be
+offloaded to the CPU or the disk, nbaccel's own planner below is used instead. It walks the
+module tree once per pass with a stack, reading sizes from one precomputed dictionary, so it
+runs in time linear in modules and tensors. It packs devices in order (GPU 0, GPU 1, ..., cpu,
+disk) with three differences from a naive sequential fill:
 
 - the memory kept free on the execution device for offloaded layers is the size of the layers
   that actually end up offloaded (found by re-planning, at most a few linear passes), not a guess;
@@ -355,14 +356,14 @@ def _warn(fill: GreedyFill, budgets: Mapping[int | str, int], offload_buffers: b
     """Accelerate's diagnostics: offloaded buffers that no GPU can hold, and devices left empty."""
     offloaded = fill.buffers_by_device.get("cpu", 0) + fill.buffers_by_device.get("disk", 0)
     gpus = [d for d in budgets if d not in _OFFLOAD]
-    if offloaded > 0 and not offload_buffers and gpus:
-        if not any(budgets[g] >= offloaded + fill.used.get(g, 0) for g in gpus):
-            warnings.warn(
-                f"The layers offloaded to cpu/disk hold {offloaded:g} bytes of buffers, which do "
-                "not fit in the remaining memory of any GPU; they are kept on the execution "
-                "device during inference. If you run out of memory, pass offload_buffers=True.",
-                stacklevel=3,
-            )
+    fits_a_gpu = any(budgets[g] >= offloaded + fill.used.get(g, 0) for g in gpus)
+    if offloaded > 0 and not offload_buffers and gpus and not fits_a_gpu:
+        warnings.warn(
+            f"The layers offloaded to cpu/disk hold {offloaded:g} bytes of buffers, which do "
+            "not fit in the remaining memory of any GPU; they are kept on the execution "
+            "device during inference. If you run out of memory, pass offload_buffers=True.",
+            stacklevel=3,
+        )
     if fill.empty_minimum:
         lines = "\n".join(f"  - {d}: {m:g} bytes required" for d, m in fill.empty_minimum.items())
         logger.info(
