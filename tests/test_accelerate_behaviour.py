@@ -130,3 +130,29 @@ def test_unbatched_dataloader_can_be_prepared_on_2_ranks():
     assert sorted(mapped0 + mapped1) == [0, 1, 2, 3, 4, 5] and len0 == len1 == 3
     assert mapped0 == [0, 2, 4] and mapped1 == [1, 3, 5]
     assert sorted(stream0 + stream1) == [0, 1, 2, 3, 4, 5]
+
+
+def _one_cycle(step_with_optimizer, split_batches):
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(
+        step_scheduler_with_optimizer=step_with_optimizer, split_batches=split_batches
+    )
+    model = nn.Linear(2, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.01, steps_per_epoch=2, epochs=1
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    scheduler.step()
+    first = scheduler.scheduler.last_epoch
+    scheduler.step()  # past total_steps: held back, not an error
+    return first, scheduler.scheduler.last_epoch
+
+
+def test_one_cycle_scheduler_steps_once_per_process():
+    # Accelerate: one step of a prepared scheduler on 2 processes advances OneCycleLR by 2
+    # (the global batch is 2 batches); split_batches or step_with_optimizer=False advance by 1.
+    assert run_on_ranks(_one_cycle, 2, args=(True, False)) == [(2, 2), (2, 2)]
+    assert run_on_ranks(_one_cycle, 2, args=(True, True))[0][0] == 1
+    assert run_on_ranks(_one_cycle, 2, args=(False, False))[0][0] == 1
