@@ -156,3 +156,25 @@ def test_one_cycle_scheduler_steps_once_per_process():
     assert run_on_ranks(_one_cycle, 2, args=(True, False)) == [(2, 2), (2, 2)]
     assert run_on_ranks(_one_cycle, 2, args=(True, True))[0][0] == 1
     assert run_on_ranks(_one_cycle, 2, args=(False, False))[0][0] == 1
+
+
+def test_save_model_reads_disk_offloaded_weights(tmp_path):
+    # Accelerate's save_model reads offloaded weights back (no "Cannot copy out of meta").
+    from safetensors.torch import load_file
+
+    from nbaccel import Accelerator
+    from nbaccel.bigmodel import dispatch_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    dispatch_model(
+        model, device_map={"0": "cpu", "1": "disk", "2": "disk"}, offload_dir=tmp_path / "off"
+    )
+    assert model[2].weight.device.type == "meta"  # really offloaded
+    Accelerator().save_model(model, tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert saved.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(saved[key], tensor), key
+    assert model[2].weight.device.type == "meta"  # and left offloaded
