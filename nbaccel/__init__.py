@@ -51,6 +51,7 @@ from nbaccel.training.kwargs_handlers import (
     InitProcessGroupKwargs,
     ProfileKwargs,
 )
+from nbaccel.training.local_sgd import LocalSGD
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 
 __version__ = "0.1.0"
@@ -86,6 +87,7 @@ __all__ = [
     "LaunchTimeout",
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
+    "LocalSGD",
     "notebook_launcher",
     "pad_across_processes",
     "PartialState",

@@ -131,7 +131,7 @@ def test_save_model_shards_and_tied_weights(tmp_path):
         parse_size("lots")
 
 
-def test_find_executable_batch_size_halves_on_oom():
+def test_find_executable_batch_size_shrinks_to_90_percent_on_oom():
     tried = []
 
     @find_executable_batch_size(starting_batch_size=64)
@@ -141,8 +141,9 @@ def test_find_executable_batch_size_halves_on_oom():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
         return batch_size * scale
 
-    assert train(2) == 32
-    assert tried == [64, 32, 16]
+    assert train(2) == 30
+    # Accelerate's rule: 90% of the size each time (int(64 * 0.9) = 57, ...).
+    assert tried == [64, 57, 51, 45, 40, 36, 32, 28, 25, 22, 19, 17, 15]
     with pytest.raises(TypeError, match="Remove it"):
         train(8, 2)
 
@@ -150,8 +151,18 @@ def test_find_executable_batch_size_halves_on_oom():
     def never(batch_size):
         raise RuntimeError("CUDA out of memory.")
 
-    with pytest.raises(RuntimeError, match="No executable batch size"):
+    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero."):
         never()
+
+    sizes = iter([10, 3])
+
+    @find_executable_batch_size(starting_batch_size=20, reduce_batch_size_fn=lambda: next(sizes))
+    def custom(batch_size):  # Accelerate's custom rules take no argument
+        if batch_size > 3:
+            raise torch.OutOfMemoryError("out of memory")
+        return batch_size
+
+    assert custom() == 3
 
     @find_executable_batch_size(starting_batch_size=4)
     def other(batch_size):

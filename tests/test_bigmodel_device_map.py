@@ -195,7 +195,8 @@ def test_check_device_map_names_every_missing_tensor():
 
 def test_check_device_map_unknown_names_and_devices():
     model = empty_net(n=1)
-    with pytest.raises(ValueError, match="'blocks.7'.*does not have"):
+    # Like Accelerate: an unknown name is a warning, not an error (the map still covers all).
+    with pytest.warns(UserWarning, match="'blocks.7'.*does not have"):
         check_device_map(model, {"": 0, "blocks.7": 0})
     with pytest.raises(ValueError, match="Unknown device 'gpu'.*for 'embed'"):
         check_device_map(model, {"": 0, "embed": "gpu"})
@@ -231,3 +232,89 @@ def test_planning_time_grows_linearly():
     small = min(_plan_time(20) for _ in range(2))
     large = min(_plan_time(160) for _ in range(2))  # 8x the tensors
     assert large < 8 * small * 2.5, (small, large)
+
+
+class ThreeLayers(nn.Module):
+    """Accelerate's documented example: sizes 64, 72 and 100 bytes (236 in all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1 = nn.Linear(3, 4)
+        self.batchnorm = nn.BatchNorm1d(4)
+        self.linear2 = nn.Linear(4, 5)
+
+
+@pytest.mark.parametrize(
+    "max_memory, expected",
+    [
+        # GPU 0 keeps the largest layer (100 bytes) free: only linear1 fits there.
+        ({0: 200, 1: 200}, {"linear1": 0, "batchnorm": 1, "linear2": 1}),
+        ({0: 200, 1: 172, 2: 200}, {"linear1": 0, "batchnorm": 1, "linear2": 1}),
+        ({0: 100, 1: 172, 2: 200}, {"linear1": 1, "batchnorm": 1, "linear2": 2}),
+        ({0: 200, 1: 200, "cpu": 1000}, {"linear1": 0, "batchnorm": 1, "linear2": 1}),
+        ({0: 10**6}, {"": 0}),
+    ],
+)
+def test_map_is_accelerates_when_nothing_is_offloaded(max_memory, expected):
+    assert infer_auto_device_map(ThreeLayers(), max_memory=max_memory) == expected
+
+
+def test_no_split_class_and_tied_weights_match_accelerate():
+    model = ThreeLayers()
+    dm = infer_auto_device_map(
+        model, max_memory={0: 250, 1: 400}, no_split_module_classes=["ThreeLayers"]
+    )
+    assert dm == {"": 0}
+    tied = nn.Module()
+    tied.a, tied.b, tied.c = nn.Linear(4, 4), ThreeLayers(), nn.Linear(4, 4)
+    tied.c.weight = tied.a.weight
+    dm = infer_auto_device_map(tied, max_memory={0: 300, 1: 1000})
+    assert dm == {"a": 0, "c": 0, "b.linear1": 0, "b.batchnorm": 1, "b.linear2": 1}
+
+
+def test_offloaded_buffers_warning_like_accelerate():
+    model = ThreeLayers()
+    model.linear1.register_buffer("b1", torch.zeros(10, 2))
+    model.batchnorm.register_buffer("b2", torch.zeros(10, 3))
+    model.linear2.register_buffer("b3", torch.zeros(10, 3))
+    with pytest.warns(UserWarning, match="offload_buffers=True"):
+        dm = infer_auto_device_map(model, max_memory={0: 400, "cpu": "1GB"})
+    assert dm == {"linear1": 0, "batchnorm": "cpu", "linear2": "cpu"}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm = infer_auto_device_map(model, max_memory={0: 400, "cpu": "1GB"}, offload_buffers=True)
+    assert dm == {"linear1": 0, "batchnorm": "cpu", "linear2": "cpu"}
+
+
+def test_insufficient_memory_is_logged_and_fallback_fills_the_device(caplog):
+    inner = nn.Sequential()
+    inner.add_module("linear1", nn.Linear(10, 4))
+    inner.add_module("linear2", nn.Linear(4, 4))
+    inner.add_module("linear3", nn.Linear(4, 8))
+    model = nn.Sequential()
+    model.add_module("module", inner)
+    with caplog.at_level("INFO"):
+        dm = infer_auto_device_map(ThreeLayers(), max_memory={0: 100, 1: 172, 2: 200})
+    assert dm == {"linear1": 1, "batchnorm": 1, "linear2": 2}
+    assert "insufficient memory" in caplog.text and "0: 164 bytes" in caplog.text
+    dm = infer_auto_device_map(model, max_memory={0: 256, 1: 400}, fallback_allocation=True)
+    assert dm == {"module.linear2": 0, "module.linear1": 1, "module.linear3": 1}
+
+
+def test_bool_tensors_count_one_bit():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = nn.Linear(3, 3)
+            self.register_buffer("mask", torch.ones(80, dtype=torch.bool))
+
+    from nbaccel.bigmodel import dtype_byte_size
+
+    assert dtype_byte_size(torch.bool) == 1 / 8
+    sizes = compute_module_sizes(Masked())
+    assert sizes["mask"] == 10 and sizes[""] == 58
+    # dtype never upcasts: an fp16 model planned as float32 keeps its fp16 size.
+    half = ThreeLayers().half()
+    assert compute_module_sizes(half, dtype=torch.float32)["linear2"] == 50

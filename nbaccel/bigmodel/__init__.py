@@ -8,6 +8,7 @@ tie-preserving loads, checked checkpoint keys).
 from nbaccel.bigmodel.align_devices_hook import (
     AlignDevicesHook,
     align_module_device,
+    get_state_dict_offloaded_model,
     has_offloaded_params,
 )
 from nbaccel.bigmodel.cpu_offload_hook import CpuOffload, UserCpuOffloadHook
@@ -93,6 +94,7 @@ __all__ = [
     "get_device_map",
     "get_max_layer_size",
     "get_max_memory",
+    "get_state_dict_offloaded_model",
     "has_offloaded_params",
     "infer_auto_device_map",
     "init_empty_weights",

@@ -5,6 +5,7 @@ after. :func:`align_module_device` materialises them outside a forward.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -280,3 +281,37 @@ def align_module_device(
         yield
     finally:
         module._parameters.update(saved_params)
+
+
+def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of a dispatched model, offloaded (cpu/disk) weights read back, on the CPU.
+
+    Each module's own weights are loaded one module at a time, so only the largest module has
+    to fit in RAM at once. Tensors still on ``meta`` (never materialised) are left out with a
+    warning naming them.
+    """
+    state: dict[str, torch.Tensor] = {}
+    on_meta: list[str] = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        with align_module_device(module, "cpu"):
+            own = dict(module._parameters)
+            own.update(
+                (k, v)
+                for k, v in module._buffers.items()
+                if k not in module._non_persistent_buffers_set
+            )
+            for leaf, tensor in own.items():
+                if tensor is None:
+                    continue
+                if tensor.device.type == "meta":
+                    on_meta.append(prefix + leaf)
+                    continue
+                state[prefix + leaf] = tensor.detach().to("cpu", copy=True)
+    missing = [k for k in on_meta if k not in state]
+    if missing:
+        warnings.warn(
+            f"Not saved, still on the meta device (never loaded): {', '.join(missing)}.",
+            stacklevel=2,
+        )
+    return state

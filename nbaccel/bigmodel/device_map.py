@@ -1,8 +1,11 @@
 """Device maps: plan where every module lives (``infer_auto_device_map``) and validate user maps.
 
-The planner walks the module tree once per pass with a stack, reading sizes from one precomputed
-dictionary, so it runs in time linear in modules and tensors. It packs devices in order (GPU 0,
-GPU 1, ..., cpu, disk) with three differences from a naive sequential fill:
+When the model fits without offloading, the map is exactly Accelerate's (``greedy_fill``: a
+sequential fill keeping the largest layer free on the main devices). When layers must be
+offloaded to the CPU or the disk, nbaccel's own planner below is used instead. It walks the
+module tree once per pass with a stack, reading sizes from one precomputed dictionary, so it
+runs in time linear in modules and tensors. It packs devices in order (GPU 0, GPU 1, ..., cpu,
+disk) with three differences from a naive sequential fill:
 
 - the memory kept free on the execution device for offloaded layers is the size of the layers
   that actually end up offloaded (found by re-planning, at most a few linear passes), not a guess;
@@ -13,12 +16,15 @@ GPU 1, ..., cpu, disk) with three differences from a naive sequential fill:
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from nbaccel.bigmodel.greedy_fill import GreedyFill, greedy_fill
 from nbaccel.bigmodel.memory_budgets import get_balanced_memory, get_max_memory
 from nbaccel.bigmodel.module_sizes import ModelScan, modules_preorder, no_gc
 
@@ -33,6 +39,7 @@ __all__ = [
 
 DEVICE_MAP_STRINGS = ("auto", "balanced", "balanced_low_0", "sequential")
 _OFFLOAD = ("cpu", "disk")
+logger = logging.getLogger(__name__)
 
 
 def normalize_device(device: int | str | torch.device, where: str = "") -> int | str:
@@ -220,7 +227,7 @@ class _Context:
             self.main = self.devices[0]
         self.main_index = self.devices.index(self.main)
         self.offload_devices = {"disk"} if self.main == "cpu" else {"cpu", "disk"}
-        scan = ModelScan(model, dtype, special_dtypes, tensor_names=False)
+        scan = ModelScan(model, dtype, special_dtypes)
         self.scan = scan
         self.tensor_sizes: dict[str, int] = {}
         self.tied_groups = scan.tied_groups
@@ -302,28 +309,71 @@ def infer_auto_device_map(
     """Map module names to devices, filling GPUs in order, then cpu, then disk.
 
     ``no_split_module_classes`` names blocks kept whole (residual blocks). Tied parameters share
-    a device. ``fallback_allocation`` is accepted for compatibility: a device is never left empty
-    while a later layer fits on it, so no fallback pass is needed.
+    a device. If the model fits on the execution devices the map is Accelerate's (the largest
+    layer kept free on GPU 0 and the CPU; ``fallback_allocation`` lets a device that would stay
+    empty take a smaller later piece). If layers must be offloaded, the room kept on the
+    execution device is the size of the layers actually offloaded (running + prefetched), and a
+    device is never left empty while a later layer fits on it.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""))
+    if isinstance(no_split_module_classes, str):
+        no_split_module_classes = [no_split_module_classes]
     with no_gc():
-        return _infer(
+        budgets = get_max_memory(max_memory)
+        ctx = _Context(
+            model, budgets, no_split_module_classes, dtype, special_dtypes, offload_buffers, verbose
+        )
+        sizes, buffer_sizes = ctx.scan.sizes, ctx.scan.buffer_sizes
+        fill = greedy_fill(
             model,
-            max_memory,
-            no_split_module_classes,
-            dtype,
-            special_dtypes,
-            verbose,
-            clean_result,
-            offload_buffers,
+            budgets,
+            sizes,
+            buffer_sizes,
+            ctx.tied_groups,
+            ctx.no_split,
+            offload_buffers=offload_buffers,
+            fallback_allocation=fallback_allocation,
+            verbose=verbose,
+        )
+        if any(dev in ctx.offload_devices for dev in fill.device_map.values()):
+            result = _infer(ctx)
+            used: dict[int | str, float] = {}
+            for name, dev in result.items():
+                used[dev] = used.get(dev, 0) + sizes.get(name, 0)
+            buffers = {}
+            if not offload_buffers:
+                for name, dev in result.items():
+                    buffers[dev] = buffers.get(dev, 0) + buffer_sizes.get(name, 0)
+            empty = {d: m for d, m in fill.empty_minimum.items() if d not in used}
+            fill = GreedyFill(result, used, buffers, empty)
+        _warn(fill, budgets, offload_buffers)
+        result = fill.device_map
+    return clean_device_map(result) if clean_result else result
+
+
+def _warn(fill: GreedyFill, budgets: Mapping[int | str, int], offload_buffers: bool) -> None:
+    """Accelerate's diagnostics: offloaded buffers that no GPU can hold, and devices left empty."""
+    offloaded = fill.buffers_by_device.get("cpu", 0) + fill.buffers_by_device.get("disk", 0)
+    gpus = [d for d in budgets if d not in _OFFLOAD]
+    fits_a_gpu = any(budgets[g] >= offloaded + fill.used.get(g, 0) for g in gpus)
+    if offloaded > 0 and not offload_buffers and gpus and not fits_a_gpu:
+        warnings.warn(
+            f"The layers offloaded to cpu/disk hold {offloaded:g} bytes of buffers, which do "
+            "not fit in the remaining memory of any GPU; they are kept on the execution "
+            "device during inference. If you run out of memory, pass offload_buffers=True.",
+            stacklevel=3,
+        )
+    if fill.empty_minimum:
+        lines = "\n".join(f"  - {d}: {m:g} bytes required" for d, m in fill.empty_minimum.items())
+        logger.info(
+            "No module could be assigned to the following devices due to insufficient "
+            f"memory:\n{lines}\nRaise their budget in max_memory to at least these amounts "
+            "(specific to this model and plan) or pass fallback_allocation=True."
         )
 
 
-def _infer(
-    model, max_memory, no_split, dtype, special_dtypes, verbose, clean_result, offload_buffers
-) -> dict[str, int | str]:
-    ctx = _Context(model, max_memory, no_split, dtype, special_dtypes, offload_buffers, verbose)
+def _infer(ctx: _Context) -> dict[str, int | str]:
     plan = _Plan(ctx, {})
     result = plan.run()
     reserves = _reserves(ctx, plan)
@@ -338,7 +388,7 @@ def _infer(
         reserves = {
             d: max(needed.get(d, 0), reserves.get(d, 0)) for d in set(needed) | set(reserves)
         }
-    return clean_device_map(result) if clean_result else result
+    return result
 
 
 def clean_device_map(device_map: Mapping[str, int | str]) -> dict[str, int | str]:
@@ -365,8 +415,8 @@ def _shorten(names: list[str], limit: int = 20) -> str:
 
 
 def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torch.device]) -> None:
-    """Raise ValueError unless ``device_map`` names valid devices, only names that exist in the
-    model, and covers every parameter and buffer (the message lists each one it misses)."""
+    """Raise ValueError unless ``device_map`` names valid devices and covers every parameter and
+    buffer (the message lists each one it misses); warn about names the model does not have."""
     if not isinstance(device_map, Mapping):
         raise TypeError(
             f"device_map must be a dict of module name -> device, got {type(device_map).__name__}."
@@ -383,9 +433,12 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torc
     known = modules.union(tensors)
     unknown = [k for k in device_map if k not in known]
     if unknown:
-        raise ValueError(
+        warnings.warn(
             f"device_map names {_shorten(unknown)}, which the model does not have: keys must be "
-            "module names from model.named_modules() or tensor names (use '' for the whole model)."
+            "module names from model.named_modules() or tensor names (use '' for the whole "
+            "model). Those entries are ignored.",
+            UserWarning,
+            stacklevel=2,
         )
     missing = []
     for name in tensors:

@@ -11,7 +11,7 @@ import psutil
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.module_sizes import compute_module_sizes, get_max_layer_size
+from nbaccel.bigmodel.module_sizes import compute_module_sizes
 
 __all__ = [
     "convert_file_size_to_int",
@@ -111,8 +111,10 @@ def get_max_memory(max_memory: Mapping[int | str, int | str] | None = None) -> d
     return {k: parsed[k] for k in sorted(parsed, key=_device_rank)}
 
 
-def _execution_gpus(max_memory: Mapping[int | str, int]) -> list[int]:
-    return [k for k in max_memory if isinstance(k, int)]
+def _leaves(names) -> list[str]:
+    """Names with no child name in ``names`` (the root excluded)."""
+    parents = {n.rpartition(".")[0] for n in names if "." in n}
+    return [n for n in names if n and n not in parents]
 
 
 def get_balanced_memory(
@@ -125,26 +127,46 @@ def get_balanced_memory(
 ) -> dict[int | str, int]:
     """Lower the GPU budgets so a sequential device map spreads the model evenly over the GPUs.
 
-    With ``low_zero`` GPU 0 only receives what does not fit on the others (room for generation
-    outputs). Budgets are unchanged when the model does not fit on the GPUs anyway.
+    Every GPU but the last gets the model size divided by the number of GPUs plus a margin of
+    1.25 x the larger of the biggest ``no_split_module_classes`` block and the mean size of the
+    last-level modules (Accelerate's rule, so ``device_map="balanced"`` gives the same map). With
+    ``low_zero`` GPU 0 only receives what does not fit on the others (room for generation
+    outputs). A single GPU with no ``max_memory`` given keeps 10% free.
     """
-    budgets = get_max_memory(max_memory)
-    gpus = _execution_gpus(budgets)
-    targets = gpus[1:] if low_zero else gpus
-    if not targets:
+    user_set = max_memory is not None
+    budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
+    gpus = sorted(k for k in budgets if isinstance(k, int) and budgets[k] > 0)
+    count = len(gpus) + (1 if budgets.get("mps", 0) > 0 else 0)
+    if count == 0:
         return budgets
+    if count == 1:
+        low_zero = False
+        if not user_set and gpus:
+            budgets[gpus[0]] = int(budgets[gpus[0]] * 0.9)
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     total = sizes.get("", 0)
-    if total > sum(budgets[g] for g in targets):
-        return budgets
-    largest, _ = get_max_layer_size(list(model.named_children()), sizes, no_split_module_classes)
-    # Each GPU but the last gets its share plus half a layer of slack for packing granularity;
-    # the last keeps its whole budget so leftovers land on a GPU rather than the CPU.
-    share = -(-total // len(targets)) + largest // 2
-    balanced = dict(budgets)
-    for g in targets[:-1]:
-        balanced[g] = min(budgets[g], share)
+    per_gpu = total // (count - 1 if low_zero else count)
+    if isinstance(no_split_module_classes, str):
+        no_split_module_classes = [no_split_module_classes]
+    wanted = set(no_split_module_classes or ())
+    block = 0
+    if wanted:
+        found: dict[str, float] = {}
+        for name, module in model.named_modules():
+            cls = type(module).__name__
+            if name and cls in wanted and cls not in found:
+                found[cls] = sizes.get(name, 0)
+                if len(found) == len(wanted):
+                    break
+        block = max(found.values(), default=0)
+    named = [n for n, v in sizes.items() if v > 0]  # modules without tensors are not counted
+    modules_only = set(named) - set(_leaves(named))  # drop the tensors
+    last = _leaves(modules_only)
+    mean = int(sum(sizes[n] for n in last) / max(len(last), 1))
+    per_gpu += int(1.25 * max(block, mean))
+    for g in gpus[:-1]:
+        budgets[g] = min(budgets[0] if low_zero and g == 0 else per_gpu, budgets[g])
     if low_zero:
-        rest = sum(balanced[g] for g in targets)
-        balanced[gpus[0]] = min(budgets[gpus[0]], max(0, total - rest))
-    return balanced
+        rest = sum(budgets.get(i, 0) for i in range(1, count))
+        budgets[0] = min(max(0, total - rest), budgets[0])
+    return budgets

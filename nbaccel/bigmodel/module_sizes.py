@@ -28,9 +28,19 @@ __all__ = [
 
 
 @cache
-def dtype_byte_size(dtype: torch.dtype) -> int:
-    """Bytes one element of ``dtype`` takes."""
+def dtype_byte_size(dtype: torch.dtype) -> int | float:
+    """Bytes one element of ``dtype`` takes; ``torch.bool`` counts as one bit (1/8), as in
+    Accelerate, so sizes of models with boolean masks are the same numbers."""
+    if dtype == torch.bool:
+        return 1 / 8
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _own_bytes(tensor: torch.Tensor) -> int | float:
+    """Bytes of a tensor in its own dtype (booleans as bits)."""
+    if tensor.dtype == torch.bool:
+        return tensor.numel() / 8
+    return tensor.nbytes
 
 
 def named_module_tensors(
@@ -61,8 +71,9 @@ def _tensor_bytes(
     if special_dtypes and name in special_dtypes:
         return tensor.numel() * dtype_byte_size(special_dtypes[name])
     if dtype is not None and tensor.is_floating_point():
-        return tensor.numel() * dtype_byte_size(dtype)
-    return tensor.numel() * tensor.element_size()
+        # Loading casts floating tensors to ``dtype`` but never upcasts them.
+        return tensor.numel() * min(dtype_byte_size(dtype), tensor.element_size())
+    return _own_bytes(tensor)
 
 
 @contextmanager
@@ -166,12 +177,12 @@ class ModelScan:
                         dups.append((i, leaf, tensor))
                         continue
                     add(key)
-                    own += tensor.nbytes
+                    own += _own_bytes(tensor)
             if module._buffers:
                 for tensor in module._buffers.values():
                     if tensor is not None and id(tensor) not in seen:
                         add(id(tensor))
-                        own_buffers += tensor.nbytes
+                        own_buffers += _own_bytes(tensor)
             totals.append(own + own_buffers)
             buffer_totals.append(own_buffers)
             children = module._modules
@@ -213,7 +224,7 @@ class ModelScan:
                     add(key)
                     # .nbytes is one C attribute read (numel() * element_size() is 10x slower).
                     if plain:
-                        size = tensor.nbytes
+                        size = _own_bytes(tensor)
                     else:
                         size = _tensor_bytes(self._name(i, leaf), tensor, dtype, special_dtypes)
                     if names is not None:
@@ -227,7 +238,7 @@ class ModelScan:
                     add(id(tensor))
                     full = self._name(i, leaf)
                     size = (
-                        tensor.nbytes
+                        _own_bytes(tensor)
                         if plain
                         else _tensor_bytes(full, tensor, dtype, special_dtypes)
                     )
@@ -349,7 +360,7 @@ def get_max_layer_size(
     stack = list(reversed(modules))
     while stack:
         name, module = stack.pop()
-        children = list(module.named_children())
+        children = list(module.named_children()) if isinstance(module, nn.Module) else []
         if not children or type(module).__name__ in no_split:
             size = module_sizes.get(name, 0)
             if size > best:

@@ -46,9 +46,9 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:
     return options
 
 
-def _shared_seed() -> int:
-    """A seed drawn on rank 0 and given to every rank."""
-    box = [int(torch.randint(0, 2**62, (1,)).item())]
+def _shared_seed(seed: int | None = None) -> int:
+    """``seed`` (default: one drawn) as rank 0 has it, given to every rank."""
+    box = [int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)]
     if PartialState().num_processes > 1:
         broadcast_object_list(box, from_process=0)
     return box[0]
@@ -60,8 +60,13 @@ def _reshuffler(sampler: Any, use_seedable: bool, data_seed: int | None) -> tupl
         return sampler, None
     options = {"replacement": sampler.replacement, "num_samples": sampler._num_samples}
     if use_seedable:
-        seed = data_seed if data_seed is not None else _shared_seed()
-        return SeedableRandomSampler(sampler.data_source, seed=seed, **options), None
+        if data_seed is None:  # the seed set_seed() gave rank 0, so every rank agrees
+            data_seed = _shared_seed(torch.random.initial_seed())
+        generator = sampler.generator if sampler.generator is not None else torch.Generator()
+        seedable = SeedableRandomSampler(
+            sampler.data_source, data_seed=data_seed, generator=generator, **options
+        )
+        return seedable, None
     generator = sampler.generator
     if generator is None:
         generator = torch.Generator()
@@ -93,10 +98,7 @@ def prepare_data_loader(
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
     if dataloader.batch_size is None and dataloader.batch_sampler is None:
-        raise ValueError(
-            "prepare() needs a batched DataLoader (batch_size or batch_sampler); this one has "
-            "batch_size=None."
-        )
+        return _prepare_unbatched(dataloader, device, n, i, even_batches, non_blocking, state)
     if dispatch_batches is None:
         dispatch_batches = iterable and n > 1
     options = _loader_options(dataloader)
@@ -173,6 +175,46 @@ def prepare_data_loader(
         **source,
         **options,
     )
+    return wrap_for_device(loader, state.device)
+
+
+class _OneSample:
+    """Collate for an unbatched loader read through one-sample batches: the sample itself."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, batch: list[Any]) -> Any:
+        return self.collate(batch[0])
+
+
+def _prepare_unbatched(
+    dataloader: DataLoader,
+    device: torch.device | None,
+    n: int,
+    i: int,
+    even_batches: bool,
+    non_blocking: bool,
+    state: PartialState,
+) -> DataLoader:
+    """``DataLoader(batch_size=None)``: every item is a batch; each process reads its share of
+    the items (in turn, the last round completed from the start with ``even_batches``)."""
+    options = _loader_options(dataloader)
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    if n <= 1:
+        source: dict[str, Any] = {"batch_size": None}
+        if not iterable:
+            source["sampler"] = dataloader.sampler
+        dataset: Any = dataloader.dataset
+    elif iterable:
+        dataset = IterableDatasetShard(dataloader.dataset, 1, not even_batches, n, i)
+        source = {"batch_size": None}
+    else:
+        single = BatchSampler(dataloader.sampler, 1, False)
+        source = {"batch_sampler": BatchSamplerShard(single, n, i, False, even_batches)}
+        options["collate_fn"] = _OneSample(dataloader.collate_fn)
+        dataset = dataloader.dataset
+    loader = DataLoaderShard(dataset, device=device, non_blocking=non_blocking, **source, **options)
     return wrap_for_device(loader, state.device)
 
 

@@ -6,8 +6,10 @@
   loader's batch size is per process;
 - with ``split_batches`` every batch is cut into N equal slices, so the batch size is global;
 - with ``even_batches`` (default) every process gets the same number of full batches: the last,
-  short round is completed with samples from the start of the data. ``gather_for_metrics`` knows
-  how many to drop again (see ``DataLoaderShard.remainder``).
+  short round is completed with samples from the start of the data (whole first batches when the
+  batch sampler has no ``batch_size``: variable-size batches). ``gather_for_metrics`` knows
+  how many to drop again (see ``DataLoaderShard.remainder``);
+- over a ``drop_last`` batch sampler an incomplete last round is dropped by every process.
 
 ``SeedableRandomSampler`` shuffles from ``seed + epoch``, ``SkipBatchSampler`` skips batches.
 """
@@ -73,12 +75,6 @@ class BatchSamplerShard(BatchSampler):
                     f"{num_processes} equal slices: use a batch size that is a multiple of "
                     f"{num_processes}."
                 )
-        if self.batch_size is None and even_batches:
-            raise ValueError(
-                "even_batches=True needs a batch sampler with a batch_size attribute (to know "
-                "how to complete short batches); pass "
-                "DataLoaderConfiguration(even_batches=False) for this batch sampler."
-            )
 
     @property
     def sampler(self) -> Any:
@@ -105,8 +101,10 @@ class BatchSamplerShard(BatchSampler):
             if short == 0 or self.even_batches:
                 return total
             return total - 1 + (1 if short > i * (self.batch_size // n) else 0)
+        if self.drop_last:
+            return total // n  # an incomplete last round is dropped by every process
         if self.even_batches:
-            return total // n if self.drop_last else -(-total // n)
+            return -(-total // n)
         return total // n + (1 if i < total % n else 0)
 
     # -- iteration ----------------------------------------------------------------------------
@@ -136,46 +134,61 @@ class BatchSamplerShard(BatchSampler):
         n, i, size = self.num_processes, self.process_index, self.batch_size
         pool: list[Any] = []  # the first samples of the data, to complete the last round
         pool_size = 0 if size is None else size * n
+        first_batches: list[list[Any]] = []  # without a batch size, whole batches complete it
         round_: list[list[Any]] = []
         for batch in self.batch_sampler:
             batch = list(batch)
             if len(pool) < pool_size:
                 pool.extend(batch[: pool_size - len(pool)])
+            if size is None and len(first_batches) < n:
+                first_batches.append(batch)
             round_.append(batch)
             if len(round_) == n and (size is None or len(batch) == size):
                 yield round_[i]
                 round_ = []
-        if not round_:
-            return
+        if not round_ or self.drop_last:
+            return  # every process drops the incomplete round alike
         if not self.even_batches:
             if i < len(round_):
                 yield round_[i]
             return
-        if self.drop_last:
-            return  # every process drops the incomplete round alike
+        if size is None:  # variable batch sizes: the first batches again, in turn
+            extra = itertools.cycle(first_batches)
+            while len(round_) < n:
+                round_.append(next(extra))
+            yield round_[i]
+            return
         flat = _fill_cyclic([s for b in round_ for s in b], pool, size * n)
         yield flat[i * size : (i + 1) * size]
 
 
 class SeedableRandomSampler(RandomSampler):
-    """A ``RandomSampler`` whose order is a function of ``seed`` and the epoch only.
+    """A ``RandomSampler`` whose order is a function of a seed and the epoch only.
 
-    Every process, every run and every resumption draws the same permutation for the same epoch:
-    call ``set_epoch`` (prepared dataloaders do it each time they are iterated).
+    Each iteration reseeds the generator with ``initial_seed + epoch`` and moves to the next
+    epoch when it finishes, so a plain loop over a ``DataLoader`` and a prepared loader (which
+    calls ``set_epoch`` at each epoch start) draw the same orders on every process. The seed is
+    ``data_seed`` (``seed`` also accepted), else ``torch.random.initial_seed()`` at creation
+    (what ``set_seed`` set).
     """
 
-    def __init__(self, data_source: Any, seed: int = 0, **kwargs: Any) -> None:
-        kwargs.pop("generator", None)
-        super().__init__(data_source, generator=torch.Generator(), **kwargs)
-        self.initial_seed = int(seed)
+    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
+        seed = kwargs.pop("seed", None)
+        super().__init__(*args, **kwargs)
+        if data_seed is None:
+            data_seed = seed
+        self.initial_seed = int(data_seed if data_seed is not None else torch.random.initial_seed())
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[int]:
+        if self.generator is None:
+            self.generator = torch.Generator()
         self.generator.manual_seed(self.initial_seed + self.epoch)
         yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
 
 
 class SkipBatchSampler(Sampler):

@@ -42,8 +42,17 @@ class StateIOMixin:
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Save weights as safetensors shards + index (written by the main process, atomically)."""
-        state_dict = self.get_state_dict(model)
+        """Save weights as safetensors shards + index (written by the main process, atomically).
+        Weights a dispatched model keeps offloaded on cpu/disk are read back module by module."""
+        from nbaccel.bigmodel.align_devices_hook import (
+            get_state_dict_offloaded_model,
+            has_offloaded_params,
+        )
+
+        if any(has_offloaded_params(m) for m in model.modules()):
+            state_dict = get_state_dict_offloaded_model(model)
+        else:
+            state_dict = self.get_state_dict(model)
         if self.is_main_process:
             save_model_weights(state_dict, save_directory, max_shard_size, safe_serialization)
 

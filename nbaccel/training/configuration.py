@@ -53,7 +53,8 @@ class DataLoaderConfiguration:
             repeating samples from the start of the dataset (``gather_for_metrics`` drops them).
         use_seedable_sampler: shuffle with a sampler seeded by ``data_seed`` plus the epoch, so
             the order is reproducible across runs and resumptions.
-        data_seed: seed for ``use_seedable_sampler`` (default: a seed drawn once on rank 0).
+        data_seed: seed for ``use_seedable_sampler`` (default: rank 0's
+            ``torch.random.initial_seed()``, the seed ``set_seed`` gave, as in Accelerate).
         non_blocking: copy batches to the device with ``non_blocking=True`` (use with
             ``pin_memory=True``).
         use_stateful_dataloader: ``load_state`` resumes a restored dataloader mid-epoch by itself,

@@ -7,6 +7,8 @@ user changed (``to_kwargs``), so torch's own defaults stay in charge of everythi
 from __future__ import annotations
 
 import datetime
+import enum
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -55,13 +57,36 @@ class GradScalerKwargs(KwargsHandler):
 COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 
 
+class DDPCommunicationHookType(str, enum.Enum):
+    """DDP communication hooks (Accelerate's names): gradients compressed to fp16/bf16 for the
+    all-reduce, or PowerSGD low-rank compression (per tensor or batched)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _hook_type(value: Any, what: str) -> DDPCommunicationHookType:
+    text = str(getattr(value, "value", value)).lower()
+    if text not in COMM_HOOKS:
+        raise ValueError(f"{what} must be one of {COMM_HOOKS}, not {value!r}.")
+    return DDPCommunicationHookType(text)
+
+
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
     """Options for ``torch.nn.parallel.DistributedDataParallel`` and its communication hook.
 
-    ``comm_hook`` is one of ``"no"``, ``"fp16"``, ``"bf16"`` (compress gradients for the
-    all-reduce), ``"power_sgd"`` or ``"batched_power_sgd"``; ``comm_state_option`` is passed to the
-    PowerSGD state.
+    ``comm_hook`` is a :class:`DDPCommunicationHookType` (or its string): ``"no"``, ``"fp16"``,
+    ``"bf16"`` (compress gradients for the all-reduce), ``"power_sgd"`` or
+    ``"batched_power_sgd"``. ``comm_wrapper`` (``"fp16"``/``"bf16"``) also compresses what a
+    PowerSGD hook sends. ``comm_state_option`` is passed to the PowerSGD state (for example
+    ``{"matrix_approximation_rank": 2, "start_powerSGD_iter": 10}``).
     """
 
     dim: int = 0
@@ -71,18 +96,31 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    comm_hook: str = "no"
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
     comm_state_option: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.comm_hook = str(getattr(self.comm_hook, "value", self.comm_hook)).lower()
-        if self.comm_hook not in COMM_HOOKS:
-            raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, not {self.comm_hook!r}.")
+        self.comm_hook = _hook_type(self.comm_hook, "comm_hook")
+        self.comm_wrapper = _hook_type(self.comm_wrapper, "comm_wrapper")
+        if self.comm_wrapper not in ("no", "fp16", "bf16"):
+            raise ValueError(
+                f"comm_wrapper compresses what a hook sends: use 'fp16' or 'bf16', not "
+                f"{self.comm_wrapper.value!r}."
+            )
+        powersgd = self.comm_hook in ("power_sgd", "batched_power_sgd")
+        if self.comm_state_option and not powersgd:
+            warnings.warn(
+                "comm_state_option configures PowerSGD and is ignored with comm_hook="
+                f"{self.comm_hook.value!r}: set comm_hook='power_sgd' or 'batched_power_sgd'.",
+                stacklevel=3,
+            )
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The changed options that DDP's constructor takes (the hook is registered separately)."""
         changed = self.to_kwargs()
         changed.pop("comm_hook", None)
+        changed.pop("comm_wrapper", None)
         changed.pop("comm_state_option", None)
         return changed
 

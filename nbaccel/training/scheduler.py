@@ -54,9 +54,11 @@ class AcceleratedScheduler:
         if self.split_batches:
             self.scheduler.step(*args, **kwargs)
             return
-        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to overshoot
+        # OneCycleLR raises past its total_steps: stop once its step count (which counts the
+        # construction's step, like Accelerate) passes it.
+        total = getattr(self.scheduler, "total_steps", None)
         for _ in range(self.num_processes):
-            if total is not None and self.scheduler.last_epoch >= total - 1:
+            if total is not None and self.scheduler._step_count > total:
                 break
             self.scheduler.step(*args, **kwargs)
 

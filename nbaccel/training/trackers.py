@@ -1,9 +1,12 @@
 """Experiment trackers: one interface, a registry by name, two built-ins.
 
 ``GeneralTracker`` is the interface (``name``, ``requires_logging_directory``, ``tracker``,
-``store_init_configuration``, ``log``, ``finish``). Built in: ``"jsonl"`` (one JSON object per
-line in ``<logging_dir>/<run_name>/metrics.jsonl``, no dependencies) and ``"tensorboard"`` (when
-``torch.utils.tensorboard`` can be imported). Other packages add theirs with
+``start``, ``store_init_configuration``, ``log``, ``finish``). Built in: ``"jsonl"`` (one JSON
+object per line in ``<logging_dir>/<run_name>/metrics.jsonl``, no dependencies) and
+``"tensorboard"`` (when ``torch.utils.tensorboard`` can be imported). Accelerate's other names
+(wandb, comet_ml, aim, mlflow, clearml, dvclive, swanlab, trackio) live in
+:mod:`nbaccel.training.tracker_backends`, imported only when used; a missing library is an
+ImportError naming its pip package. Other packages add theirs with
 :func:`register_tracker_class` (``nbaccel.notebook.rank.tracker`` registers ``"notebook"`` when
 ``nbaccel`` is imported). :data:`LOGGER_TYPE_TO_CLASS` maps every registered name to its class.
 Trackers run on the main process only.
@@ -11,6 +14,8 @@ Trackers run on the main process only.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import time
@@ -27,8 +32,10 @@ __all__ = [
     "TrackerSet",
     "available_trackers",
     "filter_trackers",
+    "plain_values",
     "register_tracker",
     "register_tracker_class",
+    "require",
 ]
 
 
@@ -39,13 +46,22 @@ class LoggerType:
     JSONL = "jsonl"
     TENSORBOARD = "tensorboard"
     NOTEBOOK = "notebook"
+    AIM = "aim"
+    WANDB = "wandb"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+    TRACKIO = "trackio"
 
 
 class GeneralTracker:
     """Base class of trackers.
 
     Subclasses set ``name`` and ``requires_logging_directory``, take ``run_name`` (and
-    ``logging_dir`` when they need one) in ``__init__``, and implement ``log``.
+    ``logging_dir`` when they need one) in ``__init__``, and implement ``log``. ``start()`` is
+    called by ``init_trackers`` before anything is logged (open runs, files, connections there).
     """
 
     name: str = "general"
@@ -59,6 +75,9 @@ class GeneralTracker:
     def tracker(self) -> Any:
         """The underlying library object (the run, the writer...)."""
         return None
+
+    def start(self) -> None:
+        """Open the run (called once by ``init_trackers``, on the processes that track)."""
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         """Record the run's hyper-parameters once, at the start."""
@@ -80,6 +99,21 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def plain_values(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with tensors and numpy scalars as Python numbers (what tracker libraries take)."""
+    return {k: _plain(v) for k, v in dict(values).items()}
+
+
+def require(module: str, pip_name: str, tracker: str) -> Any:
+    """Import a tracker's library, or raise ImportError naming the pip package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"The {tracker!r} tracker needs the {pip_name!r} package: pip install {pip_name}"
+        ) from err
 
 
 class JSONLinesTracker(GeneralTracker):
@@ -163,6 +197,35 @@ LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
 _AVAILABLE: dict[str, Callable[[], bool]] = {"tensorboard": _tensorboard_available}
 
 
+# Accelerate's library trackers: name -> (module of the class, class name, library, pip name).
+_BACKENDS: dict[str, tuple[str, str, str, str]] = {
+    "wandb": ("wandb", "WandBTracker", "wandb", "wandb"),
+    "comet_ml": ("comet", "CometMLTracker", "comet_ml", "comet_ml"),
+    "aim": ("aim", "AimTracker", "aim", "aim"),
+    "mlflow": ("mlflow", "MLflowTracker", "mlflow", "mlflow"),
+    "clearml": ("clearml", "ClearMLTracker", "clearml", "clearml"),
+    "dvclive": ("dvclive", "DVCLiveTracker", "dvclive", "dvclive"),
+    "swanlab": ("swanlab", "SwanLabTracker", "swanlab", "swanlab"),
+    "trackio": ("trackio", "TrackioTracker", "trackio", "trackio"),
+}
+
+
+def _backend_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(_BACKENDS[name][2]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _backend(name: str) -> type[GeneralTracker]:
+    """Register a library tracker on first use (its module imports nothing heavy)."""
+    module, cls_name, _lib, _pip = _BACKENDS[name]
+    cls = getattr(importlib.import_module(f"nbaccel.training.tracker_backends.{module}"), cls_name)
+    LOGGER_TYPE_TO_CLASS[name] = cls
+    _AVAILABLE[name] = lambda: _backend_available(name)
+    return cls
+
+
 def register_tracker_class(
     name: str, tracker_cls: type[GeneralTracker], available: Callable[[], bool] | None = None
 ) -> None:
@@ -188,7 +251,8 @@ def _available(name: str) -> bool:
 
 def available_trackers() -> list[str]:
     """Names of the registered trackers that can run in this environment."""
-    return [name for name in LOGGER_TYPE_TO_CLASS if _available(name)]
+    names = [name for name in LOGGER_TYPE_TO_CLASS if _available(name)]
+    return names + [n for n in _BACKENDS if n not in names and _backend_available(n)]
 
 
 def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
@@ -205,13 +269,19 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
         if name == "all":
             resolved += [n for n in available_trackers() if n not in resolved]
             continue
+        if name not in LOGGER_TYPE_TO_CLASS and name in _BACKENDS:
+            _backend(name)
         if name not in LOGGER_TYPE_TO_CLASS:
             raise ValueError(
                 f"Unknown tracker {name!r}; registered: {sorted(LOGGER_TYPE_TO_CLASS)}."
             )
         cls = LOGGER_TYPE_TO_CLASS[name]
         if not _available(name):
-            raise ImportError(f"Tracker {name!r} is not available here (its package is missing).")
+            raise ImportError(
+                f"Tracker {name!r} is not available here: pip install {_BACKENDS[name][3]}"
+                if name in _BACKENDS
+                else f"Tracker {name!r} is not available here (its package is missing)."
+            )
         if cls.requires_logging_directory and logging_dir is None:
             raise ValueError(
                 f"Tracker {name!r} writes files: pass project_dir= (or a ProjectConfiguration "
@@ -224,7 +294,7 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
 
 def build_tracker(name: str, run_name: str, logging_dir: str | None, **kwargs: Any) -> Any:
     """Instantiate a registered tracker by name."""
-    cls = LOGGER_TYPE_TO_CLASS[name]
+    cls = LOGGER_TYPE_TO_CLASS[name] if name in LOGGER_TYPE_TO_CLASS else _backend(name)
     if cls.requires_logging_directory:
         return cls(run_name, logging_dir=logging_dir, **kwargs)
     return cls(run_name, **kwargs)
@@ -261,6 +331,8 @@ class TrackerSet:
                 continue
             if self.is_main_process or not tracker.main_process_only:
                 self.trackers.append(tracker)
+        for tracker in self.trackers:
+            tracker.start()
         if config is not None:
             for tracker in self.trackers:
                 tracker.store_init_configuration(config)

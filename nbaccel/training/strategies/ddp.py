@@ -70,7 +70,12 @@ def _register_comm_hook(model: DistributedDataParallel, handler: DistributedData
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        try:
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        except TypeError as err:  # torch allows bf16 all-reduce on NCCL/XCCL only
+            raise ValueError(
+                f"comm_hook='bf16' cannot run here ({err}); use comm_hook='fp16' on CPU (gloo)."
+            ) from None
     else:
         options = {"matrix_approximation_rank": 1, **handler.comm_state_option}
         state = powerSGD_hook.PowerSGDState(process_group=None, **options)
@@ -79,4 +84,9 @@ def _register_comm_hook(model: DistributedDataParallel, handler: DistributedData
             if hook == "power_sgd"
             else powerSGD_hook.batched_powerSGD_hook
         )
-        model.register_comm_hook(state, fn)
+        wrapper = {
+            "fp16": default_hooks.fp16_compress_wrapper,
+            "bf16": default_hooks.bf16_compress_wrapper,
+        }.get(handler.comm_wrapper)
+        model.register_comm_hook(state, wrapper(fn) if wrapper else fn)
+        model.comm_hook_state = state  # kept for inspection (torch does not expose it)
