@@ -238,8 +238,9 @@ def test_collectives_on_one_process(single: None) -> None:
     reduced = reduce(data, reduction="sum", scale=3.0)
     assert torch.equal(reduced["a"][0], torch.tensor([3.0, 6.0]))
     assert reduced["a"][0] is not data["a"][0] and isinstance(reduced["p"], Pair)
-    with pytest.raises(ValueError, match="'sum', 'mean' or 'none', not 'max'"):
-        reduce(data, reduction="max")
+    assert torch.equal(reduce(data, reduction="max")["a"][0], torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="'max', 'min' or 'none', not 'avg'"):
+        reduce(data, reduction="avg")
 
 
 def test_send_to_device_moves_every_leaf_and_respects_skip_keys() -> None:
@@ -293,3 +294,40 @@ def test_accelerate_utils_import_paths() -> None:
         assert getattr(utils, name) is getattr(nbaccel, name)
     assert set(nbaccel.__all__) <= set(dir(nbaccel))
     assert set(utils.__all__) <= set(dir(utils))
+
+
+def _accelerate_semantics() -> dict[str, Any]:
+    """gather of a tensor that requires grad; reduce by max and min (as Accelerate documents)."""
+    import torch
+
+    from nbaccel import PartialState, gather, reduce
+
+    rank = PartialState().process_index
+    weight = torch.tensor([1.0 + rank, 2.0], requires_grad=True)
+    value = torch.tensor([float(rank), 5.0 - rank])
+    return {
+        "gathered": gather(weight * 2),
+        "max": reduce(value, "max"),
+        "min": reduce(value, "min"),
+        "mean": reduce(value, "mean"),
+    }
+
+
+def test_gather_of_a_grad_tensor_and_reduce_max_min_on_2_ranks():
+    for got in run_on_ranks(_accelerate_semantics):
+        assert torch.equal(got["gathered"], torch.tensor([2.0, 4.0, 4.0, 4.0]))
+        assert not got["gathered"].requires_grad
+        assert torch.equal(got["max"], torch.tensor([1.0, 5.0]))
+        assert torch.equal(got["min"], torch.tensor([0.0, 4.0]))
+        assert torch.equal(got["mean"], torch.tensor([0.5, 4.5]))
+
+
+def test_reduce_rejects_unknown_reduction_naming_the_choices():
+    with pytest.raises(ValueError, match="'mean', 'sum', 'max', 'min' or 'none'"):
+        reduce(torch.ones(2), "median")
+
+
+def test_concatenate_returns_a_single_non_tensor_batch_as_is():
+    assert concatenate(["text"]) == "text"
+    with pytest.raises(TypeError, match="Can only concatenate tensors"):
+        concatenate(["a", "b"])

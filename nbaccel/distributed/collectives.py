@@ -177,12 +177,15 @@ def gather_object(obj: Any) -> list[Any]:
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
-    """All-reduce (nested) tensors across processes: ``mean`` (default), ``sum`` or ``none``.
+    """All-reduce (nested) tensors across processes: ``mean`` (default), ``sum``, ``max``,
+    ``min`` or ``none``.
 
     ``none`` returns a (scaled) copy of this process's tensors without communicating.
     """
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', not {reduction!r}.")
+    if reduction not in ("sum", "mean", "max", "min", "none"):
+        raise ValueError(
+            f"reduction must be 'mean', 'sum', 'max', 'min' or 'none', not {reduction!r}."
+        )
     state = _state()
     communicate = reduction != "none" and state.num_processes > 1
 
@@ -190,7 +193,8 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         out = t.clone()
         if not communicate:
             return out * scale if scale != 1.0 else out
-        out = state.communicator.all_reduce_sum(out)
+        op = "sum" if reduction == "mean" else reduction
+        out = state.communicator.all_reduce(out, op)
         if reduction == "mean":
             out = out / state.num_processes
         return out * scale if scale != 1.0 else out
@@ -306,6 +310,8 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
         return type(first)(concatenate([d[i] for d in data], dim) for i in range(len(first)))
     if isinstance(first, Mapping):
         return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"Can only concatenate tensors, got {type(first).__name__}.")
-    return torch.cat(data, dim=dim)
+    if isinstance(first, torch.Tensor):
+        return torch.cat(data, dim=dim)
+    if len(data) == 1:  # a single batch is returned as it is, tensor or not
+        return first
+    raise TypeError(f"Can only concatenate tensors, got {type(first).__name__}.")

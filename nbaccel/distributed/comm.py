@@ -18,6 +18,7 @@ __all__ = ["Communicator"]
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class Communicator:
@@ -36,7 +37,7 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated on dim 0 (a scalar counts as one element)."""
-        tensor = tensor.contiguous()
+        tensor = tensor.detach().contiguous()  # gathered values carry no autograd history
         if tensor.ndim == 0:
             tensor = tensor.reshape(1)
         world = dist.get_world_size()
@@ -49,6 +50,11 @@ class Communicator:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of ``tensor`` over ranks (``tensor`` itself is overwritten and returned)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``tensor`` reduced over ranks by ``op`` (sum, max or min), overwritten and returned."""
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op])
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, from_process: int = 0) -> torch.Tensor:

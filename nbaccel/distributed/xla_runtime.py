@@ -82,9 +82,15 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum of ``tensor`` over replicas (a new tensor)."""
+    return all_reduce(tensor, "sum")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``tensor`` reduced over replicas by ``op`` (sum, max or min), as a new tensor."""
     import torch_xla.core.xla_model as xm
 
-    return xm.all_reduce(xm.REDUCE_SUM, tensor)
+    xla_op = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}[op]
+    return xm.all_reduce(xla_op, tensor)
 
 
 def broadcast_(tensor: torch.Tensor, from_process: int = 0) -> torch.Tensor:
@@ -142,6 +148,9 @@ class XLACommunicator(Communicator):
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return all_reduce(tensor, op)
 
     def broadcast_(self, tensor: torch.Tensor, from_process: int = 0) -> torch.Tensor:
         return broadcast_(tensor, from_process)
