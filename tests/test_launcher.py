@@ -22,7 +22,7 @@ from nbaccel import (
     debug_launcher,
     notebook_launcher,
 )
-from nbaccel.launch.forkserver import get_forkserver
+from nbaccel.launch.launchers.forkserver import get_forkserver
 from nbaccel.launch.render import Renderer
 
 
