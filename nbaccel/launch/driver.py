@@ -115,8 +115,12 @@ class CallReport:
         _, rank, outcome = min(failures, key=lambda f: (f[0], f[1]))
         return rank, outcome
 
-    def exception(self, what: str = "the launch") -> BaseException | None:
-        """What to raise in the notebook, or None when every target returned."""
+    def exception(self, what: str = "the launch", others: bool = False) -> BaseException | None:
+        """What to raise in the notebook, or None when every target returned.
+
+        ``what`` names the call in a timeout message; ``others`` adds the other ranks that
+        raised to the message (the pool does: its ranks outlive the call).
+        """
         if self.state == CallState.INTERRUPTED:
             return KeyboardInterrupt()
         if self.state == CallState.TIMEOUT:
@@ -130,13 +134,13 @@ class CallReport:
             return None
         rank, outcome = failure
         exc = outcome_exception(rank, outcome)
-        others = sorted(
+        also = sorted(
             r
             for r, o in self.outcomes.items()
             if r != rank and o.kind == OutcomeKind.ERROR and not _interrupted(o)
         )
-        if others and exc.args and isinstance(exc.args[0], str):
-            exc.args = (f"{exc.args[0]} (rank(s) {others} failed too)", *exc.args[1:])
+        if others and also and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} (rank(s) {also} failed too)", *exc.args[1:])
         exc.rank_results = self.results()  # type: ignore[attr-defined]
         return exc
 

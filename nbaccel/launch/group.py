@@ -16,6 +16,7 @@ import itertools
 import os
 import pickle
 import secrets
+import select
 import selectors
 import signal
 import sys
@@ -36,6 +37,7 @@ from nbaccel.launch.transport import SharedTensors, pack
 __all__ = ["Outcome", "WorkerGroup"]
 
 _MAX_PARTIAL = 1 << 16
+_DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
 # what a ready selector key is (the key's data is (source, rank, stream))
 _LISTENER, _WAKE, _EVENTS, _OUTPUT = range(4)
 
@@ -61,7 +63,7 @@ class _Rank:
     events_closed: bool = False
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     busy_since: float | None = None
-    drain_deadline: float | None = None  # set when the process is seen dead
+    drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
 
     @property
     def finished_io(self) -> bool:
@@ -225,6 +227,7 @@ class WorkerGroup:
             return
         except OSError:
             data = b""
+        self._still_draining(state)
         buffer = state.partial[stream]
         if not data:
             self._selector.unregister(conn)
@@ -262,6 +265,7 @@ class WorkerGroup:
             state.events.close()
             state.events_closed = True
             return
+        self._still_draining(state)
         tag = message[0]
         if tag == Message.READY:
             state.ready = True
@@ -295,11 +299,30 @@ class WorkerGroup:
                 state.outcomes[0] = Outcome(OutcomeKind.CRASH, code)
 
     def _drained(self, state: _Rank) -> bool:
-        """True once a dead process's streams were read to the end (bounded wait)."""
+        """True once a dead process's streams were read to the end, or stayed silent for
+        ``_DRAIN_IDLE`` seconds with nothing waiting (a child of the rank may hold them open).
+        Each read moves the deadline, so a slow renderer still gets every message (the result
+        included) that the rank sent before it ended."""
         if state.drain_deadline is None:
-            state.drain_deadline = time.monotonic() + 1.0
+            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
             return False
-        return time.monotonic() > state.drain_deadline
+        if time.monotonic() <= state.drain_deadline:
+            return False
+        # a slow renderer may have kept the loop from reading: data waiting is not drained
+        waiting = [
+            key.fileobj
+            for key in self._selector.get_map().values()
+            if key.data[0] in (_EVENTS, _OUTPUT) and key.data[1] == state.rank
+        ]
+        if waiting and select.select(waiting, [], [], 0)[0]:
+            self._still_draining(state)
+            return False
+        return True
+
+    @staticmethod
+    def _still_draining(state: _Rank) -> None:
+        if state.drain_deadline is not None:
+            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
 
     # ------------------------------------------------------------------ calls
     def expect_call(self, call_id: int = 0) -> None:

@@ -183,7 +183,7 @@ class Pool:
                 group.release_shared()
         if report.state != CallState.DONE:
             self._recover(report, group.renderer)
-        exc = report.exception("the cell")
+        exc = report.exception("the cell", others=True)
         if exc is not None:
             raise exc
         return report.results()
