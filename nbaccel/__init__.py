@@ -33,8 +33,8 @@ from nbaccel.distributed.environment import detect_launch_environment, detect_pl
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
-from nbaccel.launch.launcher import debug_launcher, notebook_launcher
 from nbaccel.launch.transport import UnpicklableError
+from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
 from nbaccel.notebook.rank import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.training.accelerator import Accelerator

@@ -5,6 +5,7 @@ nbaccel itself, so the first launch does not wait for it. Only the standard libr
 here; outside a kernel (scripts, workers, tests) nothing happens.
 """
 
-from nbaccel.launch.forkserver import warm_up_if_in_kernel
+from nbaccel.launch.launchers.forkserver import warm_up_if_in_kernel
+from nbaccel.notebook.preload import WORKER_PRELOAD
 
-warm_up_if_in_kernel()
+warm_up_if_in_kernel(WORKER_PRELOAD)

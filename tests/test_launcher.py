@@ -22,7 +22,7 @@ from nbaccel import (
     debug_launcher,
     notebook_launcher,
 )
-from nbaccel.launch.forkserver import get_forkserver
+from nbaccel.launch.launchers.forkserver import get_forkserver
 from nbaccel.launch.render import Renderer
 
 
@@ -156,6 +156,10 @@ def test_bad_input_refused_before_start():
         notebook_launcher(print, num_processes=2, mixed_precision="fp8")
     with pytest.raises(TypeError, match="needs a callable"):
         notebook_launcher("train", num_processes=2)
+    with pytest.raises(ValueError, match=r"rdzv_conf=\{'timeout': 5\} is not supported.*use_port"):
+        notebook_launcher(print, num_processes=2, rdzv_conf={"timeout": 5})
+    with pytest.raises(ValueError, match="rdzv_id='run-1' is not supported"):
+        notebook_launcher(print, num_processes=2, rdzv_id="run-1")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

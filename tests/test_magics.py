@@ -69,6 +69,13 @@ CELLS = {
         "state = PartialState()\n"
         'os.environ["NBACCEL_MIXED_PRECISION"], state.process_index, state.num_processes'
     ),
+    # --mixed_precision is for its cell only: the next plain cell is back to the default
+    "after_mixed_precision": (
+        "%%distributed\n"
+        "import os\n"
+        "from nbaccel import AcceleratorState\n"
+        'os.environ["NBACCEL_MIXED_PRECISION"], AcceleratorState().mixed_precision'
+    ),
     "timeout": "%%distributed --timeout 1\nimport time\ntime.sleep(30)",
     "bad_n": "%%distributed -n 0\npass",
     "bad_ranks": "%%distributed --ranks 5\npass",
@@ -210,6 +217,8 @@ def test_auto_mode_and_local(nb):
 
 def test_mixed_precision_and_timeout(nb):
     assert "[rank 0] ('bf16', 0, 2)" in cell_text(nb["mixed_precision"])
+    after = cell_text(nb["after_mixed_precision"])
+    assert "[rank 0] ('no', 'no')" in after and "[rank 1] ('no', 'no')" in after
     (error,) = cell_errors(nb["timeout"])
     assert error.ename == "LaunchTimeout" and "timeout=1.0 s on rank(s) [0, 1]" in error.evalue
 

@@ -20,7 +20,7 @@ from faults import FAULTS, succeed
 import nbaccel
 from nbaccel import notebook_launcher
 from nbaccel.launch.channel import AuthenticationFailed, Listener, connect, new_secret
-from nbaccel.launch.forkserver import get_forkserver
+from nbaccel.launch.launchers.forkserver import get_forkserver
 from nbaccel.launch.render import Renderer
 
 
@@ -200,6 +200,7 @@ def _what_a_rank_can_see():
 
 def test_the_secret_never_reaches_environment_arguments_or_output():
     from nbaccel.launch.group import WorkerGroup
+    from nbaccel.launch.launchers import make_launcher
     from nbaccel.launch.transport import pack
 
     class Lines(Renderer):
@@ -211,7 +212,9 @@ def test_the_secret_never_reaches_environment_arguments_or_output():
 
     lines = Lines()
     payload, _ = pack((_what_a_rank_can_see, (), {}))
-    group = WorkerGroup(1, lambda i: dict(os.environ), lines, payload=payload)
+    group = WorkerGroup(
+        1, lambda i: dict(os.environ), lines, make_launcher("forkserver"), work=payload
+    )
     group.expect_call(0)
     try:
         group.start()

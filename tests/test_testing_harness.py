@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 import torch
 
+from nbaccel.launch.processes import describe_exit
 from nbaccel.testing import RankFailures, free_port, run_on_ranks
 
 
@@ -112,9 +114,12 @@ def _killed_on_rank_0() -> None:
 def test_rank_killed_by_a_signal_is_named() -> None:
     with pytest.raises(RankFailures) as info:
         run_on_ranks(_killed_on_rank_0, timeout=30)
+    # the engine's one exit describer: signal name and number, then the host-RAM hint
     assert str(info.value) == (
-        "1 of 2 ranks failed:\n--- rank 0 ---\n"
-        "process was killed by SIGKILL (out of memory or a crash in native code?)"
+        f"1 of 2 ranks failed:\n--- rank 0 ---\nprocess {describe_exit(-signal.SIGKILL)}"
+    )
+    assert str(info.value).startswith(
+        "1 of 2 ranks failed:\n--- rank 0 ---\nprocess was killed by SIGKILL (signal 9). "
     )
 
 

@@ -23,7 +23,7 @@ def _where(model):
 
 
 def test_launch_xla_forks_shares_the_model_and_returns_results():
-    from nbaccel.launch.xla import launch_xla
+    from nbaccel.launch.run import launch_xla
 
     model = nn.Linear(256, 256)
     results = launch_xla(_where, (model,), num_processes=None, start_method="fork")
@@ -58,7 +58,7 @@ def _collectives():
 
 
 def test_collectives_on_the_xla_device():
-    from nbaccel.launch.xla import launch_xla
+    from nbaccel.launch.run import launch_xla
 
     (r,) = launch_xla(_collectives, num_processes=None)
     assert r["world"] == (1, "XLA", 1)
@@ -78,7 +78,7 @@ def _fails():
 
 def test_launch_xla_names_a_killed_process_and_the_host_ram_hint():
     from nbaccel.launch.errors import RankCrashed
-    from nbaccel.launch.xla import launch_xla
+    from nbaccel.launch.run import launch_xla
 
     with pytest.raises(RankCrashed) as info:
         launch_xla(_killed, num_processes=None)
@@ -89,7 +89,7 @@ def test_launch_xla_names_a_killed_process_and_the_host_ram_hint():
 
 
 def test_notebook_launcher_takes_the_xla_path(monkeypatch):
-    import nbaccel.launch.launcher as launcher
+    import nbaccel.notebook.kernel.launcher as launcher
 
     # On a real TPU host the launcher detects it; PJRT_DEVICE=CPU is deliberately not "a TPU",
     # so the lane asks for the XLA path explicitly.

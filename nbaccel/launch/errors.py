@@ -93,13 +93,17 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
         "frames": _user_frames(exc.__traceback__),
         "pickled": pickled,
         "time": time.time(),
+        # the rank to name, when the worker knows better than the driver (an XLA device thread)
+        "rank": getattr(exc, "_nbaccel_rank", None),
     }
 
 
-def format_frames(info: dict[str, Any], rank: int) -> str:
+def format_frames(info: dict[str, Any], rank: int | None) -> str:
     """Render the remote traceback; lines missing remotely come from this process's linecache
-    (that is where IPython keeps the source of notebook cells)."""
-    lines = [f"Traceback from rank {rank} (most recent call last):"]
+    (that is where IPython keeps the source of notebook cells). ``rank=None`` gives Python's
+    own header."""
+    origin = "" if rank is None else f" from rank {rank}"
+    lines = [f"Traceback{origin} (most recent call last):"]
     for filename, lineno, name, line in info["frames"]:
         lines.append(f'  File "{filename}", line {lineno}, in {name}')
         text = line or linecache.getline(filename, lineno).strip()

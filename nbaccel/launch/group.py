@@ -1,8 +1,11 @@
 """The driver's side of a set of ranks: start them, pump their streams, stop them.
 
-``WorkerGroup`` is the one engine shared by ``notebook_launcher`` (one call, then the workers
-exit) and the persistent ``%%distributed`` pool (many calls on long-lived workers). Everything
-runs on the calling thread: a ``selectors`` loop accepts authenticated connections, turns output
+``WorkerGroup`` is the one process engine shared by every front: one-shot launches
+(``notebook_launcher``, ``nbaccel.testing.run_on_ranks``, XLA: one call, then the workers exit)
+and the persistent ``%%distributed`` pool (many calls on long-lived workers). A launcher variant
+(``nbaccel.launch.launchers``) starts the processes; the driver loop that waits on a call, settles
+stragglers and raises the first failure is ``nbaccel.launch.driver``. Everything runs on the
+calling thread: a ``selectors`` loop accepts authenticated connections, turns output
 bytes into whole rank-labelled lines, decodes events, and watches for processes that end, so
 that the notebook's stop button (``KeyboardInterrupt``) lands where it can be handled.
 """
@@ -13,6 +16,7 @@ import itertools
 import os
 import pickle
 import secrets
+import select
 import selectors
 import signal
 import sys
@@ -22,20 +26,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.launch.channel import AuthenticationFailed, Connection, Listener, new_secret
-from nbaccel.launch.processes import WorkerProcess, start_worker
+from nbaccel.launch.errors import describe_exception
+from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.protocol import Message, OutcomeKind, Stream
 from nbaccel.launch.render import Renderer
-from nbaccel.launch.transport import Packed, SharedTensors, pack
+from nbaccel.launch.spec import Mode, Work, WorkerSpec
+from nbaccel.launch.transport import SharedTensors, pack
 
 __all__ = ["Outcome", "WorkerGroup"]
 
 _MAX_PARTIAL = 1 << 16
+_DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
+# what a ready selector key is (the key's data is (source, rank, stream))
+_LISTENER, _WAKE, _EVENTS, _OUTPUT = range(4)
 
 
 @dataclass
 class Outcome:
-    """How one rank's call ended: ``result`` (value), ``error`` (info dict) or ``crash``."""
+    """How one rank's call ended: a value, an error (info dict) or a crash (exit code)."""
 
-    kind: str
+    kind: OutcomeKind
     value: Any = None
     at: float = field(default_factory=time.time)
 
@@ -52,7 +63,7 @@ class _Rank:
     events_closed: bool = False
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     busy_since: float | None = None
-    drain_deadline: float | None = None  # set when the process is seen dead
+    drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
 
     @property
     def finished_io(self) -> bool:
@@ -66,10 +77,12 @@ class WorkerGroup:
         num_processes: ranks started on this machine.
         env_for_rank: the full environment of each local rank (RANK, WORLD_SIZE, ...).
         renderer: where lines and events go.
-        start_method: "forkserver", "spawn" or "fork".
-        mode: "call" (run ``payload`` once) or "serve" (persistent pool).
-        payload: for "call", the packed ``(function, args, kwargs)``.
+        launcher: the launcher variant that starts the processes.
+        mode: ``Mode.CALL`` (run ``work`` once, as call 0) or ``Mode.SERVE`` (persistent pool).
+        work: for ``Mode.CALL``, the packed (or, for fork-based launchers, inline) work.
         global_rank: maps a local index to the rank shown to the user.
+        threads: torch threads per rank (default: the cores shared among the ranks).
+        setup: worker hooks, importable callables run in each rank before its work.
         local_rendezvous: all ranks are on this machine: initialise their process group through
             a private file store rather than a TCP listener.
     """
@@ -79,9 +92,9 @@ class WorkerGroup:
         num_processes: int,
         env_for_rank: Callable[[int], dict[str, str]],
         renderer: Renderer,
-        start_method: str = "forkserver",
-        mode: str = "call",
-        payload: Packed | None = None,
+        launcher: ProcessLauncher,
+        mode: Mode = Mode.CALL,
+        work: Work | None = None,
         global_rank: Callable[[int], int] = lambda i: i,
         threads: int | None = None,
         setup: Iterable[Callable[[], None]] = (),
@@ -90,9 +103,9 @@ class WorkerGroup:
         self.num_processes = num_processes
         self.renderer = renderer
         self.mode = mode
-        self.start_method = start_method
+        self.launcher = launcher
         self._env_for_rank = env_for_rank
-        self._payload = payload
+        self._work = work
         self._global_rank = global_rank
         self._threads = threads or max(1, (os.cpu_count() or 1) // num_processes)
         self._setup = tuple(setup)
@@ -128,33 +141,32 @@ class WorkerGroup:
 
     def start(self, timeout: float = 180.0) -> None:
         """Start every worker and wait until each has connected and loaded its work."""
-        self._listener = Listener(self._secret)
-        self._selector.register(self._listener, selectors.EVENT_READ, ("listener", None, None))
-        self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None, None))
-        if self.start_method == "forkserver":
-            from nbaccel.launch.forkserver import get_forkserver
-
-            get_forkserver().add_wakeup(self._wake)
+        self._listener = Listener(self._secret, self.launcher.channel_host)
+        self._selector.register(self._listener, selectors.EVENT_READ, (_LISTENER, None, None))
+        self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None, None))
+        self.launcher.prepare()
+        self.launcher.add_wakeup(self._wake)
         for index, state in enumerate(self._ranks):
             env = self._env_for_rank(index)
             if self._local_rendezvous:
                 # One machine: the process group meets in a file inside the listener's private
                 # directory instead of torch's TCPStore, which would listen on every interface.
                 env["NBACCEL_INIT_METHOD"] = f"file://{self._listener.private_path('store')}"
-            spec = {
-                "rank": state.rank,
-                "env": env,
-                "sys_path": list(sys.path),
-                "cwd": os.getcwd(),
-                "address": self._listener.address,
-                "secret": self._secret,
-                "launch_id": self._launch_id,
-                "mode": self.mode,
-                "payload": self._payload,
-                "threads": self._threads,
-                "setup": self._setup,
-            }
-            state.process = start_worker(spec, self.start_method)
+            spec = WorkerSpec(
+                rank=state.rank,
+                index=index,
+                env=env,
+                sys_path=list(sys.path),
+                cwd=os.getcwd(),
+                address=self._listener.address,
+                secret=self._secret,
+                launch_id=self._launch_id,
+                mode=self.mode,
+                work=self._work,
+                threads=self._threads,
+                setup=self._setup,
+            )
+            state.process = self.launcher.start(spec)
         self.pump_until(lambda: all(r.ready or r.outcomes for r in self._ranks), timeout)
         self.release_shared()
 
@@ -163,14 +175,14 @@ class WorkerGroup:
         """Handle whatever is ready within ``timeout`` seconds (one selector round)."""
         for key, _ in self._selector.select(timeout):
             kind, rank, stream = key.data
-            if kind == "listener":
+            if kind == _LISTENER:
                 self._accept()
-            elif kind == "wake":
+            elif kind == _WAKE:
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            elif kind == "events":
+            elif kind == _EVENTS:
                 self._read_event(self._by_rank[rank])
             else:
                 self._read_output(self._by_rank[rank], stream, key.fileobj)
@@ -199,14 +211,14 @@ class WorkerGroup:
             return
         stream = header.get("stream")
         state.connected.add(stream)
-        if stream == "events":
+        if stream == Stream.EVENTS:
             state.events = conn
-            self._selector.register(conn, selectors.EVENT_READ, ("events", state.rank, None))
+            self._selector.register(conn, selectors.EVENT_READ, (_EVENTS, state.rank, None))
         else:
             state.streams_open.add(stream)
             state.partial[stream] = bytearray()
             conn.sock.setblocking(False)
-            self._selector.register(conn, selectors.EVENT_READ, ("output", state.rank, stream))
+            self._selector.register(conn, selectors.EVENT_READ, (_OUTPUT, state.rank, stream))
 
     def _read_output(self, state: _Rank, stream: str, conn: Connection) -> None:
         try:
@@ -215,6 +227,7 @@ class WorkerGroup:
             return
         except OSError:
             data = b""
+        self._still_draining(state)
         buffer = state.partial[stream]
         if not data:
             self._selector.unregister(conn)
@@ -252,22 +265,22 @@ class WorkerGroup:
             state.events.close()
             state.events_closed = True
             return
+        self._still_draining(state)
         tag = message[0]
-        if tag == "ready":
+        if tag == Message.READY:
             state.ready = True
-        elif tag in ("result", "error"):
+        elif tag in (Message.RESULT, Message.ERROR):
             _, call_id, value = message
-            if tag == "result":
+            kind = OutcomeKind.RESULT if tag == Message.RESULT else OutcomeKind.ERROR
+            if kind == OutcomeKind.RESULT:
                 try:
                     value = pickle.loads(value)
                 except Exception as exc:
-                    from nbaccel.launch.errors import describe_exception
-
-                    tag, value = "error", describe_exception(exc)
-            at = value.get("time", time.time()) if tag == "error" else time.time()
-            state.outcomes[call_id] = Outcome(tag, value, at)
+                    kind, value = OutcomeKind.ERROR, describe_exception(exc)
+            at = value.get("time", time.time()) if kind == OutcomeKind.ERROR else time.time()
+            state.outcomes[call_id] = Outcome(kind, value, at)
             state.busy_since = None
-        elif tag == "event":
+        elif tag == Message.EVENT:
             self.renderer.event(state.rank, message[1], message[2])
 
     def _check_processes(self) -> None:
@@ -280,21 +293,40 @@ class WorkerGroup:
             code = state.process.poll()
             pending = self._current_call if state.busy_since is not None else None
             if pending is not None and pending not in state.outcomes:
-                state.outcomes[pending] = Outcome("crash", code)
+                state.outcomes[pending] = Outcome(OutcomeKind.CRASH, code)
                 state.busy_since = None
             if not state.ready and not state.outcomes:
-                state.outcomes[0] = Outcome("crash", code)
+                state.outcomes[0] = Outcome(OutcomeKind.CRASH, code)
 
     def _drained(self, state: _Rank) -> bool:
-        """True once a dead process's streams were read to the end (bounded wait)."""
+        """True once a dead process's streams were read to the end, or stayed silent for
+        ``_DRAIN_IDLE`` seconds with nothing waiting (a child of the rank may hold them open).
+        Each read moves the deadline, so a slow renderer still gets every message (the result
+        included) that the rank sent before it ended."""
         if state.drain_deadline is None:
-            state.drain_deadline = time.monotonic() + 1.0
+            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
             return False
-        return time.monotonic() > state.drain_deadline
+        if time.monotonic() <= state.drain_deadline:
+            return False
+        # a slow renderer may have kept the loop from reading: data waiting is not drained
+        waiting = [
+            key.fileobj
+            for key in self._selector.get_map().values()
+            if key.data[0] in (_EVENTS, _OUTPUT) and key.data[1] == state.rank
+        ]
+        if waiting and select.select(waiting, [], [], 0)[0]:
+            self._still_draining(state)
+            return False
+        return True
+
+    @staticmethod
+    def _still_draining(state: _Rank) -> None:
+        if state.drain_deadline is not None:
+            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
 
     # ------------------------------------------------------------------ calls
     def expect_call(self, call_id: int = 0) -> None:
-        """Mark every rank busy with ``call_id`` (the "call" mode's single call is id 0)."""
+        """Mark every rank busy with ``call_id`` (``Mode.CALL``'s single call is id 0)."""
         self._current_call = call_id
         now = time.monotonic()
         for state in self._ranks:
@@ -322,7 +354,7 @@ class WorkerGroup:
         for rank in targets:
             state = self._by_rank[rank]
             state.busy_since = now
-            state.events.send(("call", call_id, packed))
+            state.events.send((Message.CALL, call_id, packed))
         return call_id, targets
 
     def outcomes(self, call_id: int, ranks: Iterable[int] | None = None) -> dict[int, Outcome]:
@@ -381,11 +413,11 @@ class WorkerGroup:
             return
         self.closed = True
         try:
-            if self.mode == "serve":
+            if self.mode == Mode.SERVE:
                 for state in self._ranks:
                     if state.events is not None and not state.events_closed:
                         try:
-                            state.events.send(("stop",))
+                            state.events.send((Message.STOP,))
                         except OSError:
                             pass
                 if not self.wait_exit(grace):
@@ -397,10 +429,7 @@ class WorkerGroup:
             self._teardown()
 
     def _teardown(self) -> None:
-        if self.start_method == "forkserver":
-            from nbaccel.launch.forkserver import get_forkserver
-
-            get_forkserver().remove_wakeup(self._wake)
+        self.launcher.remove_wakeup(self._wake)
         for key in list(self._selector.get_map().values()):
             fileobj = key.fileobj
             self._selector.unregister(fileobj)

@@ -1,28 +1,43 @@
-"""Handles on worker processes, whatever started them (fork server, spawn or fork).
+"""Handles on worker processes, whatever started them, and the one way to describe their end.
 
 The driver needs the same three things from each: the pid, the exit code once the process has
 ended, and a way to signal the process and everything it started (dataloader workers included).
+Launcher variants (``nbaccel.launch.launchers``) create the handles; :func:`describe_exit` is the
+only place that turns an exit code into words.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
-import sys
+from typing import Protocol
 
 import psutil
 
-from nbaccel.launch.forkserver import ForkServer, get_forkserver
+__all__ = ["ExitReporter", "WorkerProcess", "describe_exit"]
 
-__all__ = ["WorkerProcess", "describe_exit", "start_worker"]
+
+class ExitReporter(Protocol):
+    """Something that learns the exit codes of processes it started (the fork server)."""
+
+    def exitcode(self, pid: int) -> int | None: ...
+
+    def alive(self) -> bool: ...
+
+    def forget(self, pid: int) -> None: ...
 
 
 class WorkerProcess:
     """One rank's process."""
 
-    def __init__(self, pid: int, method: str, popen=None, server: ForkServer | None = None):
+    def __init__(
+        self,
+        pid: int,
+        method: str,
+        popen: subprocess.Popen | None = None,
+        server: ExitReporter | None = None,
+    ) -> None:
         self.pid = pid
         self.method = method
         self._popen = popen
@@ -73,43 +88,6 @@ class WorkerProcess:
             os.kill(self.pid, sig)
         except ProcessLookupError:
             pass
-
-
-_SPAWN_BOOTSTRAP = (
-    "import sys, pickle; sys.path[:] = pickle.loads(sys.stdin.buffer.read(int(sys.argv[1])));"
-    "spec = pickle.loads(sys.stdin.buffer.read());"
-    "from nbaccel.launch.worker import run_worker; import os; os._exit(run_worker(spec))"
-)
-
-
-def start_worker(spec: dict, method: str) -> WorkerProcess:
-    """Start one worker with ``method`` in {"forkserver", "spawn", "fork"}."""
-    spec_bytes = pickle.dumps(spec)
-    if method == "forkserver":
-        server = get_forkserver()
-        return WorkerProcess(server.spawn(spec_bytes), method, server=server)
-    if method == "spawn":
-        path = pickle.dumps(sys.path)
-        popen = subprocess.Popen(
-            [sys.executable, "-c", _SPAWN_BOOTSTRAP, str(len(path))],
-            stdin=subprocess.PIPE,
-            close_fds=True,
-        )
-        popen.stdin.write(path + spec_bytes)
-        popen.stdin.close()
-        return WorkerProcess(popen.pid, method, popen=popen)
-    if method == "fork":
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                from nbaccel.launch.worker import run_worker
-
-                code = run_worker(spec)
-            finally:
-                os._exit(code)
-        return WorkerProcess(pid, method)
-    raise ValueError(f"unknown start method {method!r}")
 
 
 _HINTS = {

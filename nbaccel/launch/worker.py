@@ -2,9 +2,10 @@
 
 A worker connects three authenticated streams to the driver: its fd 1 and fd 2 (so C extensions'
 writes reach the notebook too, line by line) and an event stream. It then either runs one call
-(``mode="call"``, ``notebook_launcher``) or serves calls until told to stop (``mode="serve"``,
-the persistent ``%%distributed`` pool). When the driver disappears (the kernel died or restarted),
-the event stream closes and the worker exits at once: no orphans.
+(``Mode.CALL``: a one-shot launch) or serves calls until told to stop (``Mode.SERVE``: a
+persistent pool). What it is told arrives as a :class:`~nbaccel.launch.spec.WorkerSpec`. When
+the driver disappears (the kernel died or restarted), the event stream closes and the worker
+exits at once: no orphans.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import cloudpickle
 
 from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
+from nbaccel.launch.protocol import EventKind, Message, Stream
+from nbaccel.launch.spec import Mode, WorkerSpec, load_work
 from nbaccel.launch.transport import unpack
 
-__all__ = ["current_rank", "emit", "on_worker", "run_worker"]
+__all__ = ["current_rank", "emit", "flush_output", "on_worker", "run_worker"]
 
 _events: Connection | None = None
 _send_lock = threading.Lock()
@@ -41,14 +44,14 @@ def current_rank() -> int | None:
     return _rank
 
 
-def emit(kind: str, payload: Any) -> None:
+def emit(kind: EventKind, payload: Any) -> None:
     """Send an event (progress, memory sample, display bundle...) to the notebook.
 
     A no-op outside nbaccel workers, so instrumented code runs anywhere.
     """
     if _events is None:
         return
-    _send(("event", kind, payload))
+    _send((Message.EVENT, EventKind(kind), payload))
 
 
 def _send(message: Any) -> None:
@@ -68,6 +71,12 @@ def _flush_all() -> None:
         pass
 
 
+def flush_output() -> None:
+    """Push what this rank printed so far (Python and C-level buffers) to the driver, so that
+    an event sent next arrives after it."""
+    _flush_all()
+
+
 def _redirect(fd: int, conn: Connection) -> io.TextIOWrapper:
     os.dup2(conn.fileno(), fd)
     conn.close()
@@ -76,17 +85,17 @@ def _redirect(fd: int, conn: Connection) -> io.TextIOWrapper:
     )
 
 
-def _prepare_process(spec: dict[str, Any]) -> None:
+def _prepare_process(spec: WorkerSpec) -> None:
     os.environ.clear()
-    os.environ.update(spec["env"])
-    sys.path[:] = spec["sys_path"]
+    os.environ.update(spec.env)
+    sys.path[:] = spec.sys_path
     try:
-        os.chdir(spec["cwd"])
+        os.chdir(spec.cwd)
     except OSError:
         pass
     import torch
 
-    torch.set_num_threads(spec["threads"])
+    torch.set_num_threads(spec.threads)
 
 
 def _watch_driver(commands: queue.Queue) -> None:
@@ -105,7 +114,7 @@ def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bo
         value = function(*args, **kwargs)
     except BaseException as exc:
         _flush_all()
-        _send(("error", call_id, describe_exception(exc)))
+        _send((Message.ERROR, call_id, describe_exception(exc)))
         return False
     _flush_all()
     try:
@@ -114,9 +123,9 @@ def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bo
         error = TypeError(
             f"the return value ({type(value).__name__}) cannot be sent back to the notebook: {exc}"
         )
-        _send(("error", call_id, describe_exception(error)))
+        _send((Message.ERROR, call_id, describe_exception(error)))
         return False
-    _send(("result", call_id, data))
+    _send((Message.RESULT, call_id, data))
     return True
 
 
@@ -126,48 +135,48 @@ def _serve(commands: queue.Queue) -> int:
             message = commands.get()
         except KeyboardInterrupt:  # an interrupt that arrived while idle
             continue
-        if message[0] == "stop":
+        if message[0] == Message.STOP:
             return 0
-        if message[0] == "call":
+        if message[0] == Message.CALL:
             _, call_id, packed = message
             try:
                 function, args, kwargs = unpack(packed)
             except BaseException as exc:
-                _send(("error", call_id, describe_exception(exc)))
+                _send((Message.ERROR, call_id, describe_exception(exc)))
                 continue
             try:
                 _run_call(call_id, function, args, kwargs)
             except KeyboardInterrupt:  # raised between the call and its report
-                _send(("error", call_id, describe_exception(KeyboardInterrupt())))
+                _send((Message.ERROR, call_id, describe_exception(KeyboardInterrupt())))
 
 
-def run_worker(spec: dict[str, Any]) -> int:
+def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
     global _events, _rank
-    _rank = spec["rank"]
+    _rank = spec.rank
     _prepare_process(spec)
-    header = {"rank": spec["rank"], "launch": spec["launch_id"]}
-    address, secret = spec["address"], spec["secret"]
-    out = connect(address, secret, {**header, "stream": "stdout"})
-    err = connect(address, secret, {**header, "stream": "stderr"})
+    header = {"rank": spec.rank, "launch": spec.launch_id}
+    address, secret = spec.address, spec.secret
+    out = connect(address, secret, {**header, "stream": Stream.STDOUT.value})
+    err = connect(address, secret, {**header, "stream": Stream.STDERR.value})
     sys.stdout = _redirect(1, out)
     sys.stderr = _redirect(2, err)
-    _events = connect(address, secret, {**header, "stream": "events"})
-    _send(("hello", os.getpid()))
+    _events = connect(address, secret, {**header, "stream": Stream.EVENTS.value})
+    _send((Message.HELLO, os.getpid()))
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_watch_driver, args=(commands,), daemon=True).start()
-    for setup in spec.get("setup", ()):
+    for setup in spec.setup:
         setup()
-    if spec["mode"] == "serve":
-        _send(("ready",))
+    if spec.mode == Mode.SERVE:
+        _send((Message.READY,))
         code = _serve(commands)
     else:
         try:
-            function, args, kwargs = unpack(spec["payload"])
+            function, args, kwargs = load_work(spec.work)
         except BaseException as exc:
-            _send(("error", 0, describe_exception(exc)))
+            _send((Message.ERROR, 0, describe_exception(exc)))
             return 1
-        _send(("ready",))
+        _send((Message.READY,))
         code = 0 if _run_call(0, function, args, kwargs) else 1
     _flush_all()
     return code

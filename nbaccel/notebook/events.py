@@ -10,11 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MemorySample", "MetricsUpdate", "ProgressUpdate", "human_bytes"]
+from nbaccel.launch.protocol import EventKind
 
-PROGRESS = "progress"
-MEMORY = "memory"
-METRICS = "metrics"
+__all__ = [
+    "MEMORY",
+    "METRICS",
+    "PROGRESS",
+    "MemorySample",
+    "MetricsUpdate",
+    "ProgressUpdate",
+    "human_bytes",
+]
+
+# The kinds these payloads travel under (members of the engine's one vocabulary).
+PROGRESS = EventKind.PROGRESS
+MEMORY = EventKind.MEMORY
+METRICS = EventKind.METRICS
 
 
 def human_bytes(size: float | None) -> str:

@@ -10,6 +10,7 @@ import ast
 import atexit
 import linecache
 import re
+import sys
 import time
 from argparse import Namespace
 from collections.abc import Iterator
@@ -23,9 +24,11 @@ from IPython.utils.process import arg_split
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.errors import LaunchTimeout
+from nbaccel.launch.launchers.forkserver import warm_up
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
+from nbaccel.notebook.preload import WORKER_PRELOAD
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -179,10 +182,6 @@ class DistributedMagics(Magics):
                 "on the ranks are lost."
             )
             num_processes, backend = wanted, wanted_backend
-        if num_processes is None:
-            import torch
-
-            num_processes = torch.cuda.device_count() or 2
         started = time.perf_counter()
         with _bad_input_is_usage():
             pool = pool_module.start_pool(num_processes, backend, renderer)
@@ -344,11 +343,9 @@ def load_ipython_extension(ipython: Any) -> None:
         atexit.register(pool_module.shutdown_pool)
         _atexit_registered = True
     try:
-        from nbaccel.launch.forkserver import warm_up
-
-        warm_up()  # the fork server imports torch while the user types the first cell
-    except Exception:
-        pass
+        warm_up(WORKER_PRELOAD)  # the fork server imports torch while the user types
+    except Exception as exc:  # only a head start: the first cell starts the server otherwise
+        print(f"[nbaccel] could not start the fork server early: {exc}", file=sys.stderr)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -14,28 +14,28 @@ collective, a crash) gets the pool restarted, with a message saying that names w
 from __future__ import annotations
 
 import functools
-import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
-import torch
 
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, rebuild_exception
-from nbaccel.launch.group import Outcome, WorkerGroup
-from nbaccel.launch.plan import LaunchPlan, free_port, resolve_start_method, worker_hooks
+from nbaccel.launch.driver import POOL, CallState, run_call
+from nbaccel.launch.group import WorkerGroup
+from nbaccel.launch.launchers import make_launcher
+from nbaccel.launch.plan import Front, LaunchPlan, free_port
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.render import Renderer
+from nbaccel.launch.spec import Mode
 from nbaccel.launch.transport import UnpicklableError, pack
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
+from nbaccel.notebook.kernel.rank_output import CellRenderer
+from nbaccel.notebook.preload import WORKER_PRELOAD
 from nbaccel.notebook.rank import pool_worker
+from nbaccel.notebook.rank.instrumentation import worker_setup
 
 __all__ = ["Pool", "get_pool", "shutdown_pool", "start_pool"]
 
-_SETTLE_INTERRUPT = 1.0  # s the ranks get to report an interrupt they received themselves
-_SETTLE_FAILURE = 0.5  # s the other ranks get to finish after a peer failed
-_RECOVER = 3.0  # s after our SIGINT before the pool is restarted
 _MPL_BACKEND = "module://nbaccel.notebook.rank.mpl_backend"
 
 
@@ -43,7 +43,8 @@ class Pool:
     """``num_processes`` persistent ranks on this machine, one process group.
 
     Args:
-        num_processes: number of ranks.
+        num_processes: number of ranks (default: ``LaunchPlan``'s pool default, one per GPU,
+            else 2).
         backend: process-group backend (default: nccl on GPUs, gloo on CPU).
         start_method: "auto" (fork server with torch preloaded), "spawn" or "fork".
         cpu: CPU ranks even when GPUs are present (default: CPU when there is no GPU).
@@ -51,23 +52,22 @@ class Pool:
 
     def __init__(
         self,
-        num_processes: int,
+        num_processes: int | None = None,
         backend: str | None = None,
         start_method: str = "auto",
         cpu: bool | None = None,
     ) -> None:
-        if not isinstance(num_processes, int) or num_processes < 1:
-            raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}.")
-        gpus = torch.cuda.device_count()
-        self.cpu = gpus == 0 if cpu is None else cpu
-        if not self.cpu and num_processes > gpus:
-            raise ValueError(
-                f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
-                f"{gpus}."
-            )
-        self.num_processes = num_processes
+        self.plan = LaunchPlan.create(
+            Front.POOL,
+            num_processes,
+            start_method=start_method,
+            cpu=cpu,
+            backend=backend,
+            extra_env={"MPLBACKEND": _MPL_BACKEND},
+        )
+        self.num_processes = self.plan.num_processes
         self.backend = backend
-        self.start_method = resolve_start_method(start_method)
+        self.cpu = self.plan.cpu
         self.info: dict[int, dict[str, Any]] = {}
         self.group: WorkerGroup | None = None
         self.started_at: float | None = None
@@ -87,34 +87,25 @@ class Pool:
         return self.group is not None and not self.group.closed
 
     def describe(self) -> str:
-        if self.cpu:
-            what = f"{self.num_processes} CPU process{'es' if self.num_processes > 1 else ''}"
-        else:
-            what = f"{self.num_processes} GPU{'s' if self.num_processes > 1 else ''}"
-        return f"{what} ({self.backend or ('gloo' if self.cpu else 'nccl')})"
+        return self.plan.describe()
 
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
         """Start the ranks and initialise their process group (once)."""
         if self.running:
             return
-        port, n = free_port(), self.num_processes
-        plan = LaunchPlan(n, cpu=self.cpu, launcher="pool")
-
-        def env(index: int) -> dict[str, str]:
-            return {**plan.rank_env(index, port), "MPLBACKEND": _MPL_BACKEND}
-
+        port, n, plan = free_port(), self.num_processes, self.plan
         self.info = {}
         group = WorkerGroup(
             n,
-            env,
+            lambda index: plan.rank_env(index, port),
             self._wrap(renderer),
-            start_method=self.start_method,
-            mode="serve",
+            make_launcher(plan.kind, preload=WORKER_PRELOAD),
+            mode=Mode.SERVE,
             setup=[
-                *worker_hooks(memory=True),
+                *worker_setup(memory=True),
                 functools.partial(pool_worker.setup_worker, self.backend),
             ],
-            local_rendezvous=True,
+            local_rendezvous=plan.local_rendezvous,
         )
         self.group = group
         try:
@@ -151,8 +142,6 @@ class Pool:
         self.start(renderer)
 
     def _wrap(self, renderer: Renderer | None) -> Renderer:
-        from nbaccel.notebook.kernel.rank_output import CellRenderer
-
         if not isinstance(renderer, CellRenderer):
             renderer = CellRenderer(inner=renderer)
         renderer.on_info = self.info.__setitem__
@@ -187,72 +176,32 @@ class Pool:
         with DeferredInterrupt() as interrupt:
             call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
             try:
-                state = self._wait(call_id, targets, timeout, interrupt)
-                if state != "done":
-                    self._settle(call_id, targets, state)
+                report = run_call(
+                    group, call_id, targets, timeout, POOL, lambda: interrupt.count > 0
+                )
             finally:
                 group.release_shared()
-        outcomes = group.outcomes(call_id, targets)
-        if state == "interrupted":
-            raise KeyboardInterrupt
-        if state == "timeout":
-            late = [r for r in targets if r not in outcomes or outcomes[r].kind != "result"]
-            raise LaunchTimeout(
-                f"the cell ran longer than timeout={timeout} s on rank(s) {late}; "
-                "they were interrupted."
-            )
-        failure = _first_failure(outcomes)
-        if failure is not None:
-            exc = _as_exception(*failure, outcomes)
-            exc.rank_results = {r: o.value for r, o in outcomes.items() if o.kind == "result"}
+        if report.state != CallState.DONE:
+            self._recover(report, group.renderer)
+        exc = report.exception("the cell", others=True)
+        if exc is not None:
             raise exc
-        return {rank: outcome.value for rank, outcome in sorted(outcomes.items())}
+        return report.results()
 
-    def _wait(
-        self, call_id: int, targets: list[int], timeout: float | None, interrupt: DeferredInterrupt
-    ) -> str:
-        group = self.group
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            got = group.outcomes(call_id, targets)
-            if interrupt.count or any(_interrupted(o) for o in got.values()):
-                return "interrupted"  # the stop button (workers usually got the SIGINT too)
-            if any(o.kind != "result" for o in got.values()):
-                return "failed"
-            if len(got) == len(targets):
-                return "done"
-            wait = 0.2
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    return "timeout"
-            group.pump(wait)
-
-    def _settle(self, call_id: int, targets: list[int], state: str) -> None:
-        """Bring the ranks of an unfinished call back to idle: wait, SIGINT, else restart."""
-        group = self.group
-
-        def pending() -> list[int]:
-            got = group.outcomes(call_id, targets)
-            return [r for r in targets if r not in got]
-
-        first = {"interrupted": _SETTLE_INTERRUPT, "failed": _SETTLE_FAILURE}.get(state, 0.0)
-        group.pump_until(lambda: not pending(), first)
-        if pending():
-            group.signal_all(signal.SIGINT, pending())
-            group.pump_until(lambda: not pending(), _RECOVER)
-        crashed = [r for r, o in group.outcomes(call_id, targets).items() if o.kind == "crash"]
-        stuck = pending()
-        if stuck or crashed:
+    def _recover(self, report: Any, renderer: Renderer) -> None:
+        """After an unfinished call: restart the pool when ranks are stuck or gone."""
+        if report.stuck or report.crashed:
             what = (
-                f"rank(s) {stuck} did not stop within {_RECOVER:.0f} s (blocked in a collective?)"
-                if stuck
-                else f"rank(s) {crashed} ended"
+                f"rank(s) {report.stuck} did not stop within {POOL.recover:.0f} s (blocked in a "
+                "collective?)"
+                if report.stuck
+                else f"rank(s) {report.crashed} ended"
             )
-            self.restart(group.renderer, reason=what)
-        elif state == "interrupted":
-            group.renderer.notice(
-                f"interrupted the cell on rank(s) {targets}; the pool and its names are kept."
+            self.restart(renderer, reason=what)
+        elif report.state == CallState.INTERRUPTED:
+            renderer.notice(
+                f"interrupted the cell on rank(s) {report.targets}; the pool and its names are "
+                "kept."
             )
 
     # ------------------------------------------------------------------ cells and names
@@ -348,33 +297,6 @@ def _alive_ranks(group: WorkerGroup) -> list[int]:
     return alive
 
 
-def _interrupted(outcome: Outcome) -> bool:
-    return outcome.kind == "error" and outcome.value.get("name") == "KeyboardInterrupt"
-
-
-def _first_failure(outcomes: dict[int, Outcome]) -> tuple[int, Outcome] | None:
-    """The earliest failure: a peer's error is often a consequence of the first one."""
-    failures = [(o.at, r, o) for r, o in outcomes.items() if o.kind != "result"]
-    if not failures:
-        return None
-    _, rank, outcome = min(failures, key=lambda f: (f[0], f[1]))
-    return rank, outcome
-
-
-def _as_exception(rank: int, outcome: Outcome, outcomes: dict[int, Outcome]) -> BaseException:
-    if outcome.kind == "crash":
-        return RankCrashed(rank, outcome.value, describe_exit(outcome.value))
-    exc = rebuild_exception(outcome.value, rank)
-    others = sorted(
-        r
-        for r, o in outcomes.items()
-        if r != rank and o.kind == "error" and o.value.get("name") != "KeyboardInterrupt"
-    )
-    if others and exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]} (rank(s) {others} failed too)", *exc.args[1:])
-    return exc
-
-
 _pool: Pool | None = None
 
 
@@ -384,22 +306,23 @@ def get_pool() -> Pool | None:
 
 
 def start_pool(
-    num_processes: int,
+    num_processes: int | None = None,
     backend: str | None = None,
     renderer: Renderer | None = None,
     start_method: str = "auto",
 ) -> Pool:
     """The running pool when it matches ``num_processes``/``backend``, else a new one (the old
-    one is shut down)."""
+    one is shut down). ``num_processes=None``: the running pool's, else the plan's default."""
     global _pool
     current = get_pool()
     if current is not None:
-        if current.num_processes == num_processes and current.backend == backend:
+        wanted = num_processes or current.num_processes
+        if current.num_processes == wanted and current.backend == backend:
             return current
         current.shutdown()
     pool = Pool(num_processes, backend=backend, start_method=start_method)
     if renderer is not None:
-        renderer.start(f"Starting a pool of {pool.describe()}.", num_processes)
+        renderer.start(pool.plan.announcement(), pool.num_processes)
     pool.start(renderer)
     _pool = pool
     return pool

@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.launch.protocol import EventKind
 from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.notebook.kernel.renderers import choose_renderer
 
 __all__ = ["CellRenderer", "format_bytes", "status_bundle"]
 
@@ -31,7 +33,7 @@ class CellRenderer(Renderer):
     Args:
         on_info: called with ``(rank, payload)`` for the workers' ``pool_info`` events.
         quiet: hide stdout lines, display bundles and values (stderr and errors still show).
-        rich: makes the rich renderer (default: ``choose_renderer`` when it exists).
+        rich: makes the rich renderer (default: ``choose_renderer``).
         inner: a renderer to use for everything instead (no switching).
     """
 
@@ -45,7 +47,7 @@ class CellRenderer(Renderer):
         self.inner: Renderer = inner or TextRenderer()
         self.on_info = on_info
         self.quiet = quiet
-        self._rich = None if inner is not None else (rich or _choose_renderer())
+        self._rich = None if inner is not None else (rich or choose_renderer)
         self._started: tuple[str, int] = ("", 0)
 
     def start(self, announcement: str, num_processes: int) -> None:
@@ -72,12 +74,12 @@ class CellRenderer(Renderer):
             self.inner = rich
 
     def event(self, rank: int, kind: str, payload: Any) -> None:
-        if kind == "pool_info":
+        if kind == EventKind.POOL_INFO:
             if self.on_info is not None:
                 self.on_info(rank, payload)
-        elif kind == "display":
+        elif kind == EventKind.DISPLAY:
             self.show(rank, payload.get("data", {}), payload.get("metadata", {}))
-        elif kind == "memory" and self._rich is not None:
+        elif kind == EventKind.MEMORY and self._rich is not None:
             return  # memory alone does not bring up the live view (``%dist_status`` has it)
         else:
             self._upgrade()
@@ -106,14 +108,6 @@ class CellRenderer(Renderer):
         sys.stdout.write(f"[rank {rank}]\n")
         sys.stdout.flush()
         display(data, metadata=metadata, raw=True)
-
-
-def _choose_renderer() -> Callable[[], Renderer] | None:
-    try:
-        from nbaccel.notebook.kernel.renderers import choose_renderer
-    except ImportError:
-        return None
-    return choose_renderer
 
 
 def format_bytes(size: float | None) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 from matplotlib._pylab_helpers import Gcf
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from nbaccel.notebook.rank.publish import publish
+
 __all__ = ["FigureCanvas", "figure_bundle", "send_figures", "show"]
 
 FigureCanvas = FigureCanvasAgg
@@ -32,8 +34,6 @@ def figure_bundle(figure: Any) -> dict[str, str]:
 
 def send_figures() -> int:
     """Publish every open figure to the notebook and close it; returns how many were sent."""
-    from nbaccel.notebook.rank.pool_worker import publish
-
     managers = Gcf.get_all_fig_managers()
     for manager in managers:
         publish(figure_bundle(manager.canvas.figure))

@@ -3,7 +3,9 @@
 Every function here is sent by reference (this module is importable on the workers) and runs in
 the worker's main thread. The namespace is a ``__main__`` module, as in an IPython kernel, so
 functions and classes defined in cells pickle the same way as notebook ones. ``display(...)``
-and matplotlib figures are sent to the notebook as display bundles through ``emit("display")``.
+and matplotlib figures are sent to the notebook as display bundles (``publish``).
+``%%distributed`` options that set environment variables for one cell (``--mixed_precision``)
+are undone when the cell ends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import types
 from typing import Any
 
 from nbaccel.launch.errors import hide_frames_of
-from nbaccel.launch.worker import _flush_all, emit
+from nbaccel.launch.protocol import EventKind
+from nbaccel.launch.worker import emit
+from nbaccel.notebook.rank.publish import publish
 
 __all__ = [
     "display",
@@ -32,12 +36,6 @@ hide_frames_of(__file__)
 
 _module: types.ModuleType | None = None
 _formatter: Any = None
-
-
-def publish(data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
-    """Send one display bundle to the notebook, after the output printed before it."""
-    _flush_all()
-    emit("display", {"data": data, "metadata": metadata or {}})
 
 
 def _format(obj: Any, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -113,7 +111,7 @@ def setup_worker(backend: str | None = None) -> None:
     _install_namespace()
     _install_display()
     emit(
-        "pool_info",
+        EventKind.POOL_INFO,
         {"device": str(state.device), "backend": state.backend, "pid": os.getpid()},
     )
 
@@ -135,8 +133,19 @@ def run_cell(
     ``filename`` is the name under which the notebook registered the source in its linecache,
     so remote tracebacks show the cell's lines; ``first_line`` is the body's line in the cell.
     """
-    if env:
-        os.environ.update(env)
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        return _run_source(source, filename, first_line)
+    finally:  # the options were for this cell only
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] | None:
     namespace = _ns()
     tree = ast.parse(source, filename)
     ast.increment_lineno(tree, first_line - 1)

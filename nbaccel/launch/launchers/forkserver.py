@@ -1,12 +1,14 @@
 """A fork server with torch preloaded: launches cost a fork, not an ``import torch``.
 
 The server is a plain child process of the notebook kernel (``python -c ...``) that imports torch
-and nbaccel's worker module once, then forks a fresh worker per request. Because the server never
+and nbaccel's worker module once, then forks a fresh worker per request. The front that launches
+adds its own modules to preload (the notebook's worker hooks, say): the server imports them once,
+before the next fork. Because the server never
 touches CUDA, forking it is safe even when the kernel has already initialised CUDA (the reason
 fork-based launchers refuse to start after a notebook touched the GPU).
 
 Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
-  driver -> server: ("spawn", request_id, spec_bytes)
+  driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
   server -> driver: ("ready",) | ("started", request_id, pid) | ("exited", pid, returncode)
 The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
 its stdin closes because the kernel died, kills its workers and exits.
@@ -25,18 +27,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["ForkServer", "get_forkserver", "warm_up", "warm_up_if_in_kernel"]
+from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.spec import WorkerSpec
+
+__all__ = [
+    "ENGINE_PRELOAD",
+    "ForkServer",
+    "ForkServerLauncher",
+    "get_forkserver",
+    "warm_up",
+    "warm_up_if_in_kernel",
+]
 
 _HEADER = struct.Struct("!I")
-_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "nbaccel.launch.worker",
-    # the widgets' worker hooks (tqdm bridge, memory sampler)
-    "nbaccel.notebook.rank.instrumentation",
-)
+#: What every server imports: torch and the rank side of the engine. Fronts add their own.
+ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
 
 
 def _write_frame(fd: int, message: Any) -> None:
@@ -82,11 +91,22 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
         os._exit(code)
 
 
-def serve() -> None:
+def _preload(modules: Iterable[str], strict: bool) -> None:
+    for module in modules:
+        try:
+            __import__(module)
+        except Exception as exc:
+            if strict:
+                raise
+            # Preloading only saves time: the worker imports the module itself and fails there.
+            print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
+
+
+def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for module in _PRELOAD:
-        __import__(module)
+    _preload(ENGINE_PRELOAD, strict=True)
+    _preload(preload, strict=False)
     stdin, stdout = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the pipe
     wake_r, wake_w = os.pipe()
@@ -114,9 +134,13 @@ def serve() -> None:
             reap()
             if stdin in ready:
                 try:
-                    _, request_id, spec_bytes = _read_frame(stdin)
+                    request = _read_frame(stdin)
                 except EOFError:
                     break
+                if request[0] == "preload":
+                    _preload(request[1], strict=False)
+                    continue
+                _, request_id, spec_bytes = request
                 pid = os.fork()
                 if pid == 0:
                     _child_main(spec_bytes, (wake_r, wake_w, stdout))
@@ -134,13 +158,15 @@ def serve() -> None:
 class ForkServer:
     """Driver-side handle: start the server, ask it for workers, learn their exit codes."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: Iterable[str] = ()) -> None:
         bootstrap = (
             "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-            "from nbaccel.launch.forkserver import serve; serve()"
+            "from nbaccel.launch.launchers.forkserver import serve; "
+            "serve(json.loads(sys.argv[2]))"
         )
+        self.preloaded = set(ENGINE_PRELOAD) | set(preload)
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", bootstrap, json.dumps(sys.path)],
+            [sys.executable, "-c", bootstrap, json.dumps(sys.path), json.dumps(sorted(preload))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
@@ -204,6 +230,14 @@ class ForkServer:
                     )
                 self._cond.wait(0.1)
 
+    def preload(self, modules: Iterable[str]) -> None:
+        """Have the server import ``modules`` (once) before its next fork."""
+        missing = sorted(set(modules) - self.preloaded)
+        if missing:
+            with self._lock:
+                _write_frame(self._proc.stdin.fileno(), ("preload", missing))
+            self.preloaded.update(missing)
+
     def spawn(self, spec_bytes: bytes) -> int:
         """Fork one worker running ``spec``; return its pid."""
         self.wait_ready()
@@ -242,21 +276,23 @@ _server: ForkServer | None = None
 _server_lock = threading.Lock()
 
 
-def get_forkserver() -> ForkServer:
-    """The process-wide fork server, (re)started when needed."""
+def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
+    """The process-wide fork server, (re)started when needed, with ``preload`` imported."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
-            _server = ForkServer()
+            _server = ForkServer(preload)
+        else:
+            _server.preload(preload)
         return _server
 
 
-def warm_up() -> None:
+def warm_up(preload: Iterable[str] = ()) -> None:
     """Start the fork server now, so its ``import torch`` overlaps with the user's typing."""
-    get_forkserver()
+    get_forkserver(preload)
 
 
-def warm_up_if_in_kernel() -> None:
+def warm_up_if_in_kernel(preload: Iterable[str] = ()) -> None:
     """Warm the fork server when nbaccel is imported in a Jupyter kernel (not in workers)."""
     if os.environ.get("NBACCEL_LAUNCHER") or os.environ.get("NBACCEL_NO_WARMUP"):
         return
@@ -268,7 +304,36 @@ def warm_up_if_in_kernel() -> None:
         return
     shell = get_ipython()
     if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
-        warm_up()
+        warm_up(preload)
+
+
+class ForkServerLauncher(ProcessLauncher):
+    """Fork each rank from the process-wide server (torch and ``preload`` already imported)."""
+
+    name = "forkserver"
+
+    def __init__(self, preload: Iterable[str] = ()) -> None:
+        super().__init__(preload)
+        self._server: ForkServer | None = None
+
+    def prepare(self) -> None:
+        self._server = get_forkserver(self.preload)
+
+    def _current(self) -> ForkServer:
+        if self._server is None or not self._server.alive():
+            self._server = get_forkserver(self.preload)
+        return self._server
+
+    def start(self, spec: WorkerSpec) -> WorkerProcess:
+        server = self._current()
+        return WorkerProcess(server.spawn(pickle.dumps(spec)), self.name, server=server)
+
+    def add_wakeup(self, callback: Callable[[], None]) -> None:
+        self._current().add_wakeup(callback)
+
+    def remove_wakeup(self, callback: Callable[[], None]) -> None:
+        if self._server is not None:
+            self._server.remove_wakeup(callback)
 
 
 def _shutdown() -> None:

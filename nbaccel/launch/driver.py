@@ -1,0 +1,251 @@
+"""The one driver loop: run a call on a worker group, settle stragglers, raise the first failure.
+
+Every front uses it: ``notebook_launcher`` and ``nbaccel.testing.run_on_ranks`` through
+:func:`run_once` (start a one-shot group, run its call, stop it), the ``%%distributed`` pool
+through :func:`run_call` on its long-lived group. A call ends in one :class:`CallState`; what
+happens to ranks that have not reported by then is a :class:`Settle` policy (one-shot ranks are
+stopped; pool ranks are interrupted and left for the pool to restart if they do not come back);
+:class:`CallReport` turns the outcome into results or into the exception to raise.
+
+Failure attribution lives in :meth:`CallReport.first_failure` (the earliest failure, by when it
+happened, not the lowest rank).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from nbaccel.launch.errors import LaunchTimeout, RankCrashed, rebuild_exception
+from nbaccel.launch.group import Outcome, WorkerGroup
+from nbaccel.launch.processes import describe_exit
+from nbaccel.launch.protocol import OutcomeKind
+
+__all__ = [
+    "ONE_SHOT",
+    "POOL",
+    "CallReport",
+    "CallState",
+    "Settle",
+    "outcome_exception",
+    "run_call",
+    "run_once",
+]
+
+
+class CallState(str, Enum):
+    """How waiting on a call ended."""
+
+    DONE = "done"  # every target returned a value
+    FAILED = "failed"  # a target raised or crashed
+    TIMEOUT = "timeout"  # the deadline passed first
+    INTERRUPTED = "interrupted"  # the stop button (in the notebook, or reported by a rank)
+
+
+@dataclass(frozen=True)
+class Settle:
+    """What happens to ranks that have not reported when a call ends without them.
+
+    Args:
+        failure_grace: seconds the other ranks get to finish on their own after a failure.
+        interrupt_grace: seconds the ranks get to report an interrupt they received themselves.
+        disposable: one-shot ranks: stop the stragglers (SIGTERM, then SIGKILL after
+            ``stop_grace``). Otherwise (a pool): SIGINT them and wait ``recover`` seconds; the
+            ones still busy are reported as stuck.
+    """
+
+    failure_grace: float = 0.5
+    interrupt_grace: float = 1.0
+    disposable: bool = True
+    stop_grace: float = 2.0
+    recover: float = 3.0
+
+
+ONE_SHOT = Settle()
+POOL = Settle(disposable=False)
+
+
+def outcome_exception(rank: int, outcome: Outcome) -> BaseException:
+    """The exception for one failed rank: its original type naming the rank, or RankCrashed."""
+    if outcome.kind == OutcomeKind.CRASH:
+        return RankCrashed(rank, outcome.value, describe_exit(outcome.value))
+    named = outcome.value.get("rank")
+    return rebuild_exception(outcome.value, rank if named is None else named)
+
+
+def _interrupted(outcome: Outcome) -> bool:
+    return outcome.kind == OutcomeKind.ERROR and outcome.value.get("name") == "KeyboardInterrupt"
+
+
+@dataclass
+class CallReport:
+    """The end of one call: its state, every target's outcome, and who never reported."""
+
+    call_id: int
+    targets: list[int]
+    state: CallState
+    outcomes: dict[int, Outcome]
+    timeout: float | None = None
+    late: list[int] = field(default_factory=list)  # no outcome when the state was decided
+    stuck: list[int] = field(default_factory=list)  # still no outcome after settling
+    policy: Settle = ONE_SHOT
+
+    @property
+    def crashed(self) -> list[int]:
+        return sorted(r for r, o in self.outcomes.items() if o.kind == OutcomeKind.CRASH)
+
+    def results(self) -> dict[int, Any]:
+        return {
+            r: o.value for r, o in sorted(self.outcomes.items()) if o.kind == OutcomeKind.RESULT
+        }
+
+    def failures(self) -> dict[int, Outcome]:
+        return {r: o for r, o in sorted(self.outcomes.items()) if o.kind != OutcomeKind.RESULT}
+
+    def first_failure(self) -> tuple[int, Outcome] | None:
+        """The earliest failure (by when it happened), not the lowest rank: a peer's error is
+        often the consequence of the first one (a collective broken by the failed rank)."""
+        failures = [(o.at, r, o) for r, o in self.outcomes.items() if o.kind != OutcomeKind.RESULT]
+        if not failures:
+            return None
+        _, rank, outcome = min(failures, key=lambda f: (f[0], f[1]))
+        return rank, outcome
+
+    def exception(self, what: str = "the launch", others: bool = False) -> BaseException | None:
+        """What to raise in the notebook, or None when every target returned.
+
+        ``what`` names the call in a timeout message; ``others`` adds the other ranks that
+        raised to the message (the pool does: its ranks outlive the call).
+        """
+        if self.state == CallState.INTERRUPTED:
+            return KeyboardInterrupt()
+        if self.state == CallState.TIMEOUT:
+            done = "stopped" if self.policy.disposable else "interrupted"
+            return LaunchTimeout(
+                f"{what} exceeded timeout={self.timeout} s on rank(s) {self.late}; they were "
+                f"{done}."
+            )
+        failure = self.first_failure()
+        if failure is None:
+            return None
+        rank, outcome = failure
+        exc = outcome_exception(rank, outcome)
+        also = sorted(
+            r
+            for r, o in self.outcomes.items()
+            if r != rank and o.kind == OutcomeKind.ERROR and not _interrupted(o)
+        )
+        if others and also and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} (rank(s) {also} failed too)", *exc.args[1:])
+        exc.rank_results = self.results()  # type: ignore[attr-defined]
+        return exc
+
+    def values(self, what: str = "the launch") -> list[Any]:
+        """The targets' values in rank order; raises the call's failure instead."""
+        __tracebackhide__ = True  # IPython: show the rank's frames, not the driver's
+        exc = self.exception(what)
+        if exc is not None:
+            raise exc
+        return [self.outcomes[r].value for r in self.targets]
+
+
+def _wait(
+    group: WorkerGroup,
+    call_id: int,
+    targets: list[int],
+    deadline: float | None,
+    interrupted: Callable[[], bool],
+    interval: float,
+) -> CallState:
+    while True:
+        got = group.outcomes(call_id, targets)
+        if interrupted() or any(_interrupted(o) for o in got.values()):
+            return CallState.INTERRUPTED
+        if any(o.kind != OutcomeKind.RESULT for o in got.values()):
+            return CallState.FAILED
+        if len(got) == len(targets):
+            return CallState.DONE
+        wait = interval
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                return CallState.TIMEOUT
+        group.pump(wait)
+
+
+def _settle(
+    group: WorkerGroup, call_id: int, targets: list[int], state: CallState, policy: Settle
+) -> list[int]:
+    """Bring the targets of an unfinished call to an end; the ranks that never reported."""
+
+    def pending() -> list[int]:
+        got = group.outcomes(call_id, targets)
+        return [r for r in targets if r not in got]
+
+    grace = {CallState.INTERRUPTED: policy.interrupt_grace, CallState.FAILED: policy.failure_grace}
+    group.pump_until(lambda: not pending(), grace.get(state, 0.0))
+    if not pending():
+        return []
+    stuck = pending()
+    if policy.disposable:
+        group.stop(policy.stop_grace)
+        return stuck
+    group.signal_all(signal.SIGINT, stuck)
+    group.pump_until(lambda: not pending(), policy.recover)
+    return pending()
+
+
+def run_call(
+    group: WorkerGroup,
+    call_id: int,
+    targets: list[int],
+    timeout: float | None = None,
+    policy: Settle = POOL,
+    interrupted: Callable[[], bool] = lambda: False,
+    interval: float = 0.2,
+    deadline: float | None = None,
+) -> CallReport:
+    """Wait on ``call_id`` (already sent to ``targets``), settle stragglers; the report.
+
+    ``interrupted()`` is polled between selector rounds (the pool's deferred stop button);
+    ``deadline`` (monotonic) overrides ``timeout`` as the end of the wait.
+    """
+    if deadline is None and timeout is not None:
+        deadline = time.monotonic() + timeout
+    state = _wait(group, call_id, targets, deadline, interrupted, max(0.01, min(interval, 0.2)))
+    got = group.outcomes(call_id, targets)
+    late = [r for r in targets if r not in got]
+    stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
+    outcomes = group.outcomes(call_id, targets)
+    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy)
+
+
+def run_once(
+    group: WorkerGroup,
+    timeout: float | None = None,
+    policy: Settle = ONE_SHOT,
+    interval: float = 0.2,
+) -> CallReport:
+    """Start a one-shot (``Mode.CALL``) group, wait on its call, stop and close it.
+
+    ``timeout`` counts from before the start. The stop button (``KeyboardInterrupt`` here)
+    interrupts every rank, escalates to SIGTERM/SIGKILL, and is re-raised.
+    """
+    __tracebackhide__ = True
+    group.expect_call(0)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        group.start()
+        return run_call(
+            group, 0, group.ranks, timeout, policy, interval=interval, deadline=deadline
+        )
+    except KeyboardInterrupt:
+        group.renderer.notice("interrupted: stopping every rank")
+        group.stop(1.5, first=signal.SIGINT)
+        raise
+    finally:
+        group.close()

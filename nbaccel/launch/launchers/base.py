@@ -1,0 +1,47 @@
+"""The launcher interface: start these ranks somewhere, hand back process handles.
+
+Every way of starting ranks (fork server, spawn, fork, XLA; remote variants such as ssh or
+slurm later) is a :class:`ProcessLauncher`. The worker group gives it one
+:class:`~nbaccel.launch.spec.WorkerSpec` per rank; the spec names the channel (the address of
+the driver's authenticated listener) the rank connects back to. A remote variant says where that
+listener must be reachable from through :attr:`ProcessLauncher.channel_host`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import ClassVar
+
+from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.spec import WorkerSpec
+
+__all__ = ["ProcessLauncher"]
+
+
+class ProcessLauncher(ABC):
+    """One way of starting rank processes."""
+
+    name: ClassVar[str]
+    #: True when the work travels pickled; False when children inherit it (``fork``-based).
+    pickles_work: ClassVar[bool] = True
+    #: The host the driver's listener binds for this launcher's ranks: None is a private Unix
+    #: socket (ranks on this machine); a remote launcher names an address its hosts can reach.
+    channel_host: str | None = None
+
+    def __init__(self, preload: Iterable[str] = ()) -> None:
+        #: modules worth importing once before the ranks start (used by the fork server)
+        self.preload = tuple(preload)
+
+    def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Called once before the first rank starts (start a server, check the runtime...)."""
+
+    @abstractmethod
+    def start(self, spec: WorkerSpec) -> WorkerProcess:
+        """Start the rank described by ``spec``; return its handle at once (do not wait)."""
+
+    def add_wakeup(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional hook
+        """Call ``callback()`` from any thread when a started process may have ended."""
+
+    def remove_wakeup(self, callback: Callable[[], None]) -> None:  # noqa: B027
+        """Undo :meth:`add_wakeup`."""

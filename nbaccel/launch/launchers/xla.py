@@ -1,0 +1,108 @@
+"""The XLA variant: ranks are torch-xla's processes (one per TPU chip, one thread per core in it).
+
+The ``xla`` launcher forks each process from the driver, so the function and its arguments are
+*inherited*, never pickled: a model built once in the notebook and passed in ``args`` is shared
+copy-on-write by all processes instead of costing one copy of host RAM per process (the
+Colab/Kaggle TPU situation). Inside each process, :func:`run_xla_process` runs the function on
+every device of that process through torch-xla's own thread-per-device runner and returns the
+results by global ordinal. Everything else (output, events, crash reports naming the signal and
+the host-RAM hint, timeouts, interrupt) is the engine's, as for any other launcher.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from nbaccel.launch.launchers.fork import ForkLauncher
+
+__all__ = ["XLA_PROCESS_VAR", "XlaLauncher", "local_process_count", "run_xla_process"]
+
+#: The local index of an XLA process (set by the plan in each rank's environment).
+XLA_PROCESS_VAR = "NBACCEL_XLA_PROCESS"
+
+
+def _require_torch_xla() -> None:
+    from nbaccel.distributed.environment import is_torch_xla_available
+
+    if not is_torch_xla_available():
+        raise ImportError(
+            "A TPU launch needs torch-xla: pip install 'torch-xla' matching your torch version "
+            "(or `pip install nbaccel[tpu]`)."
+        )
+
+
+def local_process_count() -> int:
+    """How many processes torch-xla starts on this host (one per TPU chip; 1 on CPU)."""
+    _require_torch_xla()
+    from torch_xla import runtime as xr
+    from torch_xla._internal import tpu
+
+    try:
+        from torch_xla.experimental import plugins
+    except ImportError:  # older torch-xla: no dynamic plugins
+        plugins = None
+    if plugins is not None and plugins.using_dynamic_plugins():
+        return plugins.default().physical_chip_count()
+    return tpu.num_local_processes() if xr.device_type() == "TPU" else 1
+
+
+class XlaLauncher(ForkLauncher):
+    """Fork torch-xla's processes from the driver; they inherit the work (no pickling)."""
+
+    name = "xla"
+    pickles_work = False
+
+    def prepare(self) -> None:
+        _require_torch_xla()
+        import torch_xla
+
+        if torch_xla._XLAC._xla_runtime_is_initialized():
+            raise RuntimeError(
+                "The XLA runtime is already initialised in this process (an XLA device or tensor "
+                "was used before launching). Restart the kernel and call notebook_launcher "
+                "before touching the XLA device in the notebook."
+            )
+
+
+class _Device:
+    """What each device thread runs: the function, its errors tagged with the global ordinal."""
+
+    def __init__(self, function: Callable[..., Any], args: tuple) -> None:
+        self.function = function
+        self.args = args
+
+    def __call__(self, *_: Any) -> Any:
+        import torch_xla.runtime as xr
+
+        try:
+            return self.function(*self.args)
+        except BaseException as exc:
+            exc._nbaccel_rank = xr.global_ordinal()  # the rank to name in the notebook
+            raise
+
+
+def run_xla_process(
+    function: Callable[..., Any], args: tuple, local_processes: int
+) -> dict[int, Any]:
+    """Run ``function(*args)`` on every XLA device of this process; results by global ordinal.
+
+    ``local_processes`` is 0 for torch-xla's single-process mode (``nprocs=1``: one device).
+    """
+    device = _Device(function, tuple(args))
+    if local_processes == 0:
+        import torch_xla.distributed.xla_multiprocessing as xmp
+        import torch_xla.runtime as xr
+
+        out: dict[int, Any] = {}
+        xmp.spawn(lambda _index: out.__setitem__(xr.global_ordinal(), device()), nprocs=1)
+        return out
+    from torch_xla._internal import pjrt
+
+    return pjrt._run_thread_per_device(
+        int(os.environ[XLA_PROCESS_VAR]),
+        local_world_size=local_processes,
+        fn=device,
+        initializer_fn=pjrt.initialize_multiprocess,
+    )

@@ -1,0 +1,130 @@
+"""``notebook_launcher`` and ``debug_launcher``: run a function on N ranks from a notebook.
+
+Accelerate's signature, with what nbaccel adds: per-rank return values, the original exception
+type naming the rank, live rank-labelled output, interrupt and timeout that stop every rank, a
+free port by default, CUDA-safe start through a fork server with torch preloaded.
+
+This is a front on the launch engine: it chooses what the engine leaves open, the renderer
+(widgets in Jupyter, text elsewhere), the worker hooks (tqdm bridge, memory sampler) and the
+modules the fork server preloads; ``nbaccel.launch.plan.LaunchPlan`` decides the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
+from nbaccel.launch.plan import Front, LaunchPlan, default_num_processes
+from nbaccel.launch.render import Renderer
+from nbaccel.launch.run import launch_xla, run_function
+from nbaccel.notebook.kernel.renderers import choose_renderer
+from nbaccel.notebook.preload import WORKER_PRELOAD
+from nbaccel.notebook.rank.instrumentation import worker_setup
+
+__all__ = ["debug_launcher", "notebook_launcher"]
+
+
+def _tpu_requested() -> bool:
+    """True on a TPU host with torch-xla, or when NBACCEL_XLA_LAUNCH=1 asks for the XLA path
+    explicitly (the torch-xla lane uses it with PJRT_DEVICE=CPU)."""
+    if not is_torch_xla_available():
+        return False
+    if os.environ.get("NBACCEL_XLA_LAUNCH") == "1":
+        return True
+    return is_tpu_requested() and os.environ.get("PJRT_DEVICE", "TPU") != "CPU"
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_port: int | str | None = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    start_method: str = "auto",
+    timeout: float | None = None,
+    *,
+    cpu: bool = False,
+    renderer: Renderer | None = None,
+    memory: bool = True,
+) -> list[Any]:
+    """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
+
+    Output streams into the notebook as whole, rank-labelled lines while the function runs. The
+    first failing rank's exception is raised here with its original type, naming the rank; the
+    other ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
+    ranks become live progress; ``memory=False`` turns off the per-rank memory monitor.
+    ``num_processes`` defaults to one rank per GPU, else 1 (8 on TPUs; see
+    ``nbaccel.launch.plan``). ``rdzv_conf`` and ``rdzv_id`` are refused unless left at their
+    defaults: the world is formed through ``master_addr``/``use_port`` (or ``rdzv_endpoint``).
+    On a TPU host the ranks are torch-xla's processes, forked so that they share the arguments.
+    """
+    __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
+    if not callable(function):
+        raise TypeError(
+            f"notebook_launcher needs a callable to run on each rank, got "
+            f"{type(function).__name__}; pass the function itself (no parentheses)."
+        )
+    hooks = worker_setup(memory=memory)
+    renderer = renderer or choose_renderer()
+    if _tpu_requested():
+        if num_nodes != 1 or max_restarts:
+            raise ValueError(
+                "a TPU launch runs torch-xla's processes on this host once: leave num_nodes=1 "
+                "and max_restarts=0."
+            )
+        return launch_xla(
+            function,
+            args,
+            num_processes or default_num_processes(Front.NOTEBOOK, xla=True),
+            "fork",
+            renderer=renderer,
+            mixed_precision=mixed_precision,
+            timeout=timeout,
+            setup=hooks,
+        )
+    plan = LaunchPlan.create(
+        Front.NOTEBOOK,
+        num_processes,
+        start_method=start_method,
+        cpu=cpu,
+        mixed_precision=mixed_precision,
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        use_port=use_port,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+    )
+    report = run_function(
+        plan,
+        function,
+        tuple(args),
+        renderer=renderer,
+        setup=hooks,
+        preload=WORKER_PRELOAD,
+        timeout=timeout,
+        max_restarts=max_restarts,
+        interval=monitor_interval,
+    )
+    return report.values()
+
+
+def debug_launcher(
+    function: Callable[..., Any], args: tuple = (), num_processes: int = 2
+) -> list[Any]:
+    """Run ``function(*args)`` on ``num_processes`` CPU ranks (gloo) to debug distributed code."""
+    __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
+    return notebook_launcher(function, args, num_processes=num_processes, cpu=True)
