@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.bigmodel.units import human_bytes
 from nbaccel.launch.protocol import EventKind
 
 __all__ = [
@@ -26,18 +27,6 @@ __all__ = [
 PROGRESS = EventKind.PROGRESS
 MEMORY = EventKind.MEMORY
 METRICS = EventKind.METRICS
-
-
-def human_bytes(size: float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"-"``."""
-    if size is None:
-        return "-"
-    size = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"  # pragma: no cover
 
 
 @dataclass
