@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.distributed.collectives import gather_object, reduce
+from nbaccel.distributed.collectives import gather_object, recursively_apply, reduce
 from nbaccel.distributed.state import DistributedType, PartialState
 from nbaccel.distributed.structures import (
     TENSOR_INT_TO_DTYPE,
@@ -69,9 +69,9 @@ def verify_operation(function: Callable[..., Any]) -> Callable[..., Any]:
             return function(*args, **kwargs)
         operation = f"{function.__module__}.{function.__name__}"
         tensor = kwargs["tensor"] if "tensor" in kwargs else args[0]
-        from nbaccel.bigmodel.placement import find_device
-
-        found = find_device(tensor)
+        devices: list[torch.device] = []
+        recursively_apply(lambda t: devices.append(t.device), tensor)
+        found = devices[0] if devices else None
         if found is not None and found.type != state.device.type:
             raise DistributedOperationException(
                 f"A tensor passed to {operation} is on {found.type} but this run uses "
