@@ -220,6 +220,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel.logging": ("nbaccel.distributed.logging", _STATE + ":PartialState"),
     "nbaccel.big_modeling": (
         "nbaccel.bigmodel.weight_files:extract_submodules_state_dict",
+        _UNSUPPORTED + ":_refuse_recurrent_layers_under_sequence_parallelism",
         "nbaccel.bigmodel",
         "nbaccel.bigmodel.layerwise_casting",
     ),

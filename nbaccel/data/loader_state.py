@@ -9,19 +9,22 @@ gradient accumulation syncs at the end of the epoch. nbaccel's prepared loaders
 
 from __future__ import annotations
 
+from abc import ABCMeta
 from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader
 
+from nbaccel.data.loaders import DataLoaderDispatcher, DataLoaderShard
 from nbaccel.distributed.state import GradientState
 
 __all__ = ["DataLoaderAdapter", "DataLoaderStateMixin", "SkipDataLoader", "get_sampler"]
 
 
-class DataLoaderStateMixin:
+class DataLoaderStateMixin(metaclass=ABCMeta):  # noqa: B024 - an ABC for register() only
     """Adds ``end_of_dataloader``/``remainder`` and ``begin``/``end``/``reset``; subclasses
-    create ``self.gradient_state = GradientState()``."""
+    create ``self.gradient_state = GradientState()``. nbaccel's prepared loaders keep the same
+    state themselves and count as instances (registered below)."""
 
     end_of_dataloader = False
     remainder = -1
@@ -50,6 +53,10 @@ class DataLoaderStateMixin:
     def end(self) -> None:
         """End of an epoch: unregister from GradientState."""
         self.gradient_state._remove_dataloader(self)
+
+
+DataLoaderStateMixin.register(DataLoaderShard)
+DataLoaderStateMixin.register(DataLoaderDispatcher)
 
 
 class DataLoaderAdapter(DataLoader):

@@ -134,3 +134,20 @@ def has_ao_layers(model: nn.Module) -> bool:
 def has_4bit_bnb_layers(model: nn.Module) -> bool:
     """True when a bitsandbytes 4-bit linear layer is in ``model``."""
     return any(type(m).__name__ == "Linear4bit" for m in model.modules())
+
+
+def _refuse_recurrent_layers_under_sequence_parallelism(model: Any) -> None:
+    """Sequence parallelism (DeepSpeed Ulysses) shards the sequence; a model whose config lists
+    ``*linear_attention*`` layer types carries a recurrent state along it, so sharding would give
+    silently wrong gradients: raise ValueError naming those layer types."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or []
+    recurrent = sorted({t for t in layer_types if "linear_attention" in t})
+    if recurrent:
+        raise ValueError(
+            f"Sequence parallelism cannot shard layers of type {recurrent} (model "
+            f"{type(model).__name__}): they carry a recurrent state along the sequence. Use a "
+            "full-attention model, or turn sequence parallelism off."
+        )
