@@ -9,6 +9,7 @@ run may leave behind.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +30,8 @@ __all__ = [
 _TRUE = ("y", "yes", "t", "true", "on", "1")
 _FALSE = ("n", "no", "f", "false", "off", "0")
 _PURGED_PREFIXES = ("ACCELERATE_", "NBACCEL_")
+_FORBIDDEN = (";", "\n", "<", ">", " ")
+_LOG = logging.getLogger("nbaccel.utils.environment")
 _T = TypeVar("_T")
 
 
@@ -63,17 +66,16 @@ def parse_choice_from_env(key: str, default: str = "no") -> str:
 
 
 def convert_dict_to_env_variables(current_env: dict) -> list[str]:
-    """``{"A": "1"}`` -> ``["A=1\\n"]``; entries with spaces or empty parts are skipped (with a
-    warning), as they cannot be written to an env file safely."""
-    import warnings
-
+    """``{"A": "1"}`` -> ``["A=1\\n"]`` for an env file. Entries with an empty part or a shell
+    metacharacter (``; < >``, space, newline) are skipped with a warning on the
+    ``nbaccel.utils.environment`` logger (the public path of this helper)."""
     lines = []
     for key, value in current_env.items():
         key, value = str(key), str(value)
-        if not key or not value or " " in key or " " in value:
-            warnings.warn(f"Skipping {key}={value!r}: empty or containing spaces.", stacklevel=2)
-            continue
-        lines.append(f"{key}={value}\n")
+        if key and value and not any(c in key + value for c in _FORBIDDEN):
+            lines.append(f"{key}={value}\n")
+        else:
+            _LOG.warning(f"Skipping {key}={value}: empty, or contains one of {list(_FORBIDDEN)}.")
     return lines
 
 
