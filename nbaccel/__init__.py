@@ -18,6 +18,7 @@ from nbaccel.bigmodel import (
     load_checkpoint_in_model,
 )
 from nbaccel.bigmodel.memory_estimate import estimate_memory
+from nbaccel.compat import install as _install_compat_paths
 from nbaccel.data import skip_first_batches
 from nbaccel.distributed.collectives import (
     ShapeMismatchError,
@@ -55,6 +56,9 @@ from nbaccel.training.local_sgd import LocalSGD
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 
 __version__ = "0.1.0"
+
+# Accelerate's import paths (nbaccel.utils.*, nbaccel.logging, ...) and extra names: nbaccel.compat.
+__getattr__ = _install_compat_paths(__name__)
 
 __all__ = [
     "Accelerator",

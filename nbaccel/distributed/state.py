@@ -48,6 +48,13 @@ class DistributedType(str, Enum):
     XLA = "XLA"
     DEEPSPEED = "DEEPSPEED"  # named for compatibility; nbaccel refuses it with a clear error
     MEGATRON_LM = "MEGATRON_LM"  # idem
+    # Accelerate's other device stacks, as values only (nbaccel never reports them).
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 def _pick_device(cpu: bool, launch: LaunchEnvironment) -> torch.device:

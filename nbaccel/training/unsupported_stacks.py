@@ -1,0 +1,153 @@
+"""Names of the stacks nbaccel does not drive, so code that mentions them still imports.
+
+DeepSpeed, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP, torchao), bitsandbytes
+quantisation, PiPPy pipelines and tensor/context parallelism: their classes exist (user code
+lists them in ``isinstance`` checks and conditions), their probes say "not available", and
+constructing or calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, NoReturn
+
+from torch import nn
+
+__all__ = [
+    "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
+    "FP8BackendType",
+    "has_4bit_bnb_layers",
+    "has_ao_layers",
+    "has_transformer_engine_layers",
+]
+
+_INSTEAD = {
+    "DeepSpeed": "use DDP (the default) or FSDP2 via FullyShardedDataParallelPlugin",
+    "Megatron-LM": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
+    "FP8": "use mixed_precision='bf16' or 'fp16'",
+    "bitsandbytes": "load the model in bf16/fp16, or quantise it with your own library first",
+    "PiPPy": "use dispatch_model / load_checkpoint_and_dispatch to split a model across devices",
+    "tensor/context parallelism": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
+    "torch-xla setup": "install torch-xla yourself; nbaccel detects it",
+}
+
+
+def _message(name: str, stack: str) -> str:
+    return f"{name} belongs to {stack}, which nbaccel does not support: {_INSTEAD[stack]}."
+
+
+class UnsupportedStack:
+    """Base of the placeholder classes: importable, usable in ``isinstance``, never built."""
+
+    stack = "DeepSpeed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(_message(type(self).__name__, self.stack))
+
+
+def _placeholder_class(
+    name: str, stack: str, bases: tuple[type, ...] = (UnsupportedStack,)
+) -> type:
+    cls = type(
+        name, bases, {"stack": stack, "__doc__": _message(name, stack), "__module__": __name__}
+    )
+    __all__.append(name)
+    return cls
+
+
+def _placeholder_function(name: str, stack: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(_message(name, stack))
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = _message(name, stack)
+    __all__.append(name)
+    return refuse
+
+
+_CLASSES = {
+    "DeepSpeed": "DeepSpeedPlugin DeepSpeedSequenceParallelConfig DeepSpeedEngineWrapper "
+    "DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper DummyOptim DummyScheduler "
+    "HfDeepSpeedConfig",
+    "Megatron-LM": "MegatronLMPlugin MegatronLMDummyDataLoader MegatronLMDummyScheduler "
+    "AbstractTrainStep "
+    "BertTrainStep GPTTrainStep T5TrainStep MegatronEngine MegatronLMOptimizerWrapper "
+    "MegatronLMSchedulerWrapper",
+    "FP8": "FP8RecipeKwargs TERecipeKwargs AORecipeKwargs MSAMPRecipeKwargs",
+    "bitsandbytes": "BnbQuantizationConfig",
+    "tensor/context parallelism": "TorchTensorParallelPlugin TorchTensorParallelConfig "
+    "TorchContextParallelConfig ParallelismConfig",
+}
+_FUNCTIONS = {
+    "DeepSpeed": "get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed GatheredParameters "
+    "compile_regions_deepspeed prepare_deepspeed_cmd_env",
+    "Megatron-LM": "add_model_config_to_megatron_parser avg_losses_across_data_parallel_group "
+    "gather_across_data_parallel_groups finish_mpu_init initialize model_provider_func "
+    "prepare_model_optimizer_scheduler prepare_optimizer prepare_scheduler prepare_data_loader "
+    "parse_bert_config parse_gpt2_config parse_t5_config parse_llama_config parse_glm4_moe_config",
+    "FP8": "apply_fp8_autowrap contextual_fp8_autocast convert_model convert_model_to_fp8_ao "
+    "filter_first_and_last_linear_layers filter_linear_layers find_first_last_linear_layers "
+    "setup_fp8_env",
+    "bitsandbytes": "load_and_quantize_model replace_with_bnb_layers quantize_and_offload_8bit "
+    "get_keys_to_not_convert get_quantized_model_device_map",
+    "PiPPy": "prepare_pippy build_pipeline pippy_forward generate_device_map find_pippy_batch_size",
+    "torch-xla setup": "install_xla",
+}
+
+for _stack, _names in _CLASSES.items():
+    for _name in _names.split():
+        globals()[_name] = _placeholder_class(_name, _stack)
+for _stack, _names in _FUNCTIONS.items():
+    for _name in _names.split():
+        # Megatron's prepare_data_loader would shadow nbaccel's real one: keep it namespaced.
+        key = f"megatron_{_name}" if _name == "prepare_data_loader" else _name
+        globals()[key] = _placeholder_function(_name, _stack)
+        if key != _name:
+            __all__[-1] = key
+
+MODEL_CONFIGS_TO_MEGATRON_PARSERS: dict[str, Any] = {}
+
+
+class FP8BackendType(str, Enum):
+    """FP8 backends Accelerate knows (names only: nbaccel trains in bf16/fp16)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+def _has_layers_from(model: nn.Module, package: str) -> bool:
+    return any(type(m).__module__.split(".")[0] == package for m in model.modules())
+
+
+def has_transformer_engine_layers(model: nn.Module) -> bool:
+    """True when a Transformer Engine layer is in ``model``."""
+    return _has_layers_from(model, "transformer_engine")
+
+
+def has_ao_layers(model: nn.Module) -> bool:
+    """True when a torchao float8 layer is in ``model``."""
+    return any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def has_4bit_bnb_layers(model: nn.Module) -> bool:
+    """True when a bitsandbytes 4-bit linear layer is in ``model``."""
+    return any(type(m).__name__ == "Linear4bit" for m in model.modules())
+
+
+def _refuse_recurrent_layers_under_sequence_parallelism(model: Any) -> None:
+    """Sequence parallelism (DeepSpeed Ulysses) shards the sequence; a model whose config lists
+    ``*linear_attention*`` layer types carries a recurrent state along it, so sharding would give
+    silently wrong gradients: raise ValueError naming those layer types."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or []
+    recurrent = sorted({t for t in layer_types if "linear_attention" in t})
+    if recurrent:
+        raise ValueError(
+            f"Sequence parallelism cannot shard layers of type {recurrent} (model "
+            f"{type(model).__name__}): they carry a recurrent state along the sequence. Use a "
+            "full-attention model, or turn sequence parallelism off."
+        )
