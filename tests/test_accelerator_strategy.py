@@ -63,19 +63,19 @@ def test_tracker_registry_has_public_names():
             self.logged.append((step, values))
 
     assert "notebook" in LOGGER_TYPE_TO_CLASS  # registered by importing nbaccel
-    register_tracker_class("collect", Collect)
+    register_tracker_class(Collect, name="collect")
     try:
         assert LOGGER_TYPE_TO_CLASS["collect"] is Collect and "collect" in available_trackers()
         acc = Accelerator(log_with="collect")
         acc.init_trackers("run")
         acc.log({"loss": 1.0}, step=2)
         assert Collect.logged == [(2, {"loss": 1.0})]
-        register_tracker_class("never", Collect, available=lambda: False)
+        register_tracker_class(Collect, name="never", available=lambda: False)
         assert "never" not in available_trackers()
         with pytest.raises(ImportError, match="not available"):
             Accelerator(log_with="never")
         with pytest.raises(TypeError, match="GeneralTracker subclass"):
-            register_tracker_class("bad", object)
+            register_tracker_class(object, name="bad")
     finally:
         LOGGER_TYPE_TO_CLASS.pop("collect", None)
         LOGGER_TYPE_TO_CLASS.pop("never", None)

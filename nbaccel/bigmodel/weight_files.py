@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.align_devices_hook import align_module_device, has_offloaded_params
+from nbaccel.bigmodel.align_devices_hook import (
+    align_module_device,
+    get_state_dict_offloaded_model,
+    has_offloaded_params,
+)
 
 __all__ = [
     "extract_submodules_state_dict",
@@ -127,26 +130,4 @@ def get_state_dict_from_offload(
             full = f"{root}.{key}" if root else key
             if full in state_dict:
                 state_dict[full] = value
-    return state_dict
-
-
-def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict on CPU, with offloaded weights read from where they live; tensors
-    still on meta afterwards (never materialised) are left out with a warning naming them."""
-    state_dict: dict[str, torch.Tensor] = {}
-    still_meta: set[str] = set()
-    for name, module in model.named_modules():
-        if name == "":
-            continue
-        with align_module_device(module, "cpu"):
-            own = module.state_dict()
-            for key, value in own.items():
-                full = f"{name}.{key}"
-                if value.device.type == "meta":
-                    still_meta.add(full)
-                else:
-                    state_dict[full] = value.to("cpu")
-    still_meta -= set(state_dict)
-    if still_meta:
-        warnings.warn(f"Not saved, still on the meta device: {sorted(still_meta)}", stacklevel=2)
     return state_dict

@@ -162,6 +162,7 @@ _TRACKING = (
     "nbaccel.distributed.logging:get_logger",
     "nbaccel.training.tracker_registry",
     "nbaccel.training.trackers",
+    "nbaccel.training.tracker_backends",
 )
 _TEST_UTILS_TESTING = (
     _STATE + ":AcceleratorState,GradientState",
@@ -212,7 +213,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
         + ":ParallelismConfig,apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao,"
         "compile_regions_deepspeed",
         "nbaccel.training.accelerator:Accelerator",
-        "nbaccel.training.tracker_registry:LOGGER_TYPE_TO_CLASS",
+        "nbaccel.training.trackers:LOGGER_TYPE_TO_CLASS",
         "nbaccel.training.constants",
         "nbaccel.distributed.probes",
         *_DATACLASSES,
@@ -260,7 +261,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.training.constants:MODEL_NAME,OPTIMIZER_NAME,RNG_STATE_NAME,SAFE_MODEL_NAME,"
         "SAMPLER_NAME,SCALER_NAME,SCHEDULER_NAME,SAFE_WEIGHTS_NAME,WEIGHTS_NAME",
     ),
-    "nbaccel.launchers": ("nbaccel.launch.launcher:debug_launcher,notebook_launcher",),
+    "nbaccel.local_sgd": ("nbaccel.training.local_sgd:LocalSGD",),
+    "nbaccel.launchers": ("nbaccel.notebook.kernel.launcher:debug_launcher,notebook_launcher",),
     "nbaccel.inference": (
         _UNSUPPORTED + ":prepare_pippy,build_pipeline,pippy_forward,generate_device_map,"
         "find_pippy_batch_size",

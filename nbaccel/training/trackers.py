@@ -227,21 +227,39 @@ def _backend(name: str) -> type[GeneralTracker]:
 
 
 def register_tracker_class(
-    name: str, tracker_cls: type[GeneralTracker], available: Callable[[], bool] | None = None
-) -> None:
-    """Make ``log_with=name`` build ``tracker_cls``; ``available()`` says if it can run here."""
+    tracker_cls: type[GeneralTracker],
+    name: str | None = None,
+    available: Callable[[], bool] | None = None,
+) -> type[GeneralTracker]:
+    """Make ``log_with=name`` (default: the class's ``name``) build ``tracker_cls``.
+
+    Usable as a class decorator, as in Accelerate. ``available()`` says whether the tracker can
+    run here (a missing optional package makes it unavailable). A name already taken by another
+    class is an error.
+    """
     if not (isinstance(tracker_cls, type) and issubclass(tracker_cls, GeneralTracker)):
         raise TypeError(
             f"register_tracker_class needs a GeneralTracker subclass, not {tracker_cls!r}."
         )
+    name = name or getattr(tracker_cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{tracker_cls.__name__} needs a class attribute `name` (a string).")
+    taken = LOGGER_TYPE_TO_CLASS.get(name)
+    if taken is not None and taken is not tracker_cls and taken.__name__ != tracker_cls.__name__:
+        raise ValueError(f"Tracker name {name!r} is already registered by {taken.__name__}.")
     LOGGER_TYPE_TO_CLASS[name] = tracker_cls
     if available is not None:
         _AVAILABLE[name] = available
     else:
         _AVAILABLE.pop(name, None)
+    return tracker_cls
 
 
-register_tracker = register_tracker_class  # the name nbaccel used first
+def register_tracker(
+    name: str, tracker_cls: type[GeneralTracker], available: Callable[[], bool] | None = None
+) -> None:
+    """nbaccel's first spelling: ``register_tracker(name, cls, available)``."""
+    register_tracker_class(tracker_cls, name=name, available=available)
 
 
 def _available(name: str) -> bool:

@@ -107,4 +107,4 @@ class NotebookTracker(GeneralTracker):
             print(self.plot.text())
 
 
-register_tracker_class("notebook", NotebookTracker)
+register_tracker_class(NotebookTracker, name="notebook")
