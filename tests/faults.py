@@ -66,6 +66,15 @@ def hang_in_collective_while_peer_fails() -> None:
     state.wait_for_everyone()
 
 
+def sigkill_in_collective() -> None:
+    from nbaccel import PartialState
+
+    state = PartialState()
+    if _rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    state.wait_for_everyone()  # rank 0's gloo barrier breaks: "Connection reset by peer"
+
+
 def hangs() -> None:
     time.sleep(3600)
 
@@ -80,6 +89,11 @@ FAULTS = {
         hang_in_collective_while_peer_fails,
         "RuntimeError",
         "[rank 1] peer failed",
+    ),
+    "SIGKILL while the peer is in a collective": (
+        sigkill_in_collective,
+        "RankCrashed",
+        "rank 1 was killed by SIGKILL",
     ),
     "hangs (timeout=1)": (hangs, "LaunchTimeout", "exceeded timeout=1"),
 }

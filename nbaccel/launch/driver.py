@@ -31,6 +31,7 @@ __all__ = [
     "CallReport",
     "CallState",
     "Settle",
+    "consequential",
     "outcome_exception",
     "run_call",
     "run_once",
@@ -77,6 +78,30 @@ def outcome_exception(rank: int, outcome: Outcome) -> BaseException:
     return rebuild_exception(outcome.value, rank if named is None else named)
 
 
+# What a rank raises when a peer's death broke its connection (gloo, NCCL, the TCPStore).
+_PEER_LOST = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "connectfullmesh failed",
+    "broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+    "socket timeout",
+)
+_PEER_LOST_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def consequential(outcome: Outcome) -> bool:
+    """True for an error that a peer's failure explains: a broken collective or connection."""
+    if outcome.kind != OutcomeKind.ERROR:
+        return False
+    info = outcome.value
+    if info.get("name") in _PEER_LOST_TYPES:
+        return True
+    message = str(info.get("message", "")).lower()
+    return any(text in message for text in _PEER_LOST)
+
+
 def _interrupted(outcome: Outcome) -> bool:
     return outcome.kind == OutcomeKind.ERROR and outcome.value.get("name") == "KeyboardInterrupt"
 
@@ -107,12 +132,19 @@ class CallReport:
         return {r: o for r, o in sorted(self.outcomes.items()) if o.kind != OutcomeKind.RESULT}
 
     def first_failure(self) -> tuple[int, Outcome] | None:
-        """The earliest failure (by when it happened), not the lowest rank: a peer's error is
-        often the consequence of the first one (a collective broken by the failed rank)."""
-        failures = [(o.at, r, o) for r, o in self.outcomes.items() if o.kind != OutcomeKind.RESULT]
+        """The root cause: the earliest failure (by when it happened, not the lowest rank) among
+        those that are not a peer's consequence. A rank whose collective broke because another
+        rank died raises a communication error ("Connection reset by peer") that can carry an
+        earlier timestamp than the death the driver observed; it names the root cause only
+        when nothing else failed."""
+        failures = [
+            (consequential(o), o.at, r, o)
+            for r, o in self.outcomes.items()
+            if o.kind != OutcomeKind.RESULT
+        ]
         if not failures:
             return None
-        _, rank, outcome = min(failures, key=lambda f: (f[0], f[1]))
+        *_, rank, outcome = min(failures, key=lambda f: f[:3])
         return rank, outcome
 
     def exception(self, what: str = "the launch", others: bool = False) -> BaseException | None:

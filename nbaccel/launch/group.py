@@ -64,6 +64,7 @@ class _Rank:
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     busy_since: float | None = None
     drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
+    died_at: float | None = None  # wall time its event stream closed or its exit was seen
 
     @property
     def finished_io(self) -> bool:
@@ -261,6 +262,9 @@ class WorkerGroup:
         try:
             message = state.events.recv()
         except (EOFError, OSError, pickle.UnpicklingError):
+            # A process's sockets close when it dies: the earliest sign of a crash, before the
+            # exit status is seen and its streams drained.
+            state.died_at = state.died_at or time.time()
             self._selector.unregister(state.events)
             state.events.close()
             state.events_closed = True
@@ -287,16 +291,17 @@ class WorkerGroup:
         for state in self._ranks:
             if state.process is None or state.process.poll() is None:
                 continue
+            state.died_at = state.died_at or time.time()
             # The process is gone: its sockets hit EOF shortly; drain them first.
             if not state.finished_io and not self._drained(state):
                 continue
             code = state.process.poll()
             pending = self._current_call if state.busy_since is not None else None
             if pending is not None and pending not in state.outcomes:
-                state.outcomes[pending] = Outcome(OutcomeKind.CRASH, code)
+                state.outcomes[pending] = Outcome(OutcomeKind.CRASH, code, state.died_at)
                 state.busy_since = None
             if not state.ready and not state.outcomes:
-                state.outcomes[0] = Outcome(OutcomeKind.CRASH, code)
+                state.outcomes[0] = Outcome(OutcomeKind.CRASH, code, state.died_at)
 
     def _drained(self, state: _Rank) -> bool:
         """True once a dead process's streams were read to the end, or stayed silent for
@@ -413,16 +418,16 @@ class WorkerGroup:
             return
         self.closed = True
         try:
-            if self.mode == Mode.SERVE:
-                for state in self._ranks:
-                    if state.events is not None and not state.events_closed:
-                        try:
-                            state.events.send((Message.STOP,))
-                        except OSError:
-                            pass
-                if not self.wait_exit(grace):
-                    self.stop(grace)
-            elif not self.wait_exit(0.05):
+            # STOP ends a pool's serve loop, and releases one-shot ranks that returned (they wait
+            # for it so that none tears down its process group while a peer still needs it).
+            # Ranks still running (after a failure or a timeout) were stopped by the driver.
+            for state in self._ranks:
+                if state.events is not None and not state.events_closed:
+                    try:
+                        state.events.send((Message.STOP,))
+                    except OSError:
+                        pass
+            if not self.wait_exit(grace):
                 self.stop(grace)
             self.pump_until(lambda: all(r.finished_io for r in self._ranks), 0.5)
         finally:

@@ -21,7 +21,7 @@ class Message(str, Enum):
     ERROR = "error"  # worker -> driver: (ERROR, call_id, describe_exception(...))
     EVENT = "event"  # worker -> driver: (EVENT, EventKind, payload)
     CALL = "call"  # driver -> worker: (CALL, call_id, packed work)
-    STOP = "stop"  # driver -> worker: leave the serve loop and exit
+    STOP = "stop"  # driver -> worker: leave the serve loop (or, one-shot, the release) and exit
 
 
 class Stream(str, Enum):

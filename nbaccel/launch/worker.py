@@ -2,7 +2,8 @@
 
 A worker connects three authenticated streams to the driver: its fd 1 and fd 2 (so C extensions'
 writes reach the notebook too, line by line) and an event stream. It then either runs one call
-(``Mode.CALL``: a one-shot launch) or serves calls until told to stop (``Mode.SERVE``: a
+(``Mode.CALL``: a one-shot launch, after which it waits for the driver's release so that no
+rank tears down while a peer still needs it) or serves calls until told to stop (``Mode.SERVE``: a
 persistent pool). What it is told arrives as a :class:`~nbaccel.launch.spec.WorkerSpec`. When
 the driver disappears (the kernel died or restarted), the event stream closes and the worker
 exits at once: no orphans.
@@ -178,5 +179,23 @@ def run_worker(spec: WorkerSpec) -> int:
             return 1
         _send((Message.READY,))
         code = 0 if _run_call(0, function, args, kwargs) else 1
+        if code == 0:
+            _await_release(commands)
     _flush_all()
     return code
+
+
+def _await_release(commands: queue.Queue) -> None:
+    """Stay up until the driver says every rank of the call has reported.
+
+    A rank that returned early must not tear down its process group (by exiting) while a peer
+    is still connecting to it or still in a collective with it: the peer would fail with
+    "Connection closed by peer" for no fault of its own. The driver sends ``STOP`` once every
+    rank has an outcome; if the driver disappears, ``_watch_driver`` ends the process.
+    """
+    while True:
+        try:
+            if commands.get()[0] == Message.STOP:
+                return
+        except KeyboardInterrupt:  # the call is over; an interrupt now changes nothing
+            continue

@@ -1,0 +1,88 @@
+"""Races between ranks of one launch: no spurious failures, the root cause named.
+
+A rank that returns early must not tear down its process group while a peer still connects to
+it; a rank killed while its peer sits in a collective is the failure to name, not the peer's
+consequential "Connection reset by peer".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+from faults import sigkill_in_collective
+
+from nbaccel import RankCrashed, notebook_launcher
+from nbaccel.launch.driver import CallReport, CallState, consequential
+from nbaccel.launch.group import Outcome
+from nbaccel.launch.protocol import OutcomeKind
+from nbaccel.launch.render import Renderer
+
+
+def _early_rank_outlives_the_call(folder: str) -> str:
+    """Rank 0 returns at once; rank 1 checks, later, that rank 0's process still runs."""
+    rank = int(os.environ["RANK"])
+    marker = os.path.join(folder, "rank0.pid")
+    if rank == 0:
+        with open(marker + ".tmp", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
+        return "returned"
+    deadline = time.monotonic() + 20
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, "rank 0 never wrote its pid"
+        time.sleep(0.01)
+    time.sleep(0.5)  # rank 0 has long returned by now
+    with open(marker) as handle:
+        process = psutil.Process(int(handle.read()))
+    return process.status()
+
+
+def test_a_rank_that_returned_stays_up_until_every_rank_returned(tmp_path):
+    values = notebook_launcher(
+        _early_rank_outlives_the_call, args=(str(tmp_path),), num_processes=2, renderer=Renderer()
+    )
+    assert values[0] == "returned"
+    assert values[1] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD), values
+
+
+def _join_and_return(lr: float) -> float:
+    from nbaccel import PartialState
+
+    state = PartialState()
+    return state.process_index * lr
+
+
+def test_quick_launches_in_a_row_never_fail_spuriously():
+    for _ in range(25):
+        values = notebook_launcher(
+            _join_and_return, args=(0.1,), num_processes=3, renderer=Renderer()
+        )
+        assert values == [0.0, 0.1, 0.2]
+
+
+def test_a_killed_rank_is_named_not_its_peers_broken_collective():
+    for _ in range(8):
+        try:
+            notebook_launcher(sigkill_in_collective, num_processes=2, renderer=Renderer())
+        except RankCrashed as exc:
+            assert "rank 1 was killed by SIGKILL" in str(exc)
+        else:
+            raise AssertionError("the launch did not fail")
+
+
+def _error(message: str, at: float, name: str = "RuntimeError") -> Outcome:
+    return Outcome(OutcomeKind.ERROR, {"name": name, "message": message, "frames": []}, at)
+
+
+def test_first_failure_prefers_the_root_cause_over_consequential_errors():
+    reset = _error("[pair.cc:537] Read error: Connection reset by peer", at=100.0)
+    crash = Outcome(OutcomeKind.CRASH, -9, at=100.2)  # the death was observed after the reset
+    report = CallReport(0, [0, 1], CallState.FAILED, {0: reset, 1: crash})
+    assert consequential(reset) and not consequential(crash)
+    assert report.first_failure()[0] == 1
+    # an ordinary error still wins by time, and a lone communication error is still named
+    value = _error("bad shape", at=100.5, name="ValueError")
+    assert CallReport(0, [0, 1], CallState.FAILED, {0: reset, 1: value}).first_failure()[0] == 1
+    assert CallReport(0, [0], CallState.FAILED, {0: reset}).first_failure()[0] == 0
