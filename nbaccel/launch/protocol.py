@@ -22,6 +22,10 @@ class Message(str, Enum):
     EVENT = "event"  # worker -> driver: (EVENT, EventKind, payload)
     CALL = "call"  # driver -> worker: (CALL, call_id, packed work)
     STOP = "stop"  # driver -> worker: leave the serve loop and exit
+    # driver -> worker (one-shot launches): every rank has reported, exit now. A rank that has
+    # returned keeps its process (and its process group) until then, so a peer still joining the
+    # group (gloo's full-mesh connect) never sees it vanish.
+    RELEASE = "release"
 
 
 class Stream(str, Enum):

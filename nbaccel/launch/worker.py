@@ -150,6 +150,19 @@ def _serve(commands: queue.Queue) -> int:
                 _send((Message.ERROR, call_id, describe_exception(KeyboardInterrupt())))
 
 
+def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
+    """This rank cannot reach the driver: leave the reason where the driver looks for it."""
+    where = spec.address.location
+    text = f"it could not connect to the notebook's channel at {where}: {type(exc).__name__}: {exc}"
+    if spec.error_path:
+        try:
+            with open(spec.error_path, "w") as handle:
+                handle.write(text)
+        except OSError:
+            pass
+    print(f"[nbaccel] rank {spec.rank}: {text}", file=sys.stderr, flush=True)
+
+
 def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
     global _events, _rank
@@ -157,11 +170,16 @@ def run_worker(spec: WorkerSpec) -> int:
     _prepare_process(spec)
     header = {"rank": spec.rank, "launch": spec.launch_id}
     address, secret = spec.address, spec.secret
-    out = connect(address, secret, {**header, "stream": Stream.STDOUT.value})
-    err = connect(address, secret, {**header, "stream": Stream.STDERR.value})
+    try:
+        out = connect(address, secret, {**header, "stream": Stream.STDOUT.value})
+        err = connect(address, secret, {**header, "stream": Stream.STDERR.value})
+        events = connect(address, secret, {**header, "stream": Stream.EVENTS.value})
+    except (OSError, EOFError, ConnectionError) as exc:
+        _report_no_connection(spec, exc)
+        return 1
     sys.stdout = _redirect(1, out)
     sys.stderr = _redirect(2, err)
-    _events = connect(address, secret, {**header, "stream": Stream.EVENTS.value})
+    _events = events
     _send((Message.HELLO, os.getpid()))
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_watch_driver, args=(commands,), daemon=True).start()
@@ -178,5 +196,24 @@ def run_worker(spec: WorkerSpec) -> int:
             return 1
         _send((Message.READY,))
         code = 0 if _run_call(0, function, args, kwargs) else 1
+        _flush_all()
+        _wait_for_release(commands)
     _flush_all()
     return code
+
+
+def _wait_for_release(commands: queue.Queue) -> None:
+    """Stay alive (process group included) until the driver says every rank has reported.
+
+    Exiting as soon as this rank's function returned would tear down its end of the process
+    group while a slower peer may still be connecting to it (gloo's "connectFullMesh failed ...
+    Connection closed by peer"). The wait cannot outlive the driver: the watcher thread exits
+    the process when the driver's connection closes, and the driver stops ranks that fail.
+    """
+    while True:
+        try:
+            message = commands.get()
+        except KeyboardInterrupt:  # the stop button after this rank had reported
+            return
+        if message[0] in (Message.RELEASE, Message.STOP):
+            return
