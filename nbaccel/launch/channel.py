@@ -94,7 +94,7 @@ class Listener:
     Binds a Unix socket in a fresh 0700 directory by default; ``host`` (multi-node) binds TCP.
     """
 
-    def __init__(self, secret: bytes, host: str | None = None) -> None:
+    def __init__(self, secret: bytes, host: str | None = None, backlog: int = 256) -> None:
         self.secret = secret
         self._dir: str | None = None
         if host is None and hasattr(socket, "AF_UNIX"):
@@ -109,7 +109,8 @@ class Listener:
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.sock.bind((host or "127.0.0.1", 0))
             self.address = Address("tcp", self.sock.getsockname()[:2])
-        self.sock.listen(256)
+        # every rank connects three streams at once: the backlog must hold them all
+        self.sock.listen(max(256, backlog))
 
     def fileno(self) -> int:
         return self.sock.fileno()

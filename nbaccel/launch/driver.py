@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, rebuild_exception
+from nbaccel.launch.errors import LaunchTimeout, RankCrashed, is_peer_loss, rebuild_exception
 from nbaccel.launch.group import Outcome, WorkerGroup
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
@@ -31,7 +31,6 @@ __all__ = [
     "CallReport",
     "CallState",
     "Settle",
-    "consequential",
     "outcome_exception",
     "run_call",
     "run_once",
@@ -57,6 +56,8 @@ class Settle:
         disposable: one-shot ranks: stop the stragglers (SIGTERM, then SIGKILL after
             ``stop_grace``). Otherwise (a pool): SIGINT them and wait ``recover`` seconds; the
             ones still busy are reported as stuck.
+        dead_drain: at most this long, ranks whose process died get their streams read to the
+            end and their crash recorded before the others are stopped.
     """
 
     failure_grace: float = 0.5
@@ -64,6 +65,7 @@ class Settle:
     disposable: bool = True
     stop_grace: float = 2.0
     recover: float = 3.0
+    dead_drain: float = 3.0
 
 
 ONE_SHOT = Settle()
@@ -73,33 +75,25 @@ POOL = Settle(disposable=False)
 def outcome_exception(rank: int, outcome: Outcome) -> BaseException:
     """The exception for one failed rank: its original type naming the rank, or RankCrashed."""
     if outcome.kind == OutcomeKind.CRASH:
-        return RankCrashed(rank, outcome.value, describe_exit(outcome.value))
+        if outcome.lost:
+            return RankCrashed(rank, outcome.value, f"was lost: {outcome.detail}")
+        text = describe_exit(outcome.value)
+        if outcome.detail:
+            text = f"{text}; {outcome.detail}"
+        return RankCrashed(rank, outcome.value, text)
+    exit_code = outcome.value.get("exit_code")
+    if exit_code is not None:  # sys.exit(n) in the function: the rank exited, say so
+        return RankCrashed(rank, exit_code, f"exited with code {exit_code} (sys.exit)")
     named = outcome.value.get("rank")
     return rebuild_exception(outcome.value, rank if named is None else named)
 
 
-# What a rank raises when a peer's death broke its connection (gloo, NCCL, the TCPStore).
-_PEER_LOST = (
-    "connection reset by peer",
-    "connection closed by peer",
-    "connectfullmesh failed",
-    "broken pipe",
-    "remote process exited",
-    "communicator was aborted",
-    "socket timeout",
-)
-_PEER_LOST_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
-
-
-def consequential(outcome: Outcome) -> bool:
-    """True for an error that a peer's failure explains: a broken collective or connection."""
-    if outcome.kind != OutcomeKind.ERROR:
-        return False
-    info = outcome.value
-    if info.get("name") in _PEER_LOST_TYPES:
-        return True
-    message = str(info.get("message", "")).lower()
-    return any(text in message for text in _PEER_LOST)
+def _secondary(outcome: Outcome) -> bool:
+    """A failure that follows from another one: a rank the driver stopped, or a collective that
+    lost its peer. The root cause (a raise, a crash) is named before any of these."""
+    if outcome.kind == OutcomeKind.CRASH:
+        return outcome.secondary
+    return outcome.secondary or is_peer_loss(outcome.value)
 
 
 def _interrupted(outcome: Outcome) -> bool:
@@ -132,13 +126,10 @@ class CallReport:
         return {r: o for r, o in sorted(self.outcomes.items()) if o.kind != OutcomeKind.RESULT}
 
     def first_failure(self) -> tuple[int, Outcome] | None:
-        """The root cause: the earliest failure (by when it happened, not the lowest rank) among
-        those that are not a peer's consequence. A rank whose collective broke because another
-        rank died raises a communication error ("Connection reset by peer") that can carry an
-        earlier timestamp than the death the driver observed; it names the root cause only
-        when nothing else failed."""
+        """The earliest failure (by when it happened), not the lowest rank: a peer's error is
+        often the consequence of the first one (a collective broken by the failed rank)."""
         failures = [
-            (consequential(o), o.at, r, o)
+            (_secondary(o), o.at, r, o)
             for r, o in self.outcomes.items()
             if o.kind != OutcomeKind.RESULT
         ]
@@ -220,6 +211,9 @@ def _settle(
 
     grace = {CallState.INTERRUPTED: policy.interrupt_grace, CallState.FAILED: policy.failure_grace}
     group.pump_until(lambda: not pending(), grace.get(state, 0.0))
+    # A rank that died is a cause, maybe the root one: read its streams to the end (its own
+    # last words) and record its crash before stopping the others turns them into casualties.
+    group.pump_until(lambda: not group.dead_unreported(call_id), policy.dead_drain)
     if not pending():
         return []
     stuck = pending()

@@ -20,8 +20,20 @@ __all__ = [
     "RemoteTraceback",
     "describe_exception",
     "hide_frames_of",
+    "is_peer_loss",
     "rebuild_exception",
 ]
+
+# What a rank's error says when it is only the echo of a peer that died or failed first: its
+# collective lost the connection. Such an error never names the root cause of a launch.
+_PEER_LOSS_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_PEER_LOSS_TEXT = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "connectFullMesh failed",
+    "NCCL communicator was aborted",
+)
 
 _INTERNAL: list[str] = [os.path.dirname(os.path.abspath(__file__))]
 
@@ -66,6 +78,15 @@ class RemoteTraceback(Exception):
         return "\n" + self.text
 
 
+def is_peer_loss(info: dict[str, Any]) -> bool:
+    """True when a rank's error (``describe_exception``'s dict) is a lost connection to a peer:
+    the consequence of another rank's failure, not a cause."""
+    if info.get("name") in _PEER_LOSS_TYPES:
+        return True
+    message = str(info.get("message", ""))
+    return any(text in message for text in _PEER_LOSS_TEXT)
+
+
 def _user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
     import traceback
 
@@ -95,7 +116,15 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
         "time": time.time(),
         # the rank to name, when the worker knows better than the driver (an XLA device thread)
         "rank": getattr(exc, "_nbaccel_rank", None),
+        "exit_code": _exit_code(exc) if isinstance(exc, SystemExit) else None,
     }
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The process exit code ``sys.exit(code)`` asks for (Python's own rules)."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
 
 
 def format_frames(info: dict[str, Any], rank: int | None) -> str:
@@ -113,6 +142,29 @@ def format_frames(info: dict[str, Any], rank: int | None) -> str:
     return "\n".join(lines)
 
 
+def _same_type(info: dict[str, Any], rank: int) -> BaseException | None:
+    """An instance of the rank's exception class when it is importable here, built without its
+    constructor (which may need keyword arguments the message cannot give back): same type, so
+    ``except``/``isinstance`` work, with the rank's message."""
+    import importlib
+
+    module, _, qualname = str(info.get("type", "")).rpartition(".")
+    if not module or "<" in qualname:
+        return None
+    try:
+        target: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        if not (isinstance(target, type) and issubclass(target, BaseException)):
+            return None
+        exc = target.__new__(target)
+        BaseException.__init__(exc, f"[rank {rank}] {info['message']}")
+        str(exc)  # a __str__ that needs its missing attributes must not break the report
+    except Exception:
+        return None
+    return exc
+
+
 def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
     """The exception to raise in the notebook: original type when possible, naming the rank."""
     exc: BaseException | None = None
@@ -121,6 +173,12 @@ def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
             exc = pickle.loads(info["pickled"])
         except Exception:
             exc = None
+    if exc is None:
+        exc = _same_type(info, rank)
+        if exc is not None:
+            exc.rank = rank  # type: ignore[attr-defined]
+            exc.__cause__ = RemoteTraceback(format_frames(info, rank))
+            return exc
     if exc is None:
         exc = RankError(rank, info["name"], info["message"])
     elif exc.args and isinstance(exc.args[0], str):

@@ -49,6 +49,11 @@ class Outcome:
     kind: OutcomeKind
     value: Any = None
     at: float = field(default_factory=time.time)
+    #: a consequence, not a cause: the rank was stopped by the driver, or its error is a broken
+    #: connection to a peer that failed first (see ``errors.is_peer_loss``)
+    secondary: bool = False
+    detail: str = ""  # what else is known about a crash (why the rank could not connect...)
+    lost: bool = False  # the process did not end by itself: ``detail`` says what took it
 
 
 @dataclass
@@ -64,7 +69,7 @@ class _Rank:
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     busy_since: float | None = None
     drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
-    died_at: float | None = None  # wall time its event stream closed or its exit was seen
+    stopped: bool = False  # the driver signalled it to stop (its end is not a cause)
 
     @property
     def finished_io(self) -> bool:
@@ -142,7 +147,9 @@ class WorkerGroup:
 
     def start(self, timeout: float = 180.0) -> None:
         """Start every worker and wait until each has connected and loaded its work."""
-        self._listener = Listener(self._secret, self.launcher.channel_host)
+        self._listener = Listener(
+            self._secret, self.launcher.channel_host, backlog=3 * self.num_processes + 16
+        )
         self._selector.register(self._listener, selectors.EVENT_READ, (_LISTENER, None, None))
         self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None, None))
         self.launcher.prepare()
@@ -166,6 +173,7 @@ class WorkerGroup:
                 work=self._work,
                 threads=self._threads,
                 setup=self._setup,
+                error_path=self._listener.private_path(f"rank-{state.rank}.error"),
             )
             state.process = self.launcher.start(spec)
         self.pump_until(lambda: all(r.ready or r.outcomes for r in self._ranks), timeout)
@@ -262,9 +270,6 @@ class WorkerGroup:
         try:
             message = state.events.recv()
         except (EOFError, OSError, pickle.UnpicklingError):
-            # A process's sockets close when it dies: the earliest sign of a crash, before the
-            # exit status is seen and its streams drained.
-            state.died_at = state.died_at or time.time()
             self._selector.unregister(state.events)
             state.events.close()
             state.events_closed = True
@@ -291,17 +296,24 @@ class WorkerGroup:
         for state in self._ranks:
             if state.process is None or state.process.poll() is None:
                 continue
-            state.died_at = state.died_at or time.time()
             # The process is gone: its sockets hit EOF shortly; drain them first.
             if not state.finished_io and not self._drained(state):
                 continue
             code = state.process.poll()
+            crash = Outcome(
+                OutcomeKind.CRASH,
+                code,
+                state.process.ended_at or time.time(),  # when it died, not when drained
+                secondary=state.stopped,
+                detail=self._crash_detail(state),
+                lost=bool(state.process.lost),
+            )
             pending = self._current_call if state.busy_since is not None else None
             if pending is not None and pending not in state.outcomes:
-                state.outcomes[pending] = Outcome(OutcomeKind.CRASH, code, state.died_at)
+                state.outcomes[pending] = crash
                 state.busy_since = None
             if not state.ready and not state.outcomes:
-                state.outcomes[0] = Outcome(OutcomeKind.CRASH, code, state.died_at)
+                state.outcomes[0] = crash
 
     def _drained(self, state: _Rank) -> bool:
         """True once a dead process's streams were read to the end, or stayed silent for
@@ -323,6 +335,27 @@ class WorkerGroup:
             self._still_draining(state)
             return False
         return True
+
+    def _crash_detail(self, state: _Rank) -> str:
+        """What is known beyond the exit code: the fork server's death, or the reason a rank
+        wrote down when it could not connect to this driver."""
+        if state.process is not None and state.process.lost:
+            return state.process.lost
+        if self._listener is None or state.connected:
+            return ""
+        try:
+            with open(self._listener.private_path(f"rank-{state.rank}.error")) as handle:
+                return handle.read(2000).strip()
+        except OSError:
+            return ""
+
+    def dead_unreported(self, call_id: int) -> list[int]:
+        """Ranks whose process has ended without an outcome for ``call_id`` recorded yet."""
+        return [
+            r.rank
+            for r in self._ranks
+            if call_id not in r.outcomes and r.process is not None and r.process.poll() is not None
+        ]
 
     @staticmethod
     def _still_draining(state: _Rank) -> None:
@@ -390,9 +423,20 @@ class WorkerGroup:
     def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:
         targets = self.ranks if ranks is None else ranks
         for rank in targets:
-            proc = self._by_rank[rank].process
-            if proc is not None:
-                proc.signal_tree(sig)
+            state = self._by_rank[rank]
+            if state.process is not None:
+                if state.process.poll() is None:
+                    state.stopped = True
+                state.process.signal_tree(sig)
+
+    def release(self) -> None:
+        """Tell one-shot ranks that every rank has reported: they may exit now."""
+        for state in self._ranks:
+            if state.events is not None and not state.events_closed:
+                try:
+                    state.events.send((Message.RELEASE,))
+                except OSError:
+                    pass
 
     def wait_exit(self, timeout: float) -> bool:
         return self.pump_until(
@@ -418,17 +462,19 @@ class WorkerGroup:
             return
         self.closed = True
         try:
-            # STOP ends a pool's serve loop, and releases one-shot ranks that returned (they wait
-            # for it so that none tears down its process group while a peer still needs it).
-            # Ranks still running (after a failure or a timeout) were stopped by the driver.
-            for state in self._ranks:
-                if state.events is not None and not state.events_closed:
-                    try:
-                        state.events.send((Message.STOP,))
-                    except OSError:
-                        pass
-            if not self.wait_exit(grace):
-                self.stop(grace)
+            if self.mode == Mode.SERVE:
+                for state in self._ranks:
+                    if state.events is not None and not state.events_closed:
+                        try:
+                            state.events.send((Message.STOP,))
+                        except OSError:
+                            pass
+                if not self.wait_exit(grace):
+                    self.stop(grace)
+            else:
+                self.release()  # ranks that reported wait for this before they exit
+                if not self.wait_exit(grace):
+                    self.stop(grace)
             self.pump_until(lambda: all(r.finished_io for r in self._ranks), 0.5)
         finally:
             self._teardown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from typing import Protocol
 
 import psutil
@@ -23,7 +24,11 @@ class ExitReporter(Protocol):
 
     def exitcode(self, pid: int) -> int | None: ...
 
+    def ended_at(self, pid: int) -> float | None: ...
+
     def alive(self) -> bool: ...
+
+    def describe_loss(self) -> str: ...
 
     def forget(self, pid: int) -> None: ...
 
@@ -43,6 +48,10 @@ class WorkerProcess:
         self._popen = popen
         self._server = server
         self._returncode: int | None = None
+        #: when the process ended (as close to its death as known), for failure ordering
+        self.ended_at: float | None = None
+        #: why the process is gone when it did not end by itself (its fork server died)
+        self.lost: str = ""
         try:
             self._ps = psutil.Process(pid)
         except psutil.NoSuchProcess:
@@ -56,8 +65,11 @@ class WorkerProcess:
             self._returncode = self._popen.poll()
         elif self._server is not None:
             self._returncode = self._server.exitcode(self.pid)
-            if self._returncode is None and not self._server.alive():
+            if self._returncode is not None:
+                self.ended_at = self._server.ended_at(self.pid)
+            elif not self._server.alive():
                 self._returncode = -int(signal.SIGKILL)
+                self.lost = self._server.describe_loss()
         else:  # forked by the driver itself
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -65,8 +77,11 @@ class WorkerProcess:
                 pid, status = self.pid, 0
             if pid:
                 self._returncode = os.waitstatus_to_exitcode(status)
-        if self._returncode is not None and self._server is not None:
-            self._server.forget(self.pid)
+        if self._returncode is not None:
+            if self.ended_at is None:
+                self.ended_at = time.time()
+            if self._server is not None:
+                self._server.forget(self.pid)
         return self._returncode
 
     def signal_tree(self, sig: int) -> None:

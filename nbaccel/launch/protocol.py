@@ -21,7 +21,11 @@ class Message(str, Enum):
     ERROR = "error"  # worker -> driver: (ERROR, call_id, describe_exception(...))
     EVENT = "event"  # worker -> driver: (EVENT, EventKind, payload)
     CALL = "call"  # driver -> worker: (CALL, call_id, packed work)
-    STOP = "stop"  # driver -> worker: leave the serve loop (or, one-shot, the release) and exit
+    STOP = "stop"  # driver -> worker: leave the serve loop and exit
+    # driver -> worker (one-shot launches): every rank has reported, exit now. A rank that has
+    # returned keeps its process (and its process group) until then, so a peer still joining the
+    # group (gloo's full-mesh connect) never sees it vanish.
+    RELEASE = "release"
 
 
 class Stream(str, Enum):

@@ -65,6 +65,8 @@ class WorkerSpec:
         work: for ``Mode.CALL``, the function and arguments.
         threads: torch intra-op threads for this rank.
         setup: importable callables run in the rank before the work (worker hooks).
+        error_path: where the rank writes why it could not connect back (the driver reads it
+            to say why the rank ended).
     """
 
     rank: int
@@ -79,3 +81,4 @@ class WorkerSpec:
     work: Work | None = None
     threads: int = 1
     setup: tuple[Callable[[], None], ...] = ()
+    error_path: str | None = None

@@ -2,8 +2,7 @@
 
 A worker connects three authenticated streams to the driver: its fd 1 and fd 2 (so C extensions'
 writes reach the notebook too, line by line) and an event stream. It then either runs one call
-(``Mode.CALL``: a one-shot launch, after which it waits for the driver's release so that no
-rank tears down while a peer still needs it) or serves calls until told to stop (``Mode.SERVE``: a
+(``Mode.CALL``: a one-shot launch) or serves calls until told to stop (``Mode.SERVE``: a
 persistent pool). What it is told arrives as a :class:`~nbaccel.launch.spec.WorkerSpec`. When
 the driver disappears (the kernel died or restarted), the event stream closes and the worker
 exits at once: no orphans.
@@ -151,6 +150,19 @@ def _serve(commands: queue.Queue) -> int:
                 _send((Message.ERROR, call_id, describe_exception(KeyboardInterrupt())))
 
 
+def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
+    """This rank cannot reach the driver: leave the reason where the driver looks for it."""
+    where = spec.address.location
+    text = f"it could not connect to the notebook's channel at {where}: {type(exc).__name__}: {exc}"
+    if spec.error_path:
+        try:
+            with open(spec.error_path, "w") as handle:
+                handle.write(text)
+        except OSError:
+            pass
+    print(f"[nbaccel] rank {spec.rank}: {text}", file=sys.stderr, flush=True)
+
+
 def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
     global _events, _rank
@@ -158,11 +170,16 @@ def run_worker(spec: WorkerSpec) -> int:
     _prepare_process(spec)
     header = {"rank": spec.rank, "launch": spec.launch_id}
     address, secret = spec.address, spec.secret
-    out = connect(address, secret, {**header, "stream": Stream.STDOUT.value})
-    err = connect(address, secret, {**header, "stream": Stream.STDERR.value})
+    try:
+        out = connect(address, secret, {**header, "stream": Stream.STDOUT.value})
+        err = connect(address, secret, {**header, "stream": Stream.STDERR.value})
+        events = connect(address, secret, {**header, "stream": Stream.EVENTS.value})
+    except (OSError, EOFError, ConnectionError) as exc:
+        _report_no_connection(spec, exc)
+        return 1
     sys.stdout = _redirect(1, out)
     sys.stderr = _redirect(2, err)
-    _events = connect(address, secret, {**header, "stream": Stream.EVENTS.value})
+    _events = events
     _send((Message.HELLO, os.getpid()))
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_watch_driver, args=(commands,), daemon=True).start()
@@ -179,23 +196,24 @@ def run_worker(spec: WorkerSpec) -> int:
             return 1
         _send((Message.READY,))
         code = 0 if _run_call(0, function, args, kwargs) else 1
-        if code == 0:
-            _await_release(commands)
+        _flush_all()
+        _wait_for_release(commands)
     _flush_all()
     return code
 
 
-def _await_release(commands: queue.Queue) -> None:
-    """Stay up until the driver says every rank of the call has reported.
+def _wait_for_release(commands: queue.Queue) -> None:
+    """Stay alive (process group included) until the driver says every rank has reported.
 
-    A rank that returned early must not tear down its process group (by exiting) while a peer
-    is still connecting to it or still in a collective with it: the peer would fail with
-    "Connection closed by peer" for no fault of its own. The driver sends ``STOP`` once every
-    rank has an outcome; if the driver disappears, ``_watch_driver`` ends the process.
+    Exiting as soon as this rank's function returned would tear down its end of the process
+    group while a slower peer may still be connecting to it (gloo's "connectFullMesh failed ...
+    Connection closed by peer"). The wait cannot outlive the driver: the watcher thread exits
+    the process when the driver's connection closes, and the driver stops ranks that fail.
     """
     while True:
         try:
-            if commands.get()[0] == Message.STOP:
-                return
-        except KeyboardInterrupt:  # the call is over; an interrupt now changes nothing
-            continue
+            message = commands.get()
+        except KeyboardInterrupt:  # the stop button after this rank had reported
+            return
+        if message[0] in (Message.RELEASE, Message.STOP):
+            return

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.processes import WorkerProcess, describe_exit
 from nbaccel.launch.spec import WorkerSpec
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "ForkServer",
     "ForkServerLauncher",
     "get_forkserver",
+    "shutdown_forkserver",
     "warm_up",
     "warm_up_if_in_kernel",
 ]
@@ -77,6 +78,7 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     for fd in server_fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
@@ -113,6 +115,8 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     children: set[int] = set()
     _write_frame(stdout, ("ready",))
 
@@ -124,7 +128,8 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 done, status = pid, 0
             if done:
                 children.discard(pid)
-                _write_frame(stdout, ("exited", pid, os.waitstatus_to_exitcode(status)))
+                code = os.waitstatus_to_exitcode(status)
+                _write_frame(stdout, ("exited", pid, code, time.time()))
 
     try:
         while True:
@@ -175,7 +180,7 @@ class ForkServer:
         self._cond = threading.Condition()
         self._ready = False
         self._started: dict[int, int] = {}
-        self._exits: dict[int, int] = {}
+        self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="nbaccel-fs")
@@ -201,13 +206,17 @@ class ForkServer:
                 elif message[0] == "started":
                     self._started[message[1]] = message[2]
                 elif message[0] == "exited":
-                    self._exits[message[1]] = message[2]
+                    self._exits[message[1]] = (message[2], message[3])
                 self._cond.notify_all()
-            for wake in list(self._listeners):
-                wake()
+            self._wake_all()
         with self._cond:
             self._ready = False
             self._cond.notify_all()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        # a function of its own: a loop variable in _read_loop's frame would keep the last
+        # launch's worker group (and its results) alive until the next message
         for wake in list(self._listeners):
             wake()
 
@@ -254,22 +263,49 @@ class ForkServer:
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
-            return self._exits.get(pid)
+            entry = self._exits.get(pid)
+        return None if entry is None else entry[0]
+
+    def ended_at(self, pid: int) -> float | None:
+        """When the server reaped ``pid`` (its clock, right after the death)."""
+        with self._cond:
+            entry = self._exits.get(pid)
+        return None if entry is None else entry[1]
+
+    def describe_loss(self) -> str:
+        """Why this server's workers are gone when the server itself died."""
+        code = self._proc.poll()
+        how = "still running" if code is None else describe_exit(code).split(". ")[0]
+        return (
+            f"nbaccel's fork server (pid {self.pid}), which started the ranks, {how}; the next "
+            "launch starts a new one"
+        )
 
     def forget(self, pid: int) -> None:
         with self._cond:
             self._exits.pop(pid, None)
 
-    def close(self) -> None:
+    def close(self, grace: float = 1.0) -> None:
+        """Stop the server (it kills its workers) and reap it; frees its pipes and thread.
+
+        A server still importing torch cannot read its stdin yet: it is killed at once rather
+        than waited for (the kernel's shutdown must not wait on an import).
+        """
         try:
             self._proc.stdin.close()
         except OSError:
             pass
+        with self._cond:
+            ready = self._ready
         try:
-            self._proc.wait(5)
+            self._proc.wait(grace if ready else 0.05)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        self._reader.join(1.0)
+        if not self._reader.is_alive():
+            self._proc.stdout.close()
+        self._listeners.clear()
 
 
 _server: ForkServer | None = None
@@ -281,6 +317,8 @@ def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
+            if _server is not None:
+                _server.close()  # reap the dead one, close its pipes
             _server = ForkServer(preload)
         else:
             _server.preload(preload)
@@ -336,9 +374,13 @@ class ForkServerLauncher(ProcessLauncher):
             self._server.remove_wakeup(callback)
 
 
-def _shutdown() -> None:
-    if _server is not None:
-        _server.close()
+def shutdown_forkserver() -> None:
+    """Stop and reap the process-wide fork server (at exit, or when asked)."""
+    global _server
+    with _server_lock:
+        server, _server = _server, None
+    if server is not None:
+        server.close()
 
 
-atexit.register(_shutdown)
+atexit.register(shutdown_forkserver)
