@@ -14,7 +14,7 @@ from typing import Any
 
 from nbaccel.launch.driver import CallReport, CallState, Settle
 from nbaccel.launch.errors import format_frames
-from nbaccel.launch.plan import Front, LaunchPlan, free_port
+from nbaccel.launch.plan import Front, LaunchPlan, check_call, free_port
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
 from nbaccel.launch.render import TextRenderer
@@ -56,6 +56,7 @@ def run_on_ranks(
     travel by value, as in a notebook). ``env`` adds variables to every rank's environment.
     Raises :class:`RankFailures` naming every failing rank.
     """
+    args = check_call(args, timeout=timeout)
     plan = LaunchPlan.create(
         Front.TESTING,
         num_processes,
@@ -65,7 +66,7 @@ def run_on_ranks(
     report = run_function(
         plan,
         fn,
-        tuple(args),
+        args,
         renderer=TextRenderer(quiet=True),
         preload=PRELOAD,
         timeout=timeout,

@@ -26,7 +26,9 @@ __all__ = [
     "XLA_DEFAULT_NUM_PROCESSES",
     "Front",
     "LaunchPlan",
+    "check_call",
     "check_port",
+    "parse_port",
     "default_num_processes",
     "free_port",
     "resolve_kind",
@@ -79,6 +81,57 @@ def check_port(port: int, host: str) -> None:
                 "launch that is still running); pass use_port=None to let nbaccel pick a free "
                 "port, or choose another one."
             ) from None
+
+
+def parse_port(use_port: int | str) -> int:
+    """``use_port`` as a TCP port number (Accelerate passes it as a string, ``"29500"``)."""
+    text = str(use_port).strip()
+    if isinstance(use_port, bool) or not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(
+            f"use_port must be a TCP port number between 1 and 65535 (an int or a string of "
+            f"digits such as '29500'), got {use_port!r}; pass use_port=None to let nbaccel pick "
+            "a free port."
+        )
+    return int(text)
+
+
+def check_call(
+    args: Any, kwargs: Any = None, timeout: Any = None, max_restarts: Any = 0
+) -> tuple[Any, ...]:
+    """Validate what a launch runs and how long, before anything starts; ``args`` as a tuple.
+
+    ``args`` must be a tuple or list of positional arguments: a lone tensor or int would be
+    unpacked (or fail) on the ranks, far from the mistake.
+    """
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            f"args must be a tuple (or list) of the function's positional arguments, got "
+            f"{type(args).__name__}; to pass a single value write args=(value,)."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}.")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ValueError(
+            f"timeout must be a positive number of seconds (or None for no limit), got {timeout!r}."
+        )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            f"max_restarts must be a non-negative integer (0: no restart), got {max_restarts!r}."
+        )
+    return tuple(args)
+
+
+def _refuse_nested_launch() -> None:
+    from nbaccel.launch.worker import current_rank, on_worker
+
+    if on_worker():
+        raise RuntimeError(
+            f"a launch was started on rank {current_rank()}, inside a running launch: ranks "
+            "cannot start a second world of their own. Call the function directly on each rank "
+            "(it already runs on every rank), or launch from the notebook itself."
+        )
 
 
 def resolve_kind(start_method: str, xla: bool = False) -> str:
@@ -145,6 +198,7 @@ class LaunchPlan:
 
         ``cpu=None`` means CPU ranks when there is no GPU (the pool's default).
         """
+        _refuse_nested_launch()
         gpus = torch.cuda.device_count()
         cpu = gpus == 0 if cpu is None else bool(cpu)
         defaulted = num_processes is None
@@ -159,6 +213,9 @@ class LaunchPlan:
                 f"Unknown mixed_precision {mixed_precision!r}; choose one of "
                 f"{', '.join(MIXED_PRECISION_CHOICES)}."
             )
+        for name, value in (("num_nodes", num_nodes), ("node_rank", node_rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
         if num_nodes < 1 or not 0 <= node_rank < num_nodes:
             raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank}.")
         if rdzv_backend not in ("static", "c10d"):
@@ -185,9 +242,8 @@ class LaunchPlan:
         if num_nodes > 1 and use_port is None and not rdzv_endpoint:
             raise ValueError("a multi-node launch needs use_port (the same on every node).")
         if rdzv_endpoint and use_port is None:
-            master_addr, _, port_text = rdzv_endpoint.rpartition(":")
-            use_port = int(port_text)
-        port = None if use_port is None else int(use_port)
+            master_addr, _, use_port = rdzv_endpoint.rpartition(":")
+        port = None if use_port is None else parse_port(use_port)
         if port is not None and node_rank == 0:
             check_port(port, master_addr)
         return cls(

@@ -68,6 +68,9 @@ class WorkerProcess:
             if self._returncode is not None:
                 self.ended_at = self._server.ended_at(self.pid)
             elif not self._server.alive():
+                # Nobody can report this worker's end any more: end it now (it may still run,
+                # orphaned, and keep talking to the driver) and say what took it.
+                self._kill_tree(signal.SIGKILL)
                 self._returncode = -int(signal.SIGKILL)
                 self.lost = self._server.describe_loss()
         else:  # forked by the driver itself
@@ -86,8 +89,10 @@ class WorkerProcess:
 
     def signal_tree(self, sig: int) -> None:
         """Send ``sig`` to this worker and all its descendants."""
-        if self.poll() is not None:
-            return
+        if self.poll() is None:
+            self._kill_tree(sig)
+
+    def _kill_tree(self, sig: int) -> None:
         targets = []
         if self._ps is not None:
             try:
@@ -100,8 +105,11 @@ class WorkerProcess:
             except psutil.Error:
                 pass
         try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
+            if self._ps is not None:
+                self._ps.send_signal(sig)  # psutil refuses a pid reused by another process
+            else:
+                os.kill(self.pid, sig)
+        except (ProcessLookupError, psutil.Error):
             pass
 
 

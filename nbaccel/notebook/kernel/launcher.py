@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
-from nbaccel.launch.plan import Front, LaunchPlan, default_num_processes
+from nbaccel.launch.plan import Front, LaunchPlan, check_call, default_num_processes
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.run import launch_xla, run_function
 from nbaccel.notebook.kernel.renderers import choose_renderer
@@ -75,6 +75,7 @@ def notebook_launcher(
             f"notebook_launcher needs a callable to run on each rank, got "
             f"{type(function).__name__}; pass the function itself (no parentheses)."
         )
+    args = check_call(args, timeout=timeout, max_restarts=max_restarts)
     hooks = worker_setup(memory=memory)
     renderer = renderer or choose_renderer()
     if _tpu_requested():
@@ -111,7 +112,7 @@ def notebook_launcher(
     report = run_function(
         plan,
         function,
-        tuple(args),
+        args,
         renderer=renderer,
         setup=hooks,
         preload=WORKER_PRELOAD,
