@@ -209,6 +209,13 @@ class ForkServer:
                     self._exits[message[1]] = (message[2], message[3])
                 self._cond.notify_all()
             self._wake_all()
+        # The server ended (or closed its stdout to die): reap it now. A zombie child keeps
+        # ipykernel's shutdown signalling and sleeping for seconds, until Jupyter kills the kernel
+        # before its atexit cleanup runs.
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
         with self._cond:
             self._ready = False
             self._cond.notify_all()
