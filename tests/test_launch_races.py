@@ -87,3 +87,37 @@ def test_first_failure_prefers_the_root_cause_over_consequential_errors():
     value = _error("bad shape", at=100.5, name="ValueError")
     assert CallReport(0, [0, 1], CallState.FAILED, {0: reset, 1: value}).first_failure()[0] == 1
     assert CallReport(0, [0], CallState.FAILED, {0: reset}).first_failure()[0] == 0
+
+
+def _slow_output():
+    for i in range(5):
+        print(f"tick {i}", flush=True)
+        time.sleep(0.2)
+    return "done"
+
+
+def test_a_silent_connection_to_the_channel_stalls_nothing(monkeypatch):
+    """Any local process may connect and say nothing: the launch goes on meanwhile (the
+    handshake timeout is 10 s; the launch's own timeout of 6 s would expire while blocked)."""
+    import socket
+
+    from nbaccel.launch.group import WorkerGroup
+
+    silent: list[socket.socket] = []
+    start = WorkerGroup.start
+
+    def start_then_connect(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        family = socket.AF_UNIX if self._listener.address.family == "unix" else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.connect(self._listener.address.location)  # and then never a byte
+        silent.append(sock)
+
+    monkeypatch.setattr(WorkerGroup, "start", start_then_connect)
+    try:
+        values = notebook_launcher(_slow_output, num_processes=2, renderer=Renderer(), timeout=6)
+    finally:
+        for sock in silent:
+            sock.close()
+    assert values == ["done", "done"]
+    assert silent

@@ -16,16 +16,25 @@ import hmac
 import json
 import os
 import pickle
+import select
 import shutil
 import socket
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 
-__all__ = ["AuthenticationFailed", "Connection", "Listener", "connect", "new_secret"]
+__all__ = [
+    "AuthenticationFailed",
+    "Connection",
+    "Handshake",
+    "Listener",
+    "connect",
+    "new_secret",
+]
 
 _NONCE = 32
 _DIGEST = 32
@@ -88,6 +97,92 @@ class Address:
     location: str | tuple[str, int]
 
 
+class Handshake:
+    """One accepted connection being authenticated without blocking the driver.
+
+    A silent or slow peer (any local process may connect) must not stall the ranks' output:
+    the driver calls :meth:`advance` whenever the socket is readable, and drops handshakes past
+    their ``deadline``. Nothing is unpickled before the peer proved the secret.
+    """
+
+    def __init__(self, sock: socket.socket, secret: bytes) -> None:
+        self.sock = sock
+        self._secret = secret
+        self._nonce = os.urandom(_NONCE)
+        self._buffer = bytearray()
+        self._proved = False
+        self.deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
+        sock.settimeout(1.0)  # 32 bytes into a fresh socket's empty buffer
+        try:
+            sock.sendall(self._nonce)
+        except OSError:
+            pass  # the peer is gone already: advance() reports it
+        sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def advance(self) -> Connection | None:
+        """Read what arrived; the authenticated connection once the handshake is complete.
+
+        Raises AuthenticationFailed (and closes the socket) on a wrong proof or a closed peer.
+        """
+        try:
+            return self._advance()
+        except AuthenticationFailed:
+            self.close()
+            raise
+        except (OSError, ValueError, struct.error) as exc:
+            self.close()
+            raise AuthenticationFailed(f"handshake failed: {type(exc).__name__}") from None
+
+    def _needed(self) -> int:
+        """Bytes still to read for the current step (never more: what follows the header is
+        the stream itself and belongs to the connection)."""
+        if not self._proved:
+            return 2 * _NONCE - len(self._buffer)
+        if len(self._buffer) < 4:
+            return 4 - len(self._buffer)
+        (size,) = struct.unpack("!I", self._buffer[:4])
+        if not 0 < size <= 1 << 16:
+            raise AuthenticationFailed(f"handshake failed: a header of {size} bytes")
+        return 4 + size - len(self._buffer)
+
+    def _advance(self) -> Connection | None:
+        while True:
+            try:
+                data = self.sock.recv(self._needed())
+            except BlockingIOError:
+                return None
+            if not data:
+                raise AuthenticationFailed("handshake failed: the peer closed the connection")
+            self._buffer.extend(data)
+            if self._needed():
+                continue
+            if not self._proved:
+                peer_nonce = bytes(self._buffer[:_NONCE])
+                proof = bytes(self._buffer[_NONCE:])
+                if not hmac.compare_digest(proof, _mac(self._secret, b"worker", self._nonce)):
+                    raise AuthenticationFailed("a connection failed the nbaccel handshake")
+                self._buffer.clear()
+                self._proved = True
+                self.sock.settimeout(1.0)
+                self.sock.sendall(_mac(self._secret, b"driver", peer_nonce))
+                self.sock.setblocking(False)
+                continue
+            if len(self._buffer) == 4:
+                continue  # the size is known; now the header itself
+            header = json.loads(bytes(self._buffer[4:]))
+            self.sock.setblocking(True)
+            return Connection(self.sock, header)
+
+
 class Listener:
     """Accepts worker connections that prove knowledge of ``secret``.
 
@@ -121,28 +216,23 @@ class Listener:
             self._dir = tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")
         return os.path.join(self._dir, name)
 
-    def accept(self) -> Connection:
-        """Accept one connection and authenticate it; raises AuthenticationFailed otherwise."""
+    def start_handshake(self) -> Handshake:
+        """Accept one connection; its authentication then advances as its bytes arrive."""
         sock, _ = self.sock.accept()
-        sock.settimeout(_HANDSHAKE_TIMEOUT)
-        try:
-            nonce = os.urandom(_NONCE)
-            sock.sendall(nonce)
-            peer_nonce = _recv_exact(sock, _NONCE)
-            proof = _recv_exact(sock, _DIGEST)
-            if not hmac.compare_digest(proof, _mac(self.secret, b"worker", nonce)):
-                raise AuthenticationFailed("a connection failed the nbaccel handshake")
-            sock.sendall(_mac(self.secret, b"driver", peer_nonce))
-            (size,) = struct.unpack("!I", _recv_exact(sock, 4))
-            header = json.loads(_recv_exact(sock, min(size, 1 << 16)))
-        except (OSError, EOFError, ValueError, struct.error) as exc:
-            sock.close()
-            raise AuthenticationFailed(f"handshake failed: {type(exc).__name__}") from None
-        except AuthenticationFailed:
-            sock.close()
-            raise
-        sock.settimeout(None)
-        return Connection(sock, header)
+        return Handshake(sock, self.secret)
+
+    def accept(self) -> Connection:
+        """Accept one connection and authenticate it (blocking, up to the handshake timeout);
+        raises AuthenticationFailed otherwise."""
+        handshake = self.start_handshake()
+        while True:
+            wait = handshake.deadline - time.monotonic()
+            if wait <= 0 or not select.select([handshake], [], [], wait)[0]:
+                handshake.close()
+                raise AuthenticationFailed("handshake failed: timed out")
+            conn = handshake.advance()
+            if conn is not None:
+                return conn
 
     def close(self) -> None:
         try:

@@ -246,6 +246,7 @@ def run_call(
     got = group.outcomes(call_id, targets)
     late = [r for r in targets if r not in got]
     stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
+    group.end_call()
     outcomes = group.outcomes(call_id, targets)
     return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy)
 

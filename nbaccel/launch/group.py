@@ -25,9 +25,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.launch.channel import AuthenticationFailed, Connection, Listener, new_secret
+from nbaccel.launch.channel import (
+    AuthenticationFailed,
+    Connection,
+    Handshake,
+    Listener,
+    new_secret,
+)
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.output_budget import OutputBudget
 from nbaccel.launch.processes import WorkerProcess
 from nbaccel.launch.protocol import Message, OutcomeKind, Stream
 from nbaccel.launch.render import Renderer
@@ -39,7 +46,7 @@ __all__ = ["Outcome", "WorkerGroup"]
 _MAX_PARTIAL = 1 << 16
 _DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
 # what a ready selector key is (the key's data is (source, rank, stream))
-_LISTENER, _WAKE, _EVENTS, _OUTPUT = range(4)
+_LISTENER, _WAKE, _EVENTS, _OUTPUT, _HANDSHAKE = range(5)
 
 
 @dataclass
@@ -63,6 +70,7 @@ class _Rank:
     events: Connection | None = None
     streams_open: set[str] = field(default_factory=set)
     partial: dict[str, bytearray] = field(default_factory=dict)
+    continuing: set[str] = field(default_factory=set)  # streams in the middle of a long line
     connected: set[str] = field(default_factory=set)
     ready: bool = False
     events_closed: bool = False
@@ -91,6 +99,7 @@ class WorkerGroup:
         setup: worker hooks, importable callables run in each rank before its work.
         local_rendezvous: all ranks are on this machine: initialise their process group through
             a private file store rather than a TCP listener.
+        output: the limits of what each call shows (the rest goes to a log file, with a notice).
     """
 
     def __init__(
@@ -105,9 +114,12 @@ class WorkerGroup:
         threads: int | None = None,
         setup: Iterable[Callable[[], None]] = (),
         local_rendezvous: bool = False,
+        output: OutputBudget | None = None,
     ) -> None:
         self.num_processes = num_processes
         self.renderer = renderer
+        self.output = output or OutputBudget()
+        self.output.notice = lambda text: self.renderer.notice(text)
         self.mode = mode
         self.launcher = launcher
         self._env_for_rank = env_for_rank
@@ -185,7 +197,9 @@ class WorkerGroup:
         for key, _ in self._selector.select(timeout):
             kind, rank, stream = key.data
             if kind == _LISTENER:
-                self._accept()
+                self._start_handshake()
+            elif kind == _HANDSHAKE:
+                self._accept(key.fileobj)
             elif kind == _WAKE:
                 try:
                     os.read(self._wake_r, 4096)
@@ -195,6 +209,7 @@ class WorkerGroup:
                 self._read_event(self._by_rank[rank])
             else:
                 self._read_output(self._by_rank[rank], stream, key.fileobj)
+        self._expire_handshakes()
         self._check_processes()
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
@@ -207,12 +222,31 @@ class WorkerGroup:
             self.pump(wait)
         return True
 
-    def _accept(self) -> None:
+    def _start_handshake(self) -> None:
         try:
-            conn = self._listener.accept()
+            handshake = self._listener.start_handshake()
+        except OSError:
+            return
+        self._selector.register(handshake, selectors.EVENT_READ, (_HANDSHAKE, None, None))
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        for key in list(self._selector.get_map().values()):
+            if key.data[0] == _HANDSHAKE and key.fileobj.deadline < now:
+                self._selector.unregister(key.fileobj)
+                key.fileobj.close()
+                self.renderer.notice("dropped a connection that did not authenticate in time")
+
+    def _accept(self, handshake: Handshake) -> None:
+        try:
+            conn = handshake.advance()
         except AuthenticationFailed:
+            self._selector.unregister(handshake)
             self.renderer.notice("refused a connection that failed authentication")
             return
+        if conn is None:
+            return
+        self._selector.unregister(handshake)
         header = conn.header
         state = self._by_rank.get(header.get("rank"))
         if state is None or header.get("launch") != self._launch_id:
@@ -237,34 +271,49 @@ class WorkerGroup:
         except OSError:
             data = b""
         self._still_draining(state)
-        buffer = state.partial[stream]
         if not data:
             self._selector.unregister(conn)
             conn.close()
             state.streams_open.discard(stream)
-            if buffer:
-                self._emit_line(state.rank, stream, bytes(buffer))
-                buffer.clear()
+            self._flush_partial(state, stream)
             return
+        buffer = state.partial[stream]
         buffer.extend(data)
         *lines, rest = buffer.split(b"\n")
         for line in lines:
-            self._emit_line(state.rank, stream, line)
+            self._emit_line(state, stream, line)
         if b"\r" in rest:
             rest = rest[rest.rfind(b"\r") :]
-        if len(rest) > _MAX_PARTIAL:
-            self._emit_line(state.rank, stream, rest)
+        if len(rest) > _MAX_PARTIAL:  # a very long line: pass it on in pieces
+            self._emit_line(state, stream, rest, complete=False)
             rest = b""
         state.partial[stream] = bytearray(rest)
 
-    def _emit_line(self, rank: int, stream: str, raw: bytes) -> None:
+    def _flush_partial(self, state: _Rank, stream: str) -> None:
+        """Pass on the unfinished last line of ``stream`` (its rank ended, or its call did)."""
+        buffer = state.partial.get(stream)
+        if buffer or stream in state.continuing:
+            self._emit_line(state, stream, bytes(buffer or b""))
+        if buffer:
+            buffer.clear()
+
+    def _emit_line(self, state: _Rank, stream: str, raw: bytes, complete: bool = True) -> None:
         text = raw.decode("utf-8", errors="replace")
         if "\r" in text:  # carriage-return progress: keep the last state only
             parts = [part for part in text.split("\r") if part.strip()]
             text = parts[-1] if parts else ""
-            if not text:
+            if not text and complete and stream not in state.continuing:
                 return
-        self.renderer.line(rank, stream, text)
+        continues = stream in state.continuing
+        if complete:
+            state.continuing.discard(stream)
+        else:
+            state.continuing.add(stream)
+        shown = self.output.take(state.rank, stream, text, continues, complete)
+        if shown is not None:
+            self.renderer.line(state.rank, stream, shown)
+        else:
+            self.renderer.overflow(state.rank, stream, text)
 
     def _read_event(self, state: _Rank) -> None:
         try:
@@ -366,6 +415,7 @@ class WorkerGroup:
     def expect_call(self, call_id: int = 0) -> None:
         """Mark every rank busy with ``call_id`` (``Mode.CALL``'s single call is id 0)."""
         self._current_call = call_id
+        self.output.begin(self._output_label)
         now = time.monotonic()
         for state in self._ranks:
             if call_id not in state.outcomes:
@@ -388,12 +438,35 @@ class WorkerGroup:
             self._shared.append(shared)
         targets = list(self.ranks if ranks is None else ranks)
         self._current_call = call_id
+        self.output.begin(self._output_label)
         now = time.monotonic()
         for rank in targets:
             state = self._by_rank[rank]
             state.busy_since = now
             state.events.send((Message.CALL, call_id, packed))
         return call_id, targets
+
+    @property
+    def _output_label(self) -> str:
+        return "launch" if self.mode == Mode.CALL else "cell"
+
+    def end_call(self) -> None:
+        """A call is over: show what its ranks printed last, partial lines included (a
+        ``print(..., end="")`` must not wait for the next call's newline), and say what the
+        output limit held back."""
+        waiting = [
+            key.fileobj for key in self._selector.get_map().values() if key.data[0] == _OUTPUT
+        ]
+        while waiting:
+            ready = select.select(waiting, [], [], 0)[0]
+            for conn in ready:
+                _, rank, stream = self._selector.get_key(conn).data
+                self._read_output(self._by_rank[rank], stream, conn)
+            waiting = [conn for conn in ready if conn in self._selector.get_map()]
+        for state in self._ranks:
+            for stream in list(state.partial):
+                self._flush_partial(state, stream)
+        self.output.end()
 
     def outcomes(self, call_id: int, ranks: Iterable[int] | None = None) -> dict[int, Outcome]:
         targets = self.ranks if ranks is None else ranks
@@ -476,6 +549,7 @@ class WorkerGroup:
                 if not self.wait_exit(grace):
                     self.stop(grace)
             self.pump_until(lambda: all(r.finished_io for r in self._ranks), 0.5)
+            self.output.end()
         finally:
             self._teardown()
 
@@ -484,7 +558,7 @@ class WorkerGroup:
         for key in list(self._selector.get_map().values()):
             fileobj = key.fileobj
             self._selector.unregister(fileobj)
-            if isinstance(fileobj, Connection):
+            if isinstance(fileobj, (Connection, Handshake)):
                 fileobj.close()
         self._selector.close()
         if self._listener is not None:

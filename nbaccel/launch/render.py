@@ -22,6 +22,10 @@ class Renderer:
     def line(self, rank: int, stream: str, text: str) -> None:
         """One whole output line (without its newline) from ``rank``'s stdout or stderr."""
 
+    def overflow(self, rank: int, stream: str, text: str) -> None:
+        """A line (or piece of one) beyond the call's output limit: not to be printed; the
+        full log has it. A renderer may keep a bounded tail of these."""
+
     def event(self, rank: int, kind: str, payload: Any) -> None:
         """A structured event from a rank (progress, memory, display, ...)."""
 

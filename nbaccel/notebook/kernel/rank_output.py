@@ -58,6 +58,10 @@ class CellRenderer(Renderer):
         if not (self.quiet and stream == "stdout"):
             self.inner.line(rank, stream, text)
 
+    def overflow(self, rank: int, stream: str, text: str) -> None:
+        if not (self.quiet and stream == "stdout"):
+            self.inner.overflow(rank, stream, text)
+
     def notice(self, text: str) -> None:
         self.inner.notice(text)
 

@@ -6,8 +6,9 @@ notebook), and the plain :class:`~nbaccel.launch.render.TextRenderer` elsewhere.
 ``NBACCEL_RENDERER=text`` or ``=widgets`` forces the choice.
 
 The widget renderer keeps a text twin of everything: rank-labelled lines and the announcement
-are printed as text exactly like the text renderer (the first ``max_text_lines`` lines; the
-per-rank panel keeps a bounded tail of all of them), and the end of a launch displays a static
+are printed as text exactly like the text renderer (up to the group's output limit,
+``nbaccel.launch.output_budget``; the per-rank panel keeps a bounded tail of all of them, those
+beyond the limit included), and the end of a launch displays a static
 summary (final progress, peak memory per rank) as HTML and plain text.
 """
 
@@ -24,6 +25,7 @@ from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
 __all__ = ["WidgetRenderer", "choose_renderer", "widgets_available"]
 
 _STATUS_INTERVAL = 1.0
+_PANEL_LINE_CHARS = 2000  # of one line, in the per-rank panel
 
 
 def widgets_available() -> bool:
@@ -58,8 +60,7 @@ def choose_renderer() -> Renderer:
 class WidgetRenderer(Renderer):
     """Progress bars, memory monitor and per-rank output panel for one launch."""
 
-    def __init__(self, max_text_lines: int = 2000) -> None:
-        self.max_text_lines = max_text_lines
+    def __init__(self) -> None:
         self.text = TextRenderer()
         self.root: Any = None
 
@@ -76,7 +77,6 @@ class WidgetRenderer(Renderer):
         self.announcement = announcement
         self.num_processes = num_processes
         self.started = time.monotonic()
-        self._printed = 0
         self._status_at = 0.0
         self.status = widgets.HTML()
         self.status.add_class("nbaccel-status")
@@ -127,16 +127,13 @@ class WidgetRenderer(Renderer):
 
     # ------------------------------------------------------------------ events
     def line(self, rank: int, stream: str, text: str) -> None:
-        if self._printed < self.max_text_lines:
-            self.text.line(rank, stream, text)
-        elif self._printed == self.max_text_lines:
-            self.text.notice(
-                f"more than {self.max_text_lines} lines: the rest is in the 'Output by rank' "
-                "panel above (its last lines per rank)"
-            )
-        self._printed += 1
+        self.text.line(rank, stream, text)
+        self.overflow(rank, stream, text)
+
+    def overflow(self, rank: int, stream: str, text: str) -> None:
+        # beyond the output limit, the 'Output by rank' panel still shows each rank's tail
         self._attach("outputs")
-        self.outputs.add(rank, stream, text)
+        self.outputs.add(rank, stream, text[:_PANEL_LINE_CHARS])
         self._tick()
 
     def event(self, rank: int, kind: str, payload: Any) -> None:

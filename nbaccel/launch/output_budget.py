@@ -1,0 +1,168 @@
+"""Bounded output for one call: what the notebook shows, and the full log of the rest.
+
+A rank can print without limit (200k lines, a 50 MB line); a notebook cannot show it. Per call
+(a launch, or one ``%%distributed`` cell) at most ``max_lines`` lines and ``max_chars``
+characters are shown, each line cut at ``max_line_chars``. Nothing is dropped silently: the first
+time anything is held back, every line of the call so far and from then on goes to a log file,
+and a notice names the file; the call ends with a notice of what was held back. A call that
+stays within the limits leaves no file behind. Lines longer than the group reads at once come in
+pieces; the log has one line per piece, marked ``(continued)``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import IO
+
+__all__ = ["OutputBudget", "log_dir"]
+
+LOG_DIR_VAR = "NBACCEL_LOG_DIR"
+
+
+def log_dir() -> str:
+    """Where full logs go: ``$NBACCEL_LOG_DIR``, else ``<tmp>/nbaccel-logs-<uid>`` (kept after
+    the kernel exits, so that the notice's path still opens)."""
+    chosen = os.environ.get(LOG_DIR_VAR)
+    if not chosen:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        chosen = os.path.join(tempfile.gettempdir(), f"nbaccel-logs-{uid}")
+    os.makedirs(chosen, mode=0o700, exist_ok=True)
+    return chosen
+
+
+class OutputBudget:
+    """The output limits of a worker group, reset at the start of each call.
+
+    Args:
+        max_lines: lines shown per call (all ranks together).
+        max_line_chars: characters shown of one line; the rest is in the log.
+        max_chars: characters shown per call.
+        notice: where the budget's notices go (the group sets its renderer's ``notice``).
+    """
+
+    def __init__(
+        self,
+        max_lines: int = 2000,
+        max_line_chars: int = 10_000,
+        max_chars: int = 2_000_000,
+        notice: Callable[[str], None] = lambda text: None,
+    ) -> None:
+        self.max_lines = max_lines
+        self.max_line_chars = max_line_chars
+        self.max_chars = max_chars
+        self.notice = notice
+        self.path: str | None = None
+        self._label = "launch"
+        self.begin()
+
+    def begin(self, label: str = "launch") -> None:
+        """A new call starts: nothing shown yet, no log."""
+        self.close()
+        self._label = label
+        self.lines = 0  # complete lines received
+        self.shown_lines = 0
+        self.shown_chars = 0
+        self.held_lines = 0  # lines not shown at all
+        self.cut_lines = 0  # lines shown cut short
+        self.path = None
+        self._log: IO[str] | None = None
+        self._kept: list[str] = []  # the call's lines so far, for a log opened later
+        self._kept_chars = 0
+        self._over = False  # the line/char budget of the call is spent
+        self._cut: set[tuple[int, str]] = set()  # (rank, stream) whose current line was cut
+
+    def take(
+        self, rank: int, stream: str, text: str, continues: bool, complete: bool
+    ) -> str | None:
+        """Account for one piece of output; the text to show, or None to show nothing.
+
+        ``continues``: ``text`` continues the previous piece of this rank's stream (a line
+        longer than the group reads at once); ``complete``: ``text`` ends its line.
+        """
+        # one log line per piece, so that ranks writing long lines at once do not interleave
+        where = f"[rank {rank}]{' (stderr)' if stream == 'stderr' else ''}"
+        self._record(f"{where}{' (continued)' if continues else ''} {text}\n")
+        if complete:
+            self.lines += 1
+        key = (rank, stream)
+        if continues:
+            if key not in self._cut:  # the head was shown in full, the rest is too long now
+                self._cut.add(key)
+                self.cut_lines += 1
+                self._open_log()
+            if complete:
+                self._cut.discard(key)
+            return None
+        if self._over or self.shown_lines >= self.max_lines or self.shown_chars >= self.max_chars:
+            if not self._over:
+                self._over = True
+                self._open_log()
+                self.notice(
+                    f"output limit reached ({self.shown_lines} lines shown); the rest of this "
+                    f"{self._label}'s output goes to {self.path}"
+                )
+            if complete:
+                self.held_lines += 1
+            else:
+                self._cut.add(key)  # its continuation is held back with it
+            return None
+        shown = text
+        if len(text) > self.max_line_chars or not complete:
+            self._open_log()
+            cut = text[: self.max_line_chars]
+            shown = f"{cut} ... [line cut: the whole line is in {self.path}]"
+            self.cut_lines += 1
+            if not complete:
+                self._cut.add(key)
+        self.shown_lines += 1
+        self.shown_chars += len(shown)
+        return shown
+
+    def end(self) -> None:
+        """The call is over: say what was held back and where it is, then close the log."""
+        if self.path is not None and (self.held_lines or self.cut_lines):
+            parts = []
+            if self.held_lines:
+                parts.append(f"{self.held_lines} of {self.lines} lines not shown")
+            if self.cut_lines:
+                parts.append(f"{self.cut_lines} long line(s) cut")
+            self.notice(f"{'; '.join(parts)}: the full output is in {self.path}")
+        self.begin(self._label)
+
+    def close(self) -> None:
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    # ------------------------------------------------------------------ the log
+    def _record(self, text: str) -> None:
+        if self._log is not None:
+            self._log.write(text)
+        elif self._kept_chars + len(text) <= 4 * self.max_chars:
+            self._kept.append(text)
+            self._kept_chars += len(text)
+        else:  # more than the budget keeps in memory: the log starts now, with all so far
+            self._open_log()
+            self._log.write(text)
+
+    def _open_log(self) -> None:
+        if self._log is not None:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open until the call ends
+            "w",
+            dir=log_dir(),
+            prefix=f"{stamp}-{os.getpid()}-{self._label.replace(' ', '-')}-",
+            suffix=".log",
+            delete=False,
+            encoding="utf-8",
+            errors="replace",
+        )
+        self.path = handle.name
+        self._log = handle
+        handle.writelines(self._kept)
+        self._kept = []
+        self._kept_chars = 0
