@@ -250,3 +250,22 @@ def test_shutdown_leaves_no_process(nb):
     assert not [p for p in pids if psutil.pid_exists(p)]
     text = cell_text(nb["no_pool"])
     assert "No pool is running." in text and "UsageError: no pool is running" in text
+
+
+def test_cell_syntax_errors_point_at_the_notebook_line_and_ipython_syntax_is_refused():
+    nb = run_notebook(
+        [
+            "%load_ext nbaccel",
+            "%%distributed -n 2\nx = 1\ny = (\nz = 3",
+            "%%distributed -n 2\nx = 1\n!echo hi",
+            "%%distributed -n 2\n%time y = 2",
+            "%%distributed -n 2\nprint('pool untouched')",
+        ],
+        timeout=180,
+    )
+    syntax = cell_errors(nb.cells[1])[0]
+    assert syntax.ename == "SyntaxError" and "line 3" in syntax.evalue  # the notebook's line 3
+    # IPython shows a UsageError as text, without a traceback
+    assert "UsageError: line 3: '!echo hi' is IPython syntax" in cell_text(nb.cells[2])
+    assert "UsageError: line 2: '%time y = 2' is IPython syntax" in cell_text(nb.cells[3])
+    assert "[rank 1] pool untouched" in cell_text(nb.cells[4])

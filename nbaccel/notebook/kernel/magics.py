@@ -70,6 +70,29 @@ class DistributedMagics(Magics):
             raise UsageError("no pool is running: start one with a %%distributed -n N cell.")
         return pool
 
+    def _check_syntax(self, cell: str, filename: str) -> None:
+        """Refuse a cell that is not plain Python before it reaches the ranks.
+
+        Line numbers are the notebook's (the magic's line is line 1). ``!cmd`` and ``%magic``
+        lines are IPython syntax, run by the notebook's shell; the ranks run plain Python.
+        """
+        __tracebackhide__ = True
+        try:
+            compile("\n" + cell, filename, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        except SyntaxError:
+            transform = getattr(self.shell, "transform_cell", None)
+            for number, text in enumerate(cell.splitlines(), start=2):
+                if transform is None or not text.strip():
+                    continue
+                if "get_ipython()" in transform(text) and "get_ipython()" not in text:
+                    raise UsageError(
+                        f"line {number}: {text.strip()!r} is IPython syntax (a shell command or "
+                        "a magic), which the ranks cannot run: a %%distributed cell is plain "
+                        "Python. Use subprocess.run(...) or os.system(...) for shell commands "
+                        "on the ranks, and run magics in a cell of their own."
+                    ) from None
+            raise
+
     def _notebook_values(self, names: list[str]) -> dict[str, Any]:
         missing = [name for name in names if name not in self.shell.user_ns]
         if missing:
@@ -135,7 +158,7 @@ class DistributedMagics(Magics):
             names = parse_names(args.push)
         push = self._notebook_values(names)
         filename = self._register_source(line, cell)
-        compile(cell, filename, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        self._check_syntax(cell, filename)
         renderer = self._renderer(args.quiet)
         pool = self._ensure_pool(args.num_processes, args.backend, renderer)
         with _bad_input_is_usage():
