@@ -1,8 +1,19 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Everything the suite and its kernels and ranks put in the temp folder (connection files of
+# kernels the tests kill, logs, private directories) lands in one folder, removed at the end.
+_TMP = tempfile.mkdtemp(prefix="nbaccel-tests-")
+os.environ["TMPDIR"] = _TMP
+os.environ.setdefault("NBACCEL_LOG_DIR", os.path.join(_TMP, "logs"))
+tempfile.tempdir = None  # recomputed from TMPDIR
+atexit.register(shutil.rmtree, _TMP, True)
 
 
 @pytest.fixture(autouse=True)

@@ -148,9 +148,15 @@ def _check(args: argparse.Namespace) -> tuple[str, int | None]:
 
 
 def _exit_code(exc: BaseException) -> int:
+    """The code this command ends with: the rank's own ``sys.exit`` code, 128 + N for a rank
+    killed by signal N (as a shell reports it), 130 for Ctrl-C, 1 for an exception."""
+    from nbaccel.launch.errors import RankCrashed
+
     if isinstance(exc, SystemExit):
         code = exc.code
         return code if isinstance(code, int) else 1
+    if isinstance(exc, RankCrashed) and exc.returncode:
+        return exc.returncode if exc.returncode > 0 else 128 - exc.returncode
     if isinstance(exc, KeyboardInterrupt):
         return 130
     return 1

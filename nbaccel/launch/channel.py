@@ -16,6 +16,7 @@ import hmac
 import json
 import os
 import pickle
+import re
 import select
 import shutil
 import socket
@@ -95,6 +96,43 @@ class Connection:
 class Address:
     family: str  # "unix" | "tcp"
     location: str | tuple[str, int]
+
+
+_swept = False
+_PRIVATE_DIR = re.compile(r"^nbaccel-(\d+)-")
+
+
+def _private_dir() -> str:
+    """A fresh 0700 directory ``nbaccel-<pid>-*`` in the temp folder.
+
+    The first one a process makes also removes those left by processes of this user that no
+    longer exist (a kernel killed with SIGKILL never runs its cleanup).
+    """
+    global _swept
+    if not _swept:
+        _swept = True
+        _sweep_stale_dirs(tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")  # mkdtemp makes it 0700
+
+
+def _sweep_stale_dirs(root: str) -> None:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        match = _PRIVATE_DIR.match(name)
+        if match is None:
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path):
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 class Handshake:
@@ -193,8 +231,7 @@ class Listener:
         self.secret = secret
         self._dir: str | None = None
         if host is None and hasattr(socket, "AF_UNIX"):
-            self._dir = tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")
-            os.chmod(self._dir, 0o700)
+            self._dir = _private_dir()
             path = os.path.join(self._dir, "channel")
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.bind(path)
@@ -213,7 +250,7 @@ class Listener:
     def private_path(self, name: str) -> str:
         """A path inside this listener's private (0700) directory, removed by ``close``."""
         if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")
+            self._dir = _private_dir()
         return os.path.join(self._dir, name)
 
     def start_handshake(self) -> Handshake:
