@@ -55,10 +55,9 @@ def test_top_level_extra_names_resolve():
 
 def test_facade_objects_are_nbaccels_own():
     from nbaccel.big_modeling import dispatch_model
-    from nbaccel.utils.operations import gather
-
     from nbaccel.bigmodel.dispatch import dispatch_model as real_dispatch
     from nbaccel.distributed.collectives import gather as real_gather
+    from nbaccel.utils.operations import gather
 
     assert gather is real_gather and dispatch_model is real_dispatch
     import nbaccel.utils.dataclasses as dataclasses_path
@@ -90,9 +89,8 @@ def test_mock_patch_on_a_facade_path():
 
 
 def test_logging_path_does_not_shadow_the_standard_library():
-    import nbaccel.logging as nb_logging
-
     import nbaccel.distributed.logging as implementation
+    import nbaccel.logging as nb_logging
 
     assert nb_logging is not logging and implementation.logging is logging
     assert Path(logging.__file__).parent.name != "nbaccel"
@@ -101,6 +99,7 @@ def test_logging_path_does_not_shadow_the_standard_library():
 
 # -- names of the stacks nbaccel does not drive -------------------------------------------------
 def test_unsupported_stacks_import_check_and_refuse():
+    from nbaccel import DeepSpeedPlugin
     from nbaccel.utils import (
         FP8RecipeKwargs,
         MegatronLMPlugin,
@@ -108,8 +107,6 @@ def test_unsupported_stacks_import_check_and_refuse():
         load_and_quantize_model,
     )
     from nbaccel.utils.deepspeed import DummyOptim
-
-    from nbaccel import DeepSpeedPlugin
 
     model = torch.nn.Linear(2, 2)
     plugin = None
@@ -200,6 +197,7 @@ def test_structure_helpers():
 
 def test_save_and_load_write_once_and_load_safely(tmp_path):
     import numpy as np
+
     from nbaccel.utils import load, save
 
     nbaccel.PartialState(cpu=True)
@@ -250,6 +248,7 @@ class _Net(torch.nn.Module):
 
 
 def test_offload_helpers_and_offloaded_state_dict(tmp_path):
+    from nbaccel import cpu_offload, disk_offload, init_empty_weights
     from nbaccel.utils import (
         extract_submodules_state_dict,
         load_offloaded_weight,
@@ -259,8 +258,6 @@ def test_offload_helpers_and_offloaded_state_dict(tmp_path):
         compute_module_total_buffer_size,
         get_state_dict_offloaded_model,
     )
-
-    from nbaccel import cpu_offload, disk_offload, init_empty_weights
 
     index = offload_weight(torch.arange(6.0).view(2, 3), "w", tmp_path, index={})
     assert index == {"w": {"dtype": "float32", "shape": [2, 3]}}
@@ -313,9 +310,8 @@ def test_skip_data_loader():
 # -- scripts on 2 gloo ranks --------------------------------------------------------------------
 def _logging_script():
     """Docs, "Logging with Accelerate": main-process logs, all-process logs, in-order logs."""
-    from nbaccel.logging import get_logger
-
     from nbaccel import Accelerator
+    from nbaccel.logging import get_logger
 
     records = []
 
@@ -355,10 +351,10 @@ def test_get_logger_needs_the_state_first():
 
 def _quicktour_script():
     """Docs, "Quicktour": prepare, backward, gather_for_metrics, save; with utils imports."""
-    from nbaccel.utils import set_seed, tqdm, wait_for_everyone
     from torch.utils.data import DataLoader, TensorDataset
 
     from nbaccel import Accelerator
+    from nbaccel.utils import set_seed, tqdm, wait_for_everyone
 
     set_seed(42)
     x = torch.randn(64, 1)
@@ -394,6 +390,7 @@ def test_quicktour_training_on_two_ranks():
 def _operations_script():
     """Utilities reference: copy_tensor_to_devices, gather of a tensor that requires grad,
     verify_operation's shape check in debug mode, main-process-only tqdm."""
+    from nbaccel import PartialState
     from nbaccel.utils import (
         DistributedOperationException,
         copy_tensor_to_devices,
@@ -401,8 +398,6 @@ def _operations_script():
         tqdm,
     )
     from nbaccel.utils.operations import gather, verify_operation
-
-    from nbaccel import PartialState
 
     state = PartialState(cpu=True)
     sent = copy_tensor_to_devices(torch.arange(4.0).view(2, 2) if state.is_main_process else None)
@@ -432,14 +427,13 @@ def test_operations_on_two_ranks():
 
 def _custom_tracker_script(logging_dir):
     """Docs, "Experiment trackers": a custom GeneralTracker registered by name."""
+    from nbaccel import Accelerator
     from nbaccel.tracking import (
         LOGGER_TYPE_TO_CLASS,
         GeneralTracker,
         on_main_process,
         register_tracker_class,
     )
-
-    from nbaccel import Accelerator
 
     @register_tracker_class
     class ListTracker(GeneralTracker):

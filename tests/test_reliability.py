@@ -244,10 +244,23 @@ def test_the_secret_never_reaches_environment_arguments_or_output():
     assert secret.hex() not in " ".join(psutil.Process(get_forkserver().pid).cmdline())
 
 
-def test_private_folders_of_dead_processes_are_swept(tmp_path, monkeypatch):
+def test_private_folders_of_dead_processes_are_swept(monkeypatch):
     """A kernel killed with SIGKILL leaves its private folder; the next one removes it."""
+    import pathlib
+    import shutil
+
     import nbaccel.launch.channel as channel
 
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="sweep-"))  # short: it holds a socket
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(channel, "_swept", False)
+    try:
+        _sweep_check(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _sweep_check(tmp_path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f"nbaccel-{dead.pid}-abc"
@@ -257,11 +270,22 @@ def test_private_folders_of_dead_processes_are_swept(tmp_path, monkeypatch):
     alive.mkdir()
     unrelated = tmp_path / "nbaccel-logs-0"
     unrelated.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(channel, "_swept", False)
     listener = Listener(new_secret())
     try:
         assert not stale.exists()
         assert alive.exists() and unrelated.exists()
     finally:
         listener.close()
+
+
+def test_a_long_temp_folder_still_gets_a_channel(tmp_path, monkeypatch):
+    """A Unix socket path has ~104 bytes; a deep TMPDIR must not break launches."""
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    listener = Listener(new_secret())
+    try:
+        assert listener.address.location.startswith("/tmp/nbaccel-")
+    finally:
+        listener.close()
+    assert notebook_launcher(succeed, num_processes=2, renderer=Renderer()) == ["ok", "ok"]

@@ -100,6 +100,8 @@ class Address:
 
 _swept = False
 _PRIVATE_DIR = re.compile(r"^nbaccel-(\d+)-")
+#: longest temp folder that leaves room for ``/nbaccel-<pid>-<random>/channel`` in a socket path
+_LONGEST_ROOT = 64
 
 
 def _private_dir() -> str:
@@ -109,10 +111,13 @@ def _private_dir() -> str:
     longer exist (a kernel killed with SIGKILL never runs its cleanup).
     """
     global _swept
+    root = tempfile.gettempdir()
+    if len(root) > _LONGEST_ROOT and os.path.isdir("/tmp"):
+        root = "/tmp"  # a Unix socket path must fit in ~104 bytes
     if not _swept:
         _swept = True
-        _sweep_stale_dirs(tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-")  # mkdtemp makes it 0700
+        _sweep_stale_dirs(root)
+    return tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-", dir=root)  # 0700
 
 
 def _sweep_stale_dirs(root: str) -> None:
