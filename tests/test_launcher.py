@@ -210,6 +210,36 @@ def test_tensors_travel_through_shared_memory(no_leaks):
     assert _shm_segments() - before == set()
 
 
+def _views(whole, head, transposed, strided, small, small_head):
+    head.add_(1)  # a view of ``whole``: the rank sees the change through both
+    small_head.add_(1)
+    return (
+        float(whole[0]),
+        head.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr(),
+        transposed.stride(),
+        strided.stride(),
+        float(small[0]),
+    )
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_views_and_strides_survive_the_trip(start_method):
+    """``(a, a[:512])`` arrive as a tensor and a view of it; a transposed tensor keeps its
+    strides (large tensors travel by shared memory, small ones inside the pickle)."""
+    whole = torch.zeros(100_000)
+    matrix = torch.arange(300 * 400, dtype=torch.float32).reshape(300, 400)
+    small = torch.zeros(8)
+    results = notebook_launcher(
+        _views,
+        (whole, whole[:512], matrix.t(), matrix[:, ::2], small, small[:4]),
+        num_processes=2,
+        start_method=start_method,
+        renderer=Recorder(),
+    )
+    assert results == [(1.0, True, (1, 400), (400, 2), 1.0)] * 2
+    assert whole[0] == 0 and small[0] == 0  # the notebook's tensors are untouched
+
+
 def _fail_first_time(marker):
     if not os.path.exists(marker):
         if int(os.environ["RANK"]) == 0:

@@ -5,6 +5,11 @@ notebook travel by value. Large CPU tensors (model weights, datasets) do not tra
 pickle: they are written once into a shared-memory file that every rank maps *copy-on-write*
 (``MAP_PRIVATE``). Eight ranks reading one 1 GB model share the same physical pages, exactly as
 after a ``fork``, and a rank that trains its copy gets private pages for what it writes.
+
+Tensors travel as views of their storages, as torch's own multiprocessing does: ``(a, a[:512])``
+arrive as a tensor and a view of it, and a transposed tensor keeps its strides. The price is the
+same as torch's: a small slice of a large tensor carries the whole storage (``.clone()`` it first
+to send only the slice).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = ["Packed", "SharedTensors", "UnpicklableError", "pack", "unpack"]
 
 _SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
 _ALIGN = 64
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class UnpicklableError(TypeError):
@@ -33,11 +39,24 @@ class UnpicklableError(TypeError):
 
 
 @dataclass
-class _TensorRecord:
+class _StorageRecord:
+    """One storage's bytes: at ``offset`` in the shared file, or inline when small."""
+
     offset: int
     nbytes: int
+    inline: bytes | None = None
+
+
+@dataclass
+class _TensorRecord:
+    """One tensor as a view of a shared storage: views of one storage stay views of one
+    storage in the rank, and a transposed or sliced tensor keeps its strides."""
+
+    storage: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
     parameter: bool
     requires_grad: bool
 
@@ -49,6 +68,7 @@ class Packed:
     data: bytes
     segment: str | None = None
     records: list[_TensorRecord] = field(default_factory=list)
+    storages: list[_StorageRecord] = field(default_factory=list)
 
 
 def _shm_dir() -> str:
@@ -64,30 +84,48 @@ class SharedTensors:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.records: list[_TensorRecord] = []
+        self.storages: list[_StorageRecord] = []
+        bases: list[torch.Tensor] = []
+        index: dict[int, int] = {}
         offset = 0
         for t in tensors:
-            nbytes = t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in index:
+                index[key] = len(bases)
+                base = torch.empty(0, dtype=torch.uint8).set_(storage)
+                if storage.nbytes() < _SHARE_THRESHOLD:  # cheaper inside the pickle
+                    self.storages.append(
+                        _StorageRecord(0, storage.nbytes(), base.numpy().tobytes())
+                    )
+                    base = None
+                else:
+                    self.storages.append(_StorageRecord(offset, storage.nbytes()))
+                    offset += -(-storage.nbytes() // _ALIGN) * _ALIGN
+                bases.append(base)
             self.records.append(
                 _TensorRecord(
-                    offset,
-                    nbytes,
+                    index[key],
                     t.dtype,
                     tuple(t.shape),
+                    tuple(t.stride()),
+                    t.storage_offset(),
                     isinstance(t, torch.nn.Parameter),
                     t.requires_grad,
                 )
             )
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        self.path: str | None = os.path.join(_shm_dir(), f"nbaccel-{secrets.token_hex(8)}")
+        self.path: str | None = None
+        if offset == 0:
+            return  # every storage is small: nothing to share
+        self.path = os.path.join(_shm_dir(), f"nbaccel-{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(offset, 1))
             with mmap.mmap(fd, max(offset, 1)) as mm:
                 flat = torch.frombuffer(mm, dtype=torch.uint8)
-                for t, rec in zip(tensors, self.records):
-                    if rec.nbytes:
-                        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-                        flat[rec.offset : rec.offset + rec.nbytes].copy_(src)
+                for base, rec in zip(bases, self.storages):
+                    if base is not None and rec.nbytes:
+                        flat[rec.offset : rec.offset + rec.nbytes].copy_(base)
                 del flat
         finally:
             os.close(fd)
@@ -113,8 +151,9 @@ class _Pickler(cloudpickle.Pickler):
             and obj.device.type == "cpu"
             and obj.layout == torch.strided
             and not obj.is_quantized
-            and obj.numel() * obj.element_size() >= _SHARE_THRESHOLD
-            and (obj.grad_fn is None)
+            and not obj.is_conj()
+            and not obj.is_neg()
+            and obj.grad_fn is None
         ):
             key = id(obj)
             if key not in self._ids:
@@ -187,7 +226,7 @@ def pack(
     shared = SharedTensors(pickler.shared) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)
     if shared:
-        packed.records = shared.records
+        packed.records, packed.storages = shared.records, shared.storages
     return packed, shared
 
 
@@ -206,16 +245,26 @@ class _Unpickler(pickle.Unpickler):
 def _map_segment(packed: Packed) -> list[torch.Tensor]:
     if not packed.records:
         return []
-    fd = os.open(packed.segment, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    flat = None
+    if packed.segment is not None:
+        fd = os.open(packed.segment, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+    storages = [
+        (torch.frombuffer(bytearray(rec.inline), dtype=torch.uint8) if rec.nbytes else _EMPTY)
+        if rec.inline is not None
+        else flat[rec.offset : rec.offset + rec.nbytes]  # type: ignore[index]
+        for rec in packed.storages
+    ]
     tensors: list[torch.Tensor] = []
     for rec in packed.records:
-        t = flat[rec.offset : rec.offset + rec.nbytes].view(rec.dtype).view(rec.shape)
+        typed = storages[rec.storage].view(rec.dtype)
+        # as_strided counts from the start of the whole mapping, not from ``typed``
+        t = typed.as_strided(rec.shape, rec.stride, typed.storage_offset() + rec.storage_offset)
         if rec.parameter:
             t = torch.nn.Parameter(t, requires_grad=rec.requires_grad)
         elif rec.requires_grad:
