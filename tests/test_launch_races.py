@@ -121,3 +121,16 @@ def test_a_silent_connection_to_the_channel_stalls_nothing(monkeypatch):
             sock.close()
     assert values == ["done", "done"]
     assert silent
+
+
+def _rank_number():
+    return int(os.environ["RANK"])
+
+
+def test_hundreds_of_ranks_connect_and_return():
+    """More ranks than the old listen backlog (256) and more sockets than ``select`` can watch
+    (1024): every rank connects while the others are still starting, and returns."""
+    ranks = 700
+    assert notebook_launcher(_rank_number, num_processes=ranks, renderer=Renderer()) == list(
+        range(ranks)
+    )

@@ -140,6 +140,21 @@ def _sweep_stale_dirs(root: str) -> None:
             continue
 
 
+def readable(objects: list[Any], timeout: float = 0.0) -> list[Any]:
+    """Those of ``objects`` (anything with ``fileno()``) that have data or EOF waiting.
+
+    ``poll``, not ``select``: a launch of hundreds of ranks holds descriptors above 1024,
+    which ``select`` cannot watch."""
+    if not objects:
+        return []
+    poller = select.poll()
+    by_fd = {}
+    for obj in objects:
+        by_fd[obj.fileno()] = obj
+        poller.register(obj, select.POLLIN)
+    return [by_fd[fd] for fd, _ in poller.poll(max(timeout, 0.0) * 1000)]
+
+
 class Handshake:
     """One accepted connection being authenticated without blocking the driver.
 
@@ -269,7 +284,7 @@ class Listener:
         handshake = self.start_handshake()
         while True:
             wait = handshake.deadline - time.monotonic()
-            if wait <= 0 or not select.select([handshake], [], [], wait)[0]:
+            if wait <= 0 or not readable([handshake], wait):
                 handshake.close()
                 raise AuthenticationFailed("handshake failed: timed out")
             conn = handshake.advance()

@@ -16,7 +16,6 @@ import itertools
 import os
 import pickle
 import secrets
-import select
 import selectors
 import signal
 import sys
@@ -31,6 +30,7 @@ from nbaccel.launch.channel import (
     Handshake,
     Listener,
     new_secret,
+    readable,
 )
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.launchers.base import ProcessLauncher
@@ -188,6 +188,7 @@ class WorkerGroup:
                 error_path=self._listener.private_path(f"rank-{state.rank}.error"),
             )
             state.process = self.launcher.start(spec)
+            self.pump(0)  # authenticate the ranks already up while the others start
         self.pump_until(lambda: all(r.ready or r.outcomes for r in self._ranks), timeout)
         self.release_shared()
 
@@ -380,7 +381,7 @@ class WorkerGroup:
             for key in self._selector.get_map().values()
             if key.data[0] in (_EVENTS, _OUTPUT) and key.data[1] == state.rank
         ]
-        if waiting and select.select(waiting, [], [], 0)[0]:
+        if readable(waiting):
             self._still_draining(state)
             return False
         return True
@@ -458,7 +459,7 @@ class WorkerGroup:
             key.fileobj for key in self._selector.get_map().values() if key.data[0] == _OUTPUT
         ]
         while waiting:
-            ready = select.select(waiting, [], [], 0)[0]
+            ready = readable(waiting)
             for conn in ready:
                 _, rank, stream = self._selector.get_key(conn).data
                 self._read_output(self._by_rank[rank], stream, conn)
