@@ -120,6 +120,9 @@ def notebook_launcher(
         max_restarts=max_restarts,
         interval=monitor_interval,
     )
+    failure = report.exception()
+    if failure is not None:
+        raise failure  # the rank's own exception, re-raised in the notebook
     return report.values()
 
 

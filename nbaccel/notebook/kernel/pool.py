@@ -185,7 +185,7 @@ class Pool:
             self._recover(report, group.renderer)
         exc = report.exception("the cell", others=True)
         if exc is not None:
-            raise exc
+            raise exc  # the rank's own exception, re-raised in the notebook
         return report.results()
 
     def _recover(self, report: Any, renderer: Renderer) -> None:
