@@ -81,7 +81,7 @@ def resources():
     me = psutil.Process()
     kids = [p for p in me.children(recursive=True) if "forkserver" not in " ".join(p.cmdline())]
     shm = [f for f in os.listdir("/dev/shm") if f.startswith("nbaccel")]
-    tmp = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("nbaccel-")]
+    tmp = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(f"nbaccel-{me.pid}-")]
     return {"procs": len(kids), "fds": me.num_fds(), "shm": len(shm), "tmp": len(tmp),
             "rss_mb": me.memory_info().rss / 2**20}
 

@@ -463,7 +463,9 @@ class WorkerGroup:
             for conn in ready:
                 _, rank, stream = self._selector.get_key(conn).data
                 self._read_output(self._by_rank[rank], stream, conn)
-            waiting = [conn for conn in ready if conn in self._selector.get_map()]
+            # a connection read to its end is closed and unregistered: look it up by identity
+            still = {key.fileobj for key in self._selector.get_map().values()}
+            waiting = [conn for conn in ready if conn in still]
         for state in self._ranks:
             for stream in list(state.partial):
                 self._flush_partial(state, stream)
