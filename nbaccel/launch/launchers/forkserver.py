@@ -152,6 +152,8 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 children.add(pid)
                 _write_frame(stdout, ("started", request_id, pid))
     finally:
+        # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for pid in children:
             try:
                 os.kill(pid, signal.SIGKILL)
