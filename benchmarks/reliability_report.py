@@ -6,6 +6,7 @@ tests/test_reliability.py; the table is generated, never hand-edited).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -30,6 +31,36 @@ def _resources() -> tuple[int, int, int, int]:
     shm = len([f for f in os.listdir("/dev/shm") if f.startswith("nbaccel-")])
     tmp = len([f for f in os.listdir(tempfile.gettempdir()) if f.startswith(f"nbaccel-{me.pid}-")])
     return workers, me.num_fds(), shm, tmp
+
+
+def _stress_section() -> list[str]:
+    """The last ``stress_launch.py`` figures, when that benchmark has been run."""
+    path = ROOT / "benchmarks" / "results" / "stress_launch.json"
+    if not path.exists():
+        return []
+    lines: list[str] = []
+    for where, report in json.loads(path.read_text()).items():
+        lines += [
+            f"## Many launches in a row (`benchmarks/stress_launch.py`, in a {where})",
+            "",
+            "| workload | launches | wrong outcomes | seconds |",
+            "|---|---|---|---|",
+        ]
+        for name, figures in report["workloads"].items():
+            kinds = "; ".join(f"{k} x{n}" for k, n in figures["kinds"].items())
+            lines.append(
+                f"| {name} | {figures['runs']} | {figures['failures']}"
+                f"{f' ({kinds})' if kinds else ''} | {figures['seconds']} |"
+            )
+        leaks = report["leaks"]
+        lines += [
+            "",
+            f"Leaks after the run: {leaks['procs']} processes, {leaks['fds']} fds, "
+            f"{leaks['shm']} shm segments, {leaks['tmp']} temp folders; driver RSS "
+            f"{leaks['rss_mb']:+.1f} MB.",
+            "",
+        ]
+    return lines
 
 
 def main() -> None:
@@ -75,6 +106,7 @@ def main() -> None:
         "tests/test_reliability.py and tests/test_launcher.py: workers exit within 5 s.",
         "",
     ]
+    lines += _stress_section()
     out = ROOT / "docs" / "reliability.md"
     out.parent.mkdir(exist_ok=True)
     out.write_text("\n".join(lines))
