@@ -484,6 +484,10 @@ class WorkerGroup:
     def busy(self, rank: int) -> bool:
         return self._by_rank[rank].busy_since is not None
 
+    def running_ranks(self) -> list[int]:
+        """Ranks whose process has not ended (as its launcher knows it)."""
+        return [r.rank for r in self._ranks if r.process is not None and r.process.poll() is None]
+
     def alive(self) -> bool:
         return all(r.process is not None and r.process.poll() is None for r in self._ranks)
 
