@@ -201,7 +201,10 @@ class RemoteLauncher(ProcessLauncher):
         host_spec = dataclasses.replace(
             spec,
             env=env,
-            sys_path=list(hello["sys_path"]),
+            # the host's own path first, then the kernel's other entries (harmless where they do
+            # not exist; on a shared filesystem they find the notebook's modules)
+            sys_path=list(hello["sys_path"])
+            + [p for p in spec.sys_path if p not in hello["sys_path"]],
             cwd=hello["cwd"],
             address=Address("unix", hello["entrance"]),
             threads=max(1, int(hello["cpus"]) // host.slots),
