@@ -197,8 +197,10 @@ def _sleep_long(folder):
     import os
     import time
 
-    with open(os.path.join(folder, os.environ["RANK"]), "w") as handle:
+    path = os.path.join(folder, os.environ["RANK"])
+    with open(path + ".tmp", "w") as handle:
         handle.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)  # whole, or not there yet
     time.sleep(120)
 
 
@@ -214,7 +216,7 @@ def _agent_pids() -> list[psutil.Process]:
 def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
     def kill_second_agent():
         deadline = time.monotonic() + 90
-        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        while not (tmp_path / "1").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         rank = psutil.Process(int((tmp_path / "1").read_text()))
         rank.parent().parent().kill()  # rank 1 -> its host's fork server -> that host's agent
@@ -271,9 +273,7 @@ def test_kernel_death_ends_the_agents_and_their_ranks():
         assert len(agents) == 2
         kernel.send_signal(signal.SIGKILL)
         kernel.wait()
-        gone, alive = psutil.wait_procs(
-            [psutil.Process(pid) for pid in ranks] + agents, timeout=30
-        )
+        gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in ranks] + agents, timeout=30)
         assert not alive, f"still running after the kernel died: {alive}"
     finally:
         if kernel.poll() is None:
