@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import cell_errors, cell_text, run_notebook  # noqa: E402
+from kernel import cell_errors, cell_text, run_notebook
 
 pytestmark = pytest.mark.hosts
 
@@ -257,7 +257,8 @@ def test_two_host_training_equals_one_process(clean_hosts):
 _MAGIC = [
     "%load_ext nbaccel",
     "%%distributed --hosts nbh1:1,nbh2:1\n"
-    "import os, socket\nhost = socket.gethostname()\nprint('up on', host, 'rank', os.environ['RANK'])",
+    "import os, socket\nhost = socket.gethostname()\n"
+    "print('up on', host, 'rank', os.environ['RANK'])",
     "%%distributed\nprint('still', host)",
     "%%distributed --ranks 1\nhost",
     "y = 41\n%dist_push y",
