@@ -102,7 +102,7 @@ class RemoteLauncher(ProcessLauncher):
     # ------------------------------------------------------------------ the interface
     def describe(self) -> str:
         return (
-            f" on {len(self.layout.hosts)} hosts ({self.layout.describe()}) over "
+            f" on {_hosts(len(self.layout.hosts))} ({self.layout.describe()}) over "
             f"{self.options.kind}; their agents connect back to {self.channel_address} "
             "(ZeroMQ CURVE: encrypted, only this launch's keys admitted)"
         )
@@ -308,3 +308,7 @@ def _collect(agent: AgentProcess) -> None:
     for raw in iter(stream.readline, b""):
         agent.tail.append(raw.decode("utf-8", "replace").rstrip())
     stream.close()
+
+
+def _hosts(count: int) -> str:
+    return f"{count} host" + ("s" if count != 1 else "")
