@@ -286,3 +286,17 @@ def test_magic_pool_across_hosts(clean_hosts):
     assert [e.ename for e in cell_errors(nb.cells[8])] == ["KeyboardInterrupt"]
     assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[9], texts[8] + texts[9]
     assert "Pool shut down." in texts[10]
+
+
+def test_many_hosts_notebook(clean_hosts):
+    from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
+
+    path = Path(__file__).resolve().parents[2] / "notebooks" / "many_hosts.ipynb"
+    nb = execute_notebook(path, timeout=300, allow_errors=False)
+    texts = ["".join(output_text(o) for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
+    assert "[rank 3 @ nbh2] rank 3 of 4 on nbh2" in texts[1]
+    assert "('nbh1', 6.0, 1000000.0), ('nbh1', 6.0, 1000000.0), ('nbh2', 6.0" in texts[1]
+    assert "caught: KeyError '[rank 3 @ nbh2] a column only the last host lacks'" in texts[2]
+    assert "[rank 2 @ nbh2] ready on nbh2" in texts[4]
+    assert "[rank 0 @ nbh1] nbh1 sum of ranks: 6.0" in texts[5]
+    assert "hosts of the ranks: ['nbh1', 'nbh1', 'nbh2', 'nbh2']" in texts[6]
