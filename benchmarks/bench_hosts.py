@@ -41,7 +41,8 @@ notebook_launcher(noop, num_processes=4, renderer=Renderer())  # warm the local 
 LAUNCH = f"""
 remote_s, local_s = [], []
 for _ in range({REPEATS}):
-    t0 = time.perf_counter(); notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())
+    t0 = time.perf_counter()
+    notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())
     remote_s.append(time.perf_counter() - t0)
     t0 = time.perf_counter(); notebook_launcher(noop, num_processes=4, renderer=Renderer())
     local_s.append(time.perf_counter() - t0)

@@ -278,3 +278,29 @@ def test_kernel_death_ends_the_agents_and_their_ranks():
     finally:
         if kernel.poll() is None:
             kernel.kill()
+
+
+def test_a_silent_agent_is_named_lost_by_the_heartbeat(tmp_path):
+    """An agent that stops answering (SIGSTOP: a frozen host, a cut network) is named lost
+    once its heartbeat is overdue, and its ranks with it."""
+    stopped = []
+
+    def freeze_second_agent():
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        agent = psutil.Process(int((tmp_path / "1").read_text())).parent().parent()
+        agent.suspend()
+        stopped.append(agent)
+
+    thread = threading.Thread(target=freeze_second_agent)
+    thread.start()
+    try:
+        report = run_function(
+            local_plan(["h1:1", "h2:1"]), _sleep_long, (str(tmp_path),), renderer=TextRenderer()
+        )
+    finally:
+        thread.join()
+    with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: no word from"):
+        report.values()
+    assert stopped and not stopped[0].is_running()  # the launch ended it (and its ranks)

@@ -300,3 +300,23 @@ def test_many_hosts_notebook(clean_hosts):
     assert "[rank 2 @ nbh2] ready on nbh2" in texts[4]
     assert "[rank 0 @ nbh1] nbh1 sum of ranks: 6.0" in texts[5]
     assert "hosts of the ranks: ['nbh1', 'nbh1', 'nbh2', 'nbh2']" in texts[6]
+
+
+_TIMEOUT = textwrap.dedent(
+    """
+    from nbaccel import notebook_launcher
+
+    def too_slow():
+        import time
+        time.sleep(300)
+
+    notebook_launcher(too_slow, num_processes=2, hosts=["nbh1:1", "nbh2:1"], timeout=30)
+    """
+)
+
+
+def test_timeout_stops_the_ranks_on_every_host(clean_hosts):
+    nb = run_notebook([_TIMEOUT], timeout=240, env=NO_WARMUP)
+    errors = cell_errors(nb.cells[0])
+    assert [e.ename for e in errors] == ["LaunchTimeout"], cell_text(nb.cells[0])
+    assert "exceeded timeout=30 s" in errors[0].evalue
