@@ -13,6 +13,8 @@ import pickle
 import time
 from typing import Any
 
+from nbaccel.launch.labels import rank_label
+
 __all__ = [
     "LaunchTimeout",
     "RankCrashed",
@@ -48,7 +50,7 @@ class RankError(RuntimeError):
     """A rank raised an exception that could not be rebuilt in the notebook."""
 
     def __init__(self, rank: int, type_name: str, message: str) -> None:
-        super().__init__(f"[rank {rank}] {type_name}: {message}")
+        super().__init__(f"[{rank_label(rank)}] {type_name}: {message}")
         self.rank = rank
         self.type_name = type_name
         self.remote_message = message
@@ -58,7 +60,7 @@ class RankCrashed(RuntimeError):
     """A rank ended without returning or raising: a non-zero exit code or a signal."""
 
     def __init__(self, rank: int, returncode: int, description: str) -> None:
-        super().__init__(f"rank {rank} {description}")
+        super().__init__(f"{rank_label(rank)} {description}")
         self.rank = rank
         self.returncode = returncode
 
@@ -158,7 +160,7 @@ def _same_type(info: dict[str, Any], rank: int) -> BaseException | None:
         if not (isinstance(target, type) and issubclass(target, BaseException)):
             return None
         exc = target.__new__(target)
-        BaseException.__init__(exc, f"[rank {rank}] {info['message']}")
+        BaseException.__init__(exc, f"[{rank_label(rank)}] {info['message']}")
         str(exc)  # a __str__ that needs its missing attributes must not break the report
     except Exception:
         return None
@@ -182,9 +184,9 @@ def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
     if exc is None:
         exc = RankError(rank, info["name"], info["message"])
     elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"[rank {rank}] {exc.args[0]}", *exc.args[1:])
+        exc.args = (f"[{rank_label(rank)}] {exc.args[0]}", *exc.args[1:])
     elif not isinstance(exc, KeyboardInterrupt):
-        exc.args = (f"[rank {rank}]", *exc.args)
+        exc.args = (f"[{rank_label(rank)}]", *exc.args)
     exc.rank = rank  # type: ignore[attr-defined]
     exc.__cause__ = RemoteTraceback(format_frames(info, rank))
     return exc

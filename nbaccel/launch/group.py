@@ -33,6 +33,7 @@ from nbaccel.launch.channel import (
     readable,
 )
 from nbaccel.launch.errors import describe_exception
+from nbaccel.launch.labels import use_hosts
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.output_budget import OutputBudget
 from nbaccel.launch.processes import WorkerProcess
@@ -164,6 +165,7 @@ class WorkerGroup:
         )
         self._selector.register(self._listener, selectors.EVENT_READ, (_LISTENER, None, None))
         self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None, None))
+        use_hosts(self.launcher.hosts_by_rank)
         self.launcher.prepare()
         self.launcher.add_wakeup(self._wake)
         for index, state in enumerate(self._ranks):
@@ -416,6 +418,7 @@ class WorkerGroup:
     def expect_call(self, call_id: int = 0) -> None:
         """Mark every rank busy with ``call_id`` (``Mode.CALL``'s single call is id 0)."""
         self._current_call = call_id
+        use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
         now = time.monotonic()
         for state in self._ranks:
@@ -434,11 +437,13 @@ class WorkerGroup:
         packed, shared = pack(
             (function, tuple(args), dict(kwargs or {})),
             element_names=("function", "args", "kwargs"),
+            share=self.launcher.local_memory,
         )
         if shared is not None:
             self._shared.append(shared)
         targets = list(self.ranks if ranks is None else ranks)
         self._current_call = call_id
+        use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
         now = time.monotonic()
         for rank in targets:
@@ -481,6 +486,10 @@ class WorkerGroup:
 
     def busy(self, rank: int) -> bool:
         return self._by_rank[rank].busy_since is not None
+
+    def running_ranks(self) -> list[int]:
+        """Ranks whose process has not ended (as its launcher knows it)."""
+        return [r.rank for r in self._ranks if r.process is not None and r.process.poll() is None]
 
     def alive(self) -> bool:
         return all(r.process is not None and r.process.poll() is None for r in self._ranks)
@@ -558,6 +567,7 @@ class WorkerGroup:
 
     def _teardown(self) -> None:
         self.launcher.remove_wakeup(self._wake)
+        self.launcher.close()
         for key in list(self._selector.get_map().values()):
             fileobj = key.fileobj
             self._selector.unregister(fileobj)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import IO
 
+from nbaccel.launch.labels import rank_label
+
 __all__ = ["OutputBudget", "log_dir"]
 
 LOG_DIR_VAR = "NBACCEL_LOG_DIR"
@@ -83,7 +85,7 @@ class OutputBudget:
         longer than the group reads at once); ``complete``: ``text`` ends its line.
         """
         # one log line per piece, so that ranks writing long lines at once do not interleave
-        where = f"[rank {rank}]{' (stderr)' if stream == 'stderr' else ''}"
+        where = f"[{rank_label(rank)}]{' (stderr)' if stream == 'stderr' else ''}"
         self._record(f"{where}{' (continued)' if continues else ''} {text}\n")
         if complete:
             self.lines += 1

@@ -14,11 +14,14 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+
+if TYPE_CHECKING:
+    from nbaccel.launch.remote.options import RemoteOptions
 
 __all__ = [
     "CPU_DEFAULT_NUM_PROCESSES",
@@ -172,6 +175,8 @@ class LaunchPlan:
     xla: bool = False  # ranks are torch-xla processes (one per chip, threads per device)
     defaulted: bool = False  # num_processes was not given
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
+    remote: RemoteOptions | None = None
 
     @classmethod
     def create(
@@ -193,12 +198,27 @@ class LaunchPlan:
         rdzv_conf: dict[str, Any] | None = None,
         rdzv_id: str = "none",
         extra_env: Mapping[str, str] | None = None,
+        remote: RemoteOptions | None = None,
     ) -> LaunchPlan:
         """Resolve the defaults and validate every option; raises before anything starts.
 
-        ``cpu=None`` means CPU ranks when there is no GPU (the pool's default).
+        ``cpu=None`` means CPU ranks when there is no GPU (the pool's default). ``remote``
+        (``nbaccel.launch.remote.options.remote_options``) puts the ranks on other hosts.
         """
         _refuse_nested_launch()
+        if remote is not None:
+            return cls._create_remote(
+                front,
+                num_processes,
+                remote,
+                cpu,
+                backend,
+                mixed_precision,
+                num_nodes,
+                use_port,
+                xla,
+                extra_env,
+            )
         gpus = torch.cuda.device_count()
         cpu = gpus == 0 if cpu is None else bool(cpu)
         defaulted = num_processes is None
@@ -262,6 +282,52 @@ class LaunchPlan:
             extra_env=dict(extra_env or {}),
         )
 
+    @classmethod
+    def _create_remote(
+        cls,
+        front: Front,
+        num_processes: int | None,
+        remote: RemoteOptions,
+        cpu: bool | None,
+        backend: str | None,
+        mixed_precision: str,
+        num_nodes: int,
+        use_port: int | str | None,
+        xla: bool,
+        extra_env: Mapping[str, str] | None,
+    ) -> LaunchPlan:
+        """A plan whose ranks run on ``remote``'s hosts, driven from this kernel."""
+        total = remote.layout.num_processes
+        if num_processes is not None and num_processes != total:
+            raise ValueError(
+                f"num_processes={num_processes} but the hosts run {total} ranks "
+                f"({remote.layout.describe()})."
+            )
+        if xla or num_nodes != 1 or use_port is not None:
+            raise ValueError(
+                "a launch over hosts forms its world itself (MASTER_ADDR is the first host, "
+                "MASTER_PORT a free port there): leave num_nodes, use_port and XLA out."
+            )
+        if str(mixed_precision).lower() not in MIXED_PRECISION_CHOICES:
+            raise ValueError(
+                f"Unknown mixed_precision {mixed_precision!r}; choose one of "
+                f"{', '.join(MIXED_PRECISION_CHOICES)}."
+            )
+        return cls(
+            num_processes=total,
+            front=Front(front),
+            kind=remote.kind,
+            mixed_precision=str(mixed_precision).lower(),
+            cpu=bool(cpu),
+            backend=backend,
+            extra_env=dict(extra_env or {}),
+            remote=remote,
+        )
+
+    def launcher_options(self) -> dict[str, Any]:
+        """What ``make_launcher`` needs besides the kind (the hosts, for remote kinds)."""
+        return {"remote": self.remote} if self.remote is not None else {}
+
     # ------------------------------------------------------------------ what it is
     @property
     def world_size(self) -> int:
@@ -275,22 +341,28 @@ class LaunchPlan:
     @property
     def local_rendezvous(self) -> bool:
         """All ranks on this machine: their process group meets in a private file store."""
-        return self.num_nodes == 1 and not self.xla
+        return self.num_nodes == 1 and not self.xla and self.remote is None
 
     def describe(self) -> str:
         """``2 CPU processes (gloo)``, ``4 GPUs (nccl)``, ``XLA devices``."""
         n = self.num_processes
+        if self.remote is not None:  # the hosts' devices are theirs to know
+            kind = "CPU process" if self.cpu else "process"
+            return f"{n} {kind}{'es' if n > 1 else ''}" + (
+                f" ({self.backend})" if self.backend else ""
+            )
         if self.xla:
             return "XLA devices (torch-xla uses every device it sees)"
         if self.gpus:
             return f"{n} GPU{'s' if n > 1 else ''} ({self.backend or 'nccl'})"
         return f"{n} CPU process{'es' if n > 1 else ''} ({self.backend or 'gloo'})"
 
-    def announcement(self) -> str:
-        """The line a front shows when the launch starts."""
+    def announcement(self, where: str = "") -> str:
+        """The line a front shows when the launch starts (``where``: the launcher's words on
+        where the ranks run, ``ProcessLauncher.describe``)."""
         if self.front == Front.POOL:
-            return f"Starting a pool of {self.describe()}."
-        text = f"Launching on {self.describe()}"
+            return f"Starting a pool of {self.describe()}{where}."
+        text = f"Launching on {self.describe()}{where}"
         if self.num_nodes > 1:
             text += f" per node, {self.num_nodes} nodes"
         if self.defaulted and not self.xla:
@@ -315,6 +387,16 @@ class LaunchPlan:
             from nbaccel.launch.launchers.xla import XLA_PROCESS_VAR
 
             env[XLA_PROCESS_VAR] = str(index)
+        elif self.remote is not None:  # MASTER_ADDR/PORT: the launcher's, from the first host
+            node, local = self.remote.layout.place(index)
+            env.update(
+                RANK=str(index),
+                LOCAL_RANK=str(local),
+                WORLD_SIZE=str(self.num_processes),
+                LOCAL_WORLD_SIZE=str(self.remote.layout.hosts[node].slots),
+                GROUP_RANK=str(node),
+                NODE_RANK=str(node),
+            )
         else:
             env.update(
                 RANK=str(self.global_rank(index)),

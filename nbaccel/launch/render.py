@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from nbaccel.launch.labels import rank_label
+
 __all__ = ["Renderer", "TextRenderer"]
 
 
@@ -49,7 +51,7 @@ class TextRenderer(Renderer):
 
     def line(self, rank: int, stream: str, text: str) -> None:
         target = sys.stderr if stream == "stderr" else sys.stdout
-        prefix = f"[rank {rank}] " if self.label else ""
+        prefix = f"[{rank_label(rank)}] " if self.label else ""
         target.write(f"{prefix}{text}\n")
         target.flush()
 

@@ -51,7 +51,7 @@ def run_function(
         interval: longest wait between two checks of the ranks.
     """
     __tracebackhide__ = True
-    launcher = make_launcher(plan.kind, preload=tuple(preload))
+    launcher = make_launcher(plan.kind, preload=tuple(preload), **plan.launcher_options())
     shared = None
     if launcher.pickles_work:  # raises UnpicklableError naming the object, before any process
         work, shared = pack(
@@ -60,7 +60,7 @@ def run_function(
         )
     else:
         work = Inline(function, tuple(args), dict(kwargs or {}))
-    renderer.start(plan.announcement(), plan.num_processes)
+    renderer.start(plan.announcement(launcher.describe()), plan.num_processes)
     ok = False
     try:
         attempt = 0

@@ -1,7 +1,8 @@
 """Launcher variants, chosen in one place: :data:`LAUNCHERS` maps a launch kind to its class.
 
 ``forkserver`` (default on Linux/macOS), ``spawn``, ``fork`` and ``xla`` start ranks on this
-machine; remote kinds (ssh, slurm) register here the same way.
+machine; ``ssh`` and ``slurm`` start them on other hosts through one agent per host
+(``nbaccel.launch.remote``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from nbaccel.launch.launchers.fork import ForkLauncher
 from nbaccel.launch.launchers.forkserver import ForkServerLauncher
 from nbaccel.launch.launchers.spawn import SpawnLauncher
 from nbaccel.launch.launchers.xla import XlaLauncher
+from nbaccel.launch.remote.slurm import SlurmLauncher
+from nbaccel.launch.remote.ssh import SshLauncher
 
 __all__ = ["LAUNCHERS", "ProcessLauncher", "make_launcher"]
 
@@ -21,6 +24,8 @@ LAUNCHERS: dict[str, type[ProcessLauncher]] = {
     SpawnLauncher.name: SpawnLauncher,
     ForkLauncher.name: ForkLauncher,
     XlaLauncher.name: XlaLauncher,
+    SshLauncher.name: SshLauncher,
+    SlurmLauncher.name: SlurmLauncher,
 }
 
 

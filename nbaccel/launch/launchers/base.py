@@ -1,7 +1,7 @@
 """The launcher interface: start these ranks somewhere, hand back process handles.
 
-Every way of starting ranks (fork server, spawn, fork, XLA; remote variants such as ssh or
-slurm later) is a :class:`ProcessLauncher`. The worker group gives it one
+Every way of starting ranks (fork server, spawn, fork, XLA; the remote variants ssh and slurm
+in ``nbaccel.launch.remote``) is a :class:`ProcessLauncher`. The worker group gives it one
 :class:`~nbaccel.launch.spec.WorkerSpec` per rank; the spec names the channel (the address of
 the driver's authenticated listener) the rank connects back to. A remote variant says where that
 listener must be reachable from through :attr:`ProcessLauncher.channel_host`.
@@ -28,13 +28,26 @@ class ProcessLauncher(ABC):
     #: The host the driver's listener binds for this launcher's ranks: None is a private Unix
     #: socket (ranks on this machine); a remote launcher names an address its hosts can reach.
     channel_host: str | None = None
+    #: True when the ranks run on this machine and can map its shared memory (/dev/shm)
+    local_memory: ClassVar[bool] = True
+
+    #: the host of each rank (global rank -> host name) when ranks run on other hosts; output
+    #: and errors then name it: ``[rank 5 @ node2]``
+    hosts_by_rank: dict[int, str] = {}
 
     def __init__(self, preload: Iterable[str] = ()) -> None:
         #: modules worth importing once before the ranks start (used by the fork server)
         self.preload = tuple(preload)
 
+    def describe(self) -> str:
+        """What the launch announcement adds about where the ranks run (empty: this machine)."""
+        return ""
+
     def prepare(self) -> None:  # noqa: B027 - optional hook
         """Called once before the first rank starts (start a server, check the runtime...)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Called when the worker group is torn down (stop remote agents, free sockets...)."""
 
     @abstractmethod
     def start(self, spec: WorkerSpec) -> WorkerProcess:

@@ -12,11 +12,12 @@ modules the fork server preloads; ``nbaccel.launch.plan.LaunchPlan`` decides the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
 from nbaccel.launch.plan import Front, LaunchPlan, check_call, default_num_processes
+from nbaccel.launch.remote.options import remote_options
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.run import launch_xla, run_function
 from nbaccel.notebook.kernel.renderers import choose_renderer
@@ -57,6 +58,14 @@ def notebook_launcher(
     cpu: bool = False,
     renderer: Renderer | None = None,
     memory: bool = True,
+    hosts: str | Sequence[str] | None = None,
+    launcher: str | None = None,
+    python: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | Sequence[str] | None = None,
+    ssh_args: Sequence[str] | None = None,
+    srun_args: Sequence[str] | None = None,
+    channel_address: str | None = None,
 ) -> list[Any]:
     """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
 
@@ -68,6 +77,12 @@ def notebook_launcher(
     ``nbaccel.launch.plan``). ``rdzv_conf`` and ``rdzv_id`` are refused unless left at their
     defaults: the world is formed through ``master_addr``/``use_port`` (or ``rdzv_endpoint``).
     On a TPU host the ranks are torch-xla's processes, forked so that they share the arguments.
+
+    Many hosts: ``hosts=["node1:4", "node2:4"]`` runs the ranks there through ssh (one agent per
+    host), ``launcher="slurm"`` on the nodes of the SLURM allocation this kernel runs in.
+    ``python`` (the hosts' interpreter), ``cwd`` (their working directory), ``env`` (names of
+    this kernel's variables to forward, or a dict), ``ssh_args``/``srun_args`` (extra
+    arguments) and ``channel_address`` (this machine's address the hosts reach) tune it.
     """
     __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
     if not callable(function):
@@ -76,9 +91,22 @@ def notebook_launcher(
             f"{type(function).__name__}; pass the function itself (no parentheses)."
         )
     args = check_call(args, timeout=timeout, max_restarts=max_restarts)
+    remote = None
+    if hosts is not None or launcher is not None:
+        remote = remote_options(
+            launcher or "ssh",
+            num_processes,
+            hosts,
+            python=python,
+            cwd=cwd,
+            env=env,
+            ssh_args=ssh_args,
+            srun_args=srun_args,
+            channel_address=channel_address,
+        )
     hooks = worker_setup(memory=memory)
     renderer = renderer or choose_renderer()
-    if _tpu_requested():
+    if remote is None and _tpu_requested():
         if num_nodes != 1 or max_restarts:
             raise ValueError(
                 "a TPU launch runs torch-xla's processes on this host once: leave num_nodes=1 "
@@ -108,6 +136,7 @@ def notebook_launcher(
         rdzv_endpoint=rdzv_endpoint,
         rdzv_conf=rdzv_conf,
         rdzv_id=rdzv_id,
+        remote=remote,
     )
     report = run_function(
         plan,

@@ -25,6 +25,7 @@ from IPython.utils.process import arg_split
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.launchers.forkserver import warm_up
+from nbaccel.launch.remote.options import RemoteOptions, remote_options
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
@@ -130,6 +131,24 @@ class DistributedMagics(Magics):
     )
     @argument("--timeout", type=float, metavar="S", help="interrupt the cell after S seconds.")
     @argument(
+        "--hosts",
+        metavar="H:N,...",
+        help="run the pool's ranks on these hosts through ssh (node1:4,node2:4), one agent per "
+        "host. Without --hosts or --slurm, the running pool is used as it is.",
+    )
+    @argument(
+        "--slurm",
+        action="store_true",
+        help="run the pool's ranks on the nodes of this kernel's SLURM allocation (srun).",
+    )
+    @argument("--python", metavar="PATH", help="the interpreter on the hosts (default: this one).")
+    @argument("--cwd", metavar="DIR", help="the ranks' working directory on the hosts.")
+    @argument(
+        "--env",
+        metavar="NAMES",
+        help="variables of this kernel's environment to forward to the hosts (comma-separated).",
+    )
+    @argument(
         "--quiet",
         action="store_true",
         help="hide printed output, displays and values (stderr and errors still show).",
@@ -160,7 +179,8 @@ class DistributedMagics(Magics):
         filename = self._register_source(line, cell)
         self._check_syntax(cell, filename)
         renderer = self._renderer(args.quiet)
-        pool = self._ensure_pool(args.num_processes, args.backend, renderer)
+        remote = self._remote(args)
+        pool = self._ensure_pool(args.num_processes, args.backend, renderer, remote)
         with _bad_input_is_usage():
             ranks = parse_ranks(args.ranks, pool.num_processes)
         env = {"NBACCEL_MIXED_PRECISION": args.mixed_precision} if args.mixed_precision else None
@@ -189,25 +209,55 @@ class DistributedMagics(Magics):
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         return filename
 
+    def _remote(self, args: Namespace) -> RemoteOptions | None:
+        """The hosts of ``--hosts``/``--slurm`` (None: this machine, or the running pool's)."""
+        if args.hosts and args.slurm:
+            raise UsageError("--hosts (ssh) and --slurm are two ways to reach hosts: pick one.")
+        if not (args.hosts or args.slurm):
+            if args.python or args.cwd or args.env:
+                raise UsageError("--python, --cwd and --env go with --hosts or --slurm.")
+            return None
+        with _bad_input_is_usage():
+            return remote_options(
+                "slurm" if args.slurm else "ssh",
+                args.num_processes,
+                args.hosts,
+                python=args.python,
+                cwd=args.cwd,
+                env=args.env,
+            )
+
     def _ensure_pool(
-        self, num_processes: int | None, backend: str | None, renderer: CellRenderer
+        self,
+        num_processes: int | None,
+        backend: str | None,
+        renderer: CellRenderer,
+        remote: RemoteOptions | None = None,
     ) -> pool_module.Pool:
         pool = pool_module.get_pool()
+        if remote is not None:
+            num_processes = remote.layout.num_processes
         if pool is not None:
             wanted = num_processes or pool.num_processes
             wanted_backend = backend if backend is not None else pool.backend
-            if wanted == pool.num_processes and wanted_backend == pool.backend:
+            wanted_remote = remote if remote is not None else pool.remote
+            if (
+                wanted == pool.num_processes
+                and wanted_backend == pool.backend
+                and wanted_remote == pool.remote
+            ):
                 renderer.start("", pool.num_processes)
                 return pool
+            where = f" on {wanted_remote.layout.describe()}" if wanted_remote is not None else ""
             renderer.notice(
-                f"restarting the pool ({pool.num_processes} -> {wanted} processes, backend "
-                f"{pool.backend or 'default'} -> {wanted_backend or 'default'}); names defined "
-                "on the ranks are lost."
+                f"restarting the pool ({pool.num_processes} -> {wanted} processes{where}, "
+                f"backend {pool.backend or 'default'} -> {wanted_backend or 'default'}); names "
+                "defined on the ranks are lost."
             )
-            num_processes, backend = wanted, wanted_backend
+            num_processes, backend, remote = wanted, wanted_backend, wanted_remote
         started = time.perf_counter()
         with _bad_input_is_usage():
-            pool = pool_module.start_pool(num_processes, backend, renderer)
+            pool = pool_module.start_pool(num_processes, backend, renderer, remote=remote)
         if not renderer.quiet:
             renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
         return pool

@@ -25,6 +25,7 @@ from nbaccel.launch.group import WorkerGroup
 from nbaccel.launch.launchers import make_launcher
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
 from nbaccel.launch.processes import describe_exit
+from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.spec import Mode
 from nbaccel.launch.transport import UnpicklableError, pack
@@ -48,6 +49,8 @@ class Pool:
         backend: process-group backend (default: nccl on GPUs, gloo on CPU).
         start_method: "auto" (fork server with torch preloaded), "spawn" or "fork".
         cpu: CPU ranks even when GPUs are present (default: CPU when there is no GPU).
+        remote: ranks on other hosts (``nbaccel.launch.remote.options.remote_options``): one
+            agent per host stays up with the pool.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Pool:
         backend: str | None = None,
         start_method: str = "auto",
         cpu: bool | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
         self.plan = LaunchPlan.create(
             Front.POOL,
@@ -64,7 +68,9 @@ class Pool:
             cpu=cpu,
             backend=backend,
             extra_env={"MPLBACKEND": _MPL_BACKEND},
+            remote=remote,
         )
+        self.remote = remote
         self.num_processes = self.plan.num_processes
         self.backend = backend
         self.cpu = self.plan.cpu
@@ -87,6 +93,8 @@ class Pool:
         return self.group is not None and not self.group.closed
 
     def describe(self) -> str:
+        if self.remote is not None:
+            return f"{self.plan.describe()} on {self.remote.layout.describe()}"
         return self.plan.describe()
 
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
@@ -99,7 +107,7 @@ class Pool:
             n,
             lambda index: plan.rank_env(index, port),
             self._wrap(renderer),
-            make_launcher(plan.kind, preload=WORKER_PRELOAD),
+            make_launcher(plan.kind, preload=WORKER_PRELOAD, **plan.launcher_options()),
             mode=Mode.SERVE,
             setup=[
                 *worker_setup(memory=True),
@@ -273,13 +281,18 @@ class Pool:
             row: dict[str, Any] = {"rank": rank, "pid": pid, **self.info.get(rank, {})}
             row.update(details.get(rank, {}))
             row["names"] = len(row["names"]) if isinstance(row.get("names"), list) else "-"
-            try:
-                process = psutil.Process(pid)
-                row["uptime"] = time.time() - process.create_time()
-                row.setdefault("rss", process.memory_info().rss)
-                running = process.status() != psutil.STATUS_ZOMBIE
-            except (psutil.Error, TypeError, ValueError):
-                running = False
+            if self.remote is not None:  # on another host: what its agent reported
+                running = group is not None and rank in _alive_ranks(group)
+                if self.started_at is not None:
+                    row["uptime"] = time.time() - self.started_at
+            else:
+                try:
+                    process = psutil.Process(pid)
+                    row["uptime"] = time.time() - process.create_time()
+                    row.setdefault("rss", process.memory_info().rss)
+                    running = process.status() != psutil.STATUS_ZOMBIE
+                except (psutil.Error, TypeError, ValueError):
+                    running = False
             busy = group is not None and group.busy(rank)
             row["state"] = "exited" if not running else ("busy" if busy else "idle")
             rows.append(row)
@@ -287,6 +300,8 @@ class Pool:
 
 
 def _alive_ranks(group: WorkerGroup) -> list[int]:
+    if not group.launcher.local_memory:  # ranks on other hosts: their agents report exits
+        return group.running_ranks()
     alive = []
     for rank, pid in group.pids.items():
         try:
@@ -310,19 +325,26 @@ def start_pool(
     backend: str | None = None,
     renderer: Renderer | None = None,
     start_method: str = "auto",
+    remote: RemoteOptions | None = None,
 ) -> Pool:
-    """The running pool when it matches ``num_processes``/``backend``, else a new one (the old
-    one is shut down). ``num_processes=None``: the running pool's, else the plan's default."""
+    """The running pool when it matches ``num_processes``/``backend`` (and ``remote``'s hosts),
+    else a new one (the old one is shut down). ``num_processes=None``: the running pool's, else
+    the plan's default."""
     global _pool
     current = get_pool()
     if current is not None:
         wanted = num_processes or current.num_processes
-        if current.num_processes == wanted and current.backend == backend:
+        if (
+            current.num_processes == wanted
+            and current.backend == backend
+            and current.remote == remote
+        ):
             return current
         current.shutdown()
-    pool = Pool(num_processes, backend=backend, start_method=start_method)
+    pool = Pool(num_processes, backend=backend, start_method=start_method, remote=remote)
     if renderer is not None:
-        renderer.start(pool.plan.announcement(), pool.num_processes)
+        where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
+        renderer.start(pool.plan.announcement(where), pool.num_processes)
     pool.start(renderer)
     _pool = pool
     return pool

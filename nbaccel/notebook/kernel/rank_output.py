@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.launch.labels import rank_label
 from nbaccel.launch.protocol import EventKind
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.kernel.renderers import choose_renderer
@@ -109,7 +110,7 @@ class CellRenderer(Renderer):
         if get_ipython is None or get_ipython() is None:
             self.inner.line(rank, "stdout", str(data.get("text/plain", sorted(data))))
             return
-        sys.stdout.write(f"[rank {rank}]\n")
+        sys.stdout.write(f"[{rank_label(rank)}]\n")
         sys.stdout.flush()
         display(data, metadata=metadata, raw=True)
 

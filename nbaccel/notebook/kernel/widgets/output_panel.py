@@ -13,6 +13,8 @@ from collections import deque
 
 import ipywidgets as widgets
 
+from nbaccel.launch.labels import rank_label
+
 __all__ = ["OutputPanel"]
 
 _PANE = widgets.Layout(max_height="260px", overflow="auto", width="100%")
@@ -65,7 +67,7 @@ class OutputPanel:
         if stream == "stderr":
             line = _STDERR.format(line)
         pane.add(line)
-        self._merged.add(f"<b>[rank {rank}]</b> {line}")
+        self._merged.add(f"<b>[{html.escape(rank_label(rank))}]</b> {line}")
 
     def flush(self, force: bool = False) -> None:
         """Redraw the views that changed, unless the last redraw was under ``interval`` ago."""

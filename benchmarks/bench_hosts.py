@@ -1,0 +1,131 @@
+"""Many hosts from one notebook: launch, warm pool cell, interrupt and a killed host, timed.
+
+Run as root with the hosts lane up (``sudo bash scripts/hosts/up 2``), then
+``.venv/bin/python benchmarks/bench_hosts.py``. In one real Jupyter kernel (nbclient):
+
+- launch-to-return of a no-op on 2 namespace hosts x 2 ranks (ssh, one agent per host) vs the
+  same 4 ranks on this machine (fork server), medians of REPEATS each, alternated;
+- a warm empty ``%%distributed`` cell on a pool across the 2 hosts (median of CELLS);
+- time from the stop button (SIGINT in the kernel) to the launch's return, every rank stopped;
+- time from killing a host's agent (SIGKILL over ssh) to the error naming that host.
+
+Results go to benchmarks/results/hosts.json. Never run in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+REPEATS = 5
+CELLS = 20
+HOSTS = ["nbh1:2", "nbh2:2"]
+SSH_CONFIG = "/var/lib/nbaccel-hosts/ssh_config"
+
+SETUP = f"""
+import json, os, signal, statistics, subprocess, tempfile, threading, time
+from nbaccel import notebook_launcher
+from nbaccel.launch.render import Renderer
+HOSTS = {HOSTS!r}
+def noop():
+    return None
+notebook_launcher(noop, num_processes=4, renderer=Renderer())  # warm the local fork server
+"""
+
+LAUNCH = f"""
+remote_s, local_s = [], []
+for _ in range({REPEATS}):
+    t0 = time.perf_counter()
+    notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())
+    remote_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); notebook_launcher(noop, num_processes=4, renderer=Renderer())
+    local_s.append(time.perf_counter() - t0)
+"""
+
+POOL = f"""
+%load_ext nbaccel
+t0 = time.perf_counter()
+get_ipython().run_cell_magic("distributed", "--quiet --hosts " + ",".join(HOSTS), "x = 1")
+pool_start_s = time.perf_counter() - t0
+cell_s = []
+for _ in range({CELLS}):
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic("distributed", "--quiet", "pass")
+    cell_s.append(time.perf_counter() - t0)
+get_ipython().run_line_magic("dist_shutdown", "")
+"""
+
+FAULTS = f"""
+def sleeper(folder):
+    import os, time
+    open(os.path.join(folder, os.environ["RANK"]), "w").close()
+    time.sleep(300)
+
+def when_up(folder, action):
+    def run():
+        while len(os.listdir(folder)) < 4:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        action()
+    threading.Thread(target=run, daemon=True).start()
+
+marks = {{}}
+folder = tempfile.mkdtemp(dir="/var/tmp")
+def press_stop():
+    marks["stop"] = time.perf_counter()
+    os.kill(os.getpid(), signal.SIGINT)
+when_up(folder, press_stop)
+try:
+    notebook_launcher(sleeper, (folder,), num_processes=4, hosts=HOSTS, renderer=Renderer())
+except KeyboardInterrupt:
+    interrupt_s = time.perf_counter() - marks["stop"]
+left = [subprocess.run(["ssh", "-F", {SSH_CONFIG!r}, h.split(":")[0], "pgrep -c python || true"],
+                       capture_output=True, text=True).stdout.strip() for h in HOSTS]
+
+folder = tempfile.mkdtemp(dir="/var/tmp")
+def kill_agent():
+    marks["kill"] = time.perf_counter()
+    subprocess.run(["ssh", "-F", {SSH_CONFIG!r}, "nbh2",
+                    "pkill -KILL -f 'nbaccel[.]launch[.]remote[.]agent'"])
+when_up(folder, kill_agent)
+try:
+    notebook_launcher(sleeper, (folder,), num_processes=4, hosts=HOSTS, renderer=Renderer())
+except Exception as exc:
+    lost_s = time.perf_counter() - marks["kill"]
+    lost_error = f"{{type(exc).__name__}}: {{exc}}"
+print(json.dumps(dict(
+    remote_launch_s=statistics.median(remote_s), local_launch_s=statistics.median(local_s),
+    remote_all=remote_s, local_all=local_s,
+    pool_start_s=pool_start_s, warm_cell_ms=1000 * statistics.median(cell_s),
+    interrupt_to_return_s=interrupt_s, python_left_on_hosts=left,
+    killed_host_reported_s=lost_s, killed_host_error=lost_error[:300],
+)))
+"""
+
+
+def main() -> int:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (SETUP, LAUNCH, POOL, FAULTS)]
+    env = {**os.environ, "NBACCEL_RENDERER": "text"}
+    client = NotebookClient(nb, timeout=900, kernel_name="python3")
+    with client.setup_kernel(env=env):
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+    out = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["ratio_remote_to_local"] = result["remote_launch_s"] / result["local_launch_s"]
+    result["machine"] = f"{os.cpu_count()} cores; hosts are network namespaces on this machine"
+    path = ROOT / "benchmarks" / "results" / "hosts.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

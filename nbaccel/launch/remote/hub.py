@@ -1,0 +1,255 @@
+"""The kernel's end of the hosts' connections: one ZeroMQ CURVE server, one thread.
+
+The hub binds one address the hosts reach (never every interface), admits only clients holding
+one of this launch's agent keys (a ZAP check in libzmq's handshake, before any message), and
+encrypts everything with CURVE. For each connection a rank opens on its host, the agent sends
+``OPEN`` and the hub connects a socket to the worker group's own listener (a private Unix socket
+on this machine); bytes then flow both ways untouched, so the group authenticates remote ranks
+with the launch's HMAC handshake and treats them as ordinary connections.
+
+The launcher gets everything else (hello, started, exited, log, a host lost) through one
+callback, called on the hub's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from nbaccel.launch.channel import Address
+from nbaccel.launch.remote.relay import Relay
+from nbaccel.launch.remote.wire import HEARTBEAT, LOST_AFTER, Kind, decode, encode, new_keys
+
+__all__ = ["Hub"]
+
+#: ``callback(node, kind, header)``; kind is a wire.Kind, or "lost" with {"why": ...}
+EventCallback = Callable[[int, Any, dict[str, Any]], None]
+
+
+class _Keys(ThreadAuthenticator):
+    """ZAP: admit this launch's agent keys only; the ZAP user id of a connection is its node."""
+
+    def __init__(self, context: zmq.Context, allowed: dict[str, int]) -> None:
+        super().__init__(context)
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:  # credentials provider
+        return key.decode() in self.allowed
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return str(self.allowed.get(z85.encode(client_public_key).decode(), -1))
+
+
+class Hub:
+    """Bind ``address`` (``0`` port: any free one) and serve ``nodes`` agents."""
+
+    def __init__(self, address: str, nodes: int, callback: EventCallback) -> None:
+        self.server_public, server_secret = new_keys()
+        self.agent_keys = [new_keys() for _ in range(nodes)]
+        self.callback = callback
+        self.channel: Address | None = None  # the worker group's listener, set by the launcher
+        self.context = zmq.Context()
+        self.auth = _Keys(
+            self.context, {pub: node for node, (pub, _) in enumerate(self.agent_keys)}
+        )
+        self.auth.start()
+        self.auth.configure_curve_callback("nbaccel", credentials_provider=self.auth)
+        self.router = self.context.socket(zmq.ROUTER)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.SNDHWM, 0),
+            (zmq.RCVHWM, 0),
+            (zmq.ROUTER_MANDATORY, 1),
+        ):
+            self.router.setsockopt(option, value)
+        self.router.curve_server = True
+        self.router.curve_publickey = self.server_public.encode()
+        self.router.curve_secretkey = server_secret.encode()
+        self.router.zap_domain = b"nbaccel"
+        try:
+            self.router.bind(f"tcp://{address}:0")
+        except zmq.ZMQError as exc:
+            self.close()
+            raise RuntimeError(
+                f"could not listen for the hosts' agents on {address}: {exc}; pass the address "
+                "of this machine that the hosts reach as channel_address=..."
+            ) from None
+        endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = endpoint.replace("0.0.0.0", address)
+        self.address, self.port = address, int(endpoint.rsplit(":", 1)[1])
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._outbox: deque[tuple[int, list]] = deque()
+        self._to_lose: deque[tuple[int, str]] = deque()
+        self._identity: dict[int, bytes] = {}
+        self._heard: dict[int, float] = {}
+        self._sent: dict[int, float] = {}
+        self._lost: set[int] = set()
+        self._relays: dict[tuple[int, int], Relay] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbaccel-hub")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def send(self, node: int, kind: Kind, header: dict | None = None, payload: bytes | None = None):
+        """Queue a message for ``node``'s agent (sent by the hub's thread)."""
+        self._outbox.append((node, encode(kind, header, payload)))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def lose(self, node: int, why: str) -> None:
+        """Count ``node`` as lost (its agent process ended): done on the hub's thread."""
+        self._to_lose.append((node, why))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def connected(self, node: int) -> bool:
+        return node in self._identity
+
+    def close(self) -> None:
+        """Stop the thread and free the sockets (agents still connected see the link drop)."""
+        self._stop = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+        for relay in getattr(self, "_relays", {}).values():
+            relay.close()
+        with contextlib.suppress(Exception):
+            self.router.close(0)
+        self.auth.stop()
+        self.context.term()
+        for sock in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+            if sock is not None:
+                sock.close()
+
+    # ------------------------------------------------------------------ the hub's thread
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stop:
+            watched = []
+            for relay in self._relays.values():
+                flags = (0 if relay.ending else zmq.POLLIN) | (
+                    zmq.POLLOUT if relay.wants_write else 0
+                )
+                if flags:
+                    poller.register(relay, flags)
+                    watched.append(relay)
+            events = dict(poller.poll(int(HEARTBEAT * 1000 / 2)))
+            for relay in watched:
+                poller.unregister(relay)
+            if self._wake_r.fileno() in events:
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(4096)
+            while self._to_lose:
+                self._lose(*self._to_lose.popleft())
+            self._flush_outbox()
+            if self.router in events:
+                while self.router.poll(0):
+                    self._receive(self.router.recv_multipart(copy=False))
+            for (node, sid), relay in list(self._relays.items()):
+                flags = events.get(relay.fileno(), 0)  # plain fds come back as numbers
+                if flags & zmq.POLLOUT:
+                    relay.flush()
+                if flags & zmq.POLLIN and not relay.closed and not relay.ending:
+                    data = relay.read()
+                    if data:
+                        self._send_now(node, encode(Kind.DATA, {"sid": sid}, data))
+                    elif data is not None:
+                        relay.close()
+                        self._send_now(node, encode(Kind.CLOSE, {"sid": sid}))
+                if relay.closed:
+                    del self._relays[(node, sid)]
+            self._heartbeat()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            node, frames = self._outbox.popleft()
+            self._send_now(node, frames)
+
+    def _send_now(self, node: int, frames: list) -> None:
+        identity = self._identity.get(node)
+        if identity is None or node in self._lost:
+            return
+        try:
+            self.router.send_multipart([identity, *frames])
+            self._sent[node] = time.monotonic()
+        except zmq.ZMQError:  # the agent is gone (ROUTER_MANDATORY): the heartbeat names it
+            pass
+
+    def _receive(self, frames: list) -> None:
+        identity, *rest = frames
+        try:
+            node = int(rest[0].get("User-Id"))
+            kind, header, payload = decode([f.bytes for f in rest])
+        except (ValueError, zmq.ZMQError, IndexError, KeyError):
+            return  # only admitted agents reach here; a malformed message is dropped
+        if node < 0 or node in self._lost:
+            return
+        self._identity[node] = identity.bytes
+        self._heard[node] = time.monotonic()
+        if kind == Kind.OPEN:
+            self._open(node, int(header["sid"]))
+        elif kind == Kind.DATA:
+            relay = self._relays.get((node, int(header["sid"])))
+            if relay is not None:
+                relay.feed(payload)
+        elif kind == Kind.CLOSE:
+            relay = self._relays.get((node, int(header["sid"])))
+            if relay is not None:
+                relay.finish()
+        elif kind != Kind.PING:
+            self.callback(node, kind, header)
+
+    def _open(self, node: int, sid: int) -> None:
+        """A rank on ``node`` connects to the group's listener: connect here on its behalf."""
+        address = self.channel
+        family = (
+            socket.AF_UNIX if address is not None and address.family == "unix" else socket.AF_INET
+        )
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if address is None:
+                raise OSError("no launch is listening")
+            sock.settimeout(5.0)
+            sock.connect(address.location)
+        except OSError:
+            sock.close()
+            self._send_now(node, encode(Kind.CLOSE, {"sid": sid}))
+            return
+        self._relays[(node, sid)] = Relay(sock)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for node in list(self._identity):
+            if node in self._lost:
+                continue
+            if now - self._heard.get(node, now) > LOST_AFTER:
+                self._lose(
+                    node,
+                    f"no word from its agent for {LOST_AFTER:.0f} s (host down or network lost)",
+                )
+                continue
+            if now - self._sent.get(node, 0.0) > HEARTBEAT:
+                self._send_now(node, encode(Kind.PING))
+
+    def _lose(self, node: int, why: str) -> None:
+        """Count ``node`` as lost (once): drop its connections, tell the launcher."""
+        if node in self._lost:
+            return
+        self._lost.add(node)
+        for key in [k for k in self._relays if k[0] == node]:
+            self._relays.pop(key).close()
+        self.callback(node, "lost", {"why": why})

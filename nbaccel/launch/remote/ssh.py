@@ -1,0 +1,75 @@
+"""The ``ssh`` launcher: one ``ssh host python -m nbaccel.launch.remote.agent`` per host.
+
+Everything ssh knows applies (``~/.ssh/config``: users, ports, identities, jump hosts); extra
+arguments come from ``ssh_args``. The agent's configuration, keys included, is written to ssh's
+stdin, which then stays open: when this kernel dies, the pipe closes, ssh passes the end of input
+on, and the agent stops its ranks. ssh runs in its own session, so the notebook's stop button
+(SIGINT to the kernel's process group) reaches the ranks through the kernel, not by killing ssh.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+from typing import Any
+
+from nbaccel.launch.remote.launcher import (
+    AGENT_MODULE,
+    AgentProcess,
+    RemoteLauncher,
+    _route_address,
+)
+
+__all__ = ["SshLauncher"]
+
+
+class SshLauncher(RemoteLauncher):
+    """Ranks on the hosts of ``hosts=[...]``, through ssh."""
+
+    name = "ssh"
+
+    def _ssh(self, *args: str) -> list[str]:
+        return ["ssh", *self.options.ssh_args, "-T", "-o", "BatchMode=yes", *args]
+
+    def find_channel_address(self) -> str:
+        """The local address on the route to the first host (as ``ssh -G`` resolves it)."""
+        host = self.layout.hosts[0]
+        target = host.name
+        try:
+            out = subprocess.run(
+                self._ssh("-G", host.target), capture_output=True, text=True, timeout=10
+            ).stdout
+            for line in out.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "hostname" and value:
+                    target = value.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        try:
+            return _route_address(socket.gethostbyname(target))
+        except OSError as exc:
+            raise ValueError(
+                f"cannot tell which address of this machine host {host.name} reaches "
+                f"({target}: {exc}); pass channel_address='...' (an address of this machine "
+                "the hosts can connect to)."
+            ) from None
+
+    def start_agents(self, configs: list[dict[str, Any]]) -> list[AgentProcess]:
+        python = shlex.quote(self.options.python)
+        cwd = shlex.quote(self.options.cwd)
+        command = f"cd {cwd} 2>/dev/null; exec {python} -m {AGENT_MODULE}"
+        agents = []
+        for node, host in enumerate(self.layout.hosts):
+            popen = subprocess.Popen(
+                self._ssh(host.target, command),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            popen.stdin.write(json.dumps(configs[node]).encode() + b"\n")
+            popen.stdin.flush()
+            agents.append(AgentProcess(popen, [node], f"ssh {host.target}"))
+        return agents

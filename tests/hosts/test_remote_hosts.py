@@ -1,0 +1,322 @@
+"""One notebook, many hosts: real kernels (nbclient) launching over ssh onto the lane's hosts.
+
+Run with ``sudo bash scripts/test-hosts`` (marker ``hosts``). The hosts nbh1, nbh2 are network
+namespaces with their own sshd, /tmp and /dev/shm; they share only the filesystem and the
+network with this kernel, which they reach at 10.77.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel import cell_errors, cell_text, run_notebook
+
+pytestmark = pytest.mark.hosts
+
+NO_WARMUP = {"NBACCEL_NO_WARMUP": "1", "NBACCEL_RENDERER": "text"}
+
+
+def _python_on(hosts, host: str) -> list[str]:
+    """The Python processes (agents, fork servers, ranks) running on ``host``."""
+    out = subprocess.run(
+        hosts.ssh_argv(host, "ps -eo pid,args | grep '[p]ython' || true"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder the hosts see too (their /tmp is their own; the rest is shared)."""
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-lane-", dir="/var/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def clean_hosts(ssh_hosts):
+    """Every test starts and ends with no nbaccel process on any host."""
+    yield ssh_hosts
+    deadline = time.monotonic() + 20
+    left = {}
+    while time.monotonic() < deadline:
+        left = {h: _python_on(ssh_hosts, h) for h in ssh_hosts.names[:2]}
+        if not any(left.values()):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"processes left on the hosts: {left}")
+
+
+_WHERE = textwrap.dedent(
+    """
+    import os, socket, torch
+    import torch.distributed as dist
+    from nbaccel import notebook_launcher
+
+    def where(weights):
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total)
+        print("hello from", socket.gethostname(), "local rank", os.environ["LOCAL_RANK"])
+        shm = sorted(name for name in os.listdir("/dev/shm") if name.startswith("nbaccel-"))
+        return (dist.get_rank(), socket.gethostname(), os.environ["NODE_RANK"], total.item(),
+                float(weights.sum()), len(shm))
+
+    weights = torch.ones(1_000_000)
+    results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+    for row in results:
+        print(row)
+    """
+)
+
+
+def test_launcher_results_labels_and_data_once_per_host(clean_hosts):
+    nb = run_notebook([_WHERE], timeout=240, env=NO_WARMUP)
+    text = cell_text(nb.cells[0])
+    assert not cell_errors(nb.cells[0]), text
+    assert "on 2 hosts (nbh1:2, nbh2:2) over ssh" in text
+    assert "connect back to 10.77.0.1" in text
+    for rank, host, node in ((0, "nbh1", 0), (1, "nbh1", 0), (2, "nbh2", 1), (3, "nbh2", 1)):
+        assert f"[rank {rank} @ {host}] hello from {host} local rank {rank % 2}" in text
+        # the 4 MB tensor: one shared file on each host's own /dev/shm, seen by both its ranks
+        assert f"({rank}, '{host}', '{node}', 6.0, 1000000.0, 1)" in text
+
+
+_FAIL = textwrap.dedent(
+    """
+    from nbaccel import notebook_launcher
+
+    def fail_on_three():
+        import os, time
+        if os.environ["RANK"] == "3":
+            raise ValueError("bad shard on the second host")
+        time.sleep(60)
+
+    notebook_launcher(fail_on_three, num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+    """
+)
+
+
+def test_first_failure_has_its_type_rank_and_host(clean_hosts):
+    nb = run_notebook([_FAIL, "print('kernel still usable')"], timeout=240, env=NO_WARMUP)
+    errors = cell_errors(nb.cells[0])
+    assert [(e.ename, e.evalue) for e in errors] == [
+        ("ValueError", "[rank 3 @ nbh2] bad shard on the second host")
+    ]
+    assert "kernel still usable" in cell_text(nb.cells[1])
+
+
+def _sleeper(folder: str, hosts: str = '["nbh1:1", "nbh2:1"]') -> str:
+    return textwrap.dedent(
+        f"""
+        from nbaccel import notebook_launcher
+
+        def sleep_long(folder):
+            import os, time
+            open(os.path.join(folder, os.environ["RANK"]), "w").close()
+            time.sleep(300)
+
+        notebook_launcher(sleep_long, ({folder!r},), num_processes=2, hosts={hosts})
+        """
+    )
+
+
+def test_interrupt_stops_every_rank_on_every_host(clean_hosts, shared_tmp):
+    folder = shared_tmp / "up"
+    folder.mkdir()
+    nb = run_notebook(
+        [_sleeper(str(folder)), "print('after the interrupt')"],
+        timeout=240,
+        interrupt_after={0: 25},
+        env=NO_WARMUP,
+    )
+    assert sorted(os.listdir(folder)) == ["0", "1"], cell_text(nb.cells[0])
+    assert [e.ename for e in cell_errors(nb.cells[0])] == ["KeyboardInterrupt"]
+    assert "after the interrupt" in cell_text(nb.cells[1])
+
+
+def test_killed_agent_names_its_host(clean_hosts, shared_tmp):
+    folder = shared_tmp / "up"
+    folder.mkdir()
+    killed = {}
+
+    def kill_agent_on_nbh2():
+        deadline = time.monotonic() + 200
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        subprocess.run(
+            clean_hosts.ssh_argv("nbh2", "pkill -KILL -f 'nbaccel[.]launch[.]remote[.]agent'"),
+            timeout=30,
+        )
+        killed["at"] = time.monotonic()
+
+    thread = threading.Thread(target=kill_agent_on_nbh2)
+    thread.start()
+    try:
+        nb = run_notebook([_sleeper(str(folder))], timeout=240, env=NO_WARMUP)
+    finally:
+        thread.join()
+    errors = cell_errors(nb.cells[0])
+    assert [e.ename for e in errors] == ["RankCrashed"], cell_text(nb.cells[0])
+    assert "rank 1 @ nbh2 was lost: host nbh2 lost" in errors[0].evalue
+
+
+def test_kernel_death_leaves_no_process_on_any_host(clean_hosts, shared_tmp):
+    """SIGKILL the kernel mid-launch: ssh's stdin closes, each agent kills its ranks."""
+    from jupyter_client.manager import KernelManager
+
+    folder = shared_tmp / "up"
+    folder.mkdir()
+    manager = KernelManager(kernel_name="python3")
+    manager.kernel_spec_manager.ensure_native_kernel = True
+    manager.start_kernel(env={**os.environ, **NO_WARMUP}, cwd=str(Path.cwd()))
+    try:
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(60)
+        client.execute(f"import sys; sys.executable == {sys.executable!r} or exit(3)")
+        client.execute(_sleeper(str(folder)))
+        deadline = time.monotonic() + 200
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(os.listdir(folder)) == 2, "the ranks never started"
+        assert all(_python_on(clean_hosts, h) for h in ("nbh1", "nbh2"))
+        os.kill(manager.provisioner.process.pid, 9)
+        client.stop_channels()
+    finally:
+        manager.cleanup_resources() if not manager.is_alive() else manager.shutdown_kernel(now=True)
+    # clean_hosts checks that nothing is left on the hosts
+
+
+_TRAIN = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from nbaccel import notebook_launcher
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 8, generator=g)
+        return x, x @ torch.arange(8.0) + 1.0
+
+    def fresh_model():
+        torch.manual_seed(1)
+        return nn.Linear(8, 1)
+
+    def train(steps=20):
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        x, y = data()
+        model = DDP(fresh_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(steps):
+            shard = slice(rank * 64 // world, (rank + 1) * 64 // world)
+            loss = ((model(x[shard]).squeeze(1) - y[shard]) ** 2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        return [p.detach().clone() for p in model.module.parameters()]
+
+    def train_one_process(steps=20):
+        x, y = data()
+        model = fresh_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(steps):
+            loss = ((model(x).squeeze(1) - y) ** 2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    per_rank = notebook_launcher(train, num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+    alone = train_one_process()
+    print("ranks agree:", all(torch.equal(a, b) for r in per_rank for a, b in zip(r, per_rank[0])))
+    print("equal to one process:", all(torch.allclose(a, b, atol=1e-5)
+                                       for a, b in zip(per_rank[0], alone)))
+    """
+)
+
+
+def test_two_host_training_equals_one_process(clean_hosts):
+    nb = run_notebook([_TRAIN], timeout=300, env=NO_WARMUP)
+    text = cell_text(nb.cells[0])
+    assert "ranks agree: True" in text and "equal to one process: True" in text, text
+
+
+_MAGIC = [
+    "%load_ext nbaccel",
+    "%%distributed --hosts nbh1:1,nbh2:1\n"
+    "import os, socket\nhost = socket.gethostname()\n"
+    "print('up on', host, 'rank', os.environ['RANK'])",
+    "%%distributed\nprint('still', host)",
+    "%%distributed --ranks 1\nhost",
+    "y = 41\n%dist_push y",
+    "%%distributed\ny += int(os.environ['RANK'])",
+    "%dist_pull y --all\nprint('pulled', y)",
+    "%%distributed\nif os.environ['RANK'] == '1':\n    raise KeyError('missing on nbh2')",
+    "%%distributed\nimport time\ntime.sleep(120)",
+    "%%distributed\nprint('after interrupt', host)",
+    "%dist_shutdown",
+]
+
+
+def test_magic_pool_across_hosts(clean_hosts):
+    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={8: 10}, env=NO_WARMUP)
+    texts = [cell_text(c) for c in nb.cells]
+    assert "[rank 0 @ nbh1] up on nbh1 rank 0" in texts[1], texts[1]
+    assert "[rank 1 @ nbh2] up on nbh2 rank 1" in texts[1]
+    assert "[rank 1 @ nbh2] still nbh2" in texts[2]
+    assert "'nbh2'" in texts[3] and "nbh1" not in texts[3]
+    assert "pulled [41, 42]" in texts[6]
+    errors = cell_errors(nb.cells[7])
+    assert [(e.ename, e.evalue) for e in errors] == [
+        ("KeyError", "'[rank 1 @ nbh2] missing on nbh2'")
+    ]
+    assert [e.ename for e in cell_errors(nb.cells[8])] == ["KeyboardInterrupt"]
+    assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[9], texts[8] + texts[9]
+    assert "Pool shut down." in texts[10]
+
+
+def test_many_hosts_notebook(clean_hosts):
+    from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
+
+    path = Path(__file__).resolve().parents[2] / "notebooks" / "many_hosts.ipynb"
+    nb = execute_notebook(path, timeout=300, allow_errors=False)
+    texts = ["".join(output_text(o) for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
+    assert "[rank 3 @ nbh2] rank 3 of 4 on nbh2" in texts[1]
+    assert "('nbh1', 6.0, 1000000.0), ('nbh1', 6.0, 1000000.0), ('nbh2', 6.0" in texts[1]
+    assert "caught: KeyError '[rank 3 @ nbh2] a column only the last host lacks'" in texts[2]
+    assert "[rank 2 @ nbh2] ready on nbh2" in texts[4]
+    assert "[rank 0 @ nbh1] nbh1 sum of ranks: 6.0" in texts[5]
+    assert "hosts of the ranks: ['nbh1', 'nbh1', 'nbh2', 'nbh2']" in texts[6]
+
+
+_TIMEOUT = textwrap.dedent(
+    """
+    from nbaccel import notebook_launcher
+
+    def too_slow():
+        import time
+        time.sleep(300)
+
+    notebook_launcher(too_slow, num_processes=2, hosts=["nbh1:1", "nbh2:1"], timeout=30)
+    """
+)
+
+
+def test_timeout_stops_the_ranks_on_every_host(clean_hosts):
+    nb = run_notebook([_TIMEOUT], timeout=240, env=NO_WARMUP)
+    errors = cell_errors(nb.cells[0])
+    assert [e.ename for e in errors] == ["LaunchTimeout"], cell_text(nb.cells[0])
+    assert "exceeded timeout=30 s" in errors[0].evalue

@@ -1,0 +1,54 @@
+"""Agents on this machine for the default suite: the remote launch without ssh or srun.
+
+``LocalAgentsLauncher`` starts each "host"'s agent as a real subprocess
+(``python -m nbaccel.launch.remote.agent``, configuration on its stdin, as ssh would deliver it)
+that connects to the CURVE hub on 127.0.0.1. Everything but the transport that starts the agent
+is the real thing; the ssh and SLURM transports themselves are tested in the lanes
+(``tests/hosts``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from nbaccel.launch.launchers import LAUNCHERS
+from nbaccel.launch.plan import Front, LaunchPlan
+from nbaccel.launch.remote.hosts import parse_hosts
+from nbaccel.launch.remote.launcher import AGENT_MODULE, AgentProcess, RemoteLauncher
+from nbaccel.launch.remote.options import RemoteOptions
+
+KIND = "local-agents"
+
+
+class LocalAgentsLauncher(RemoteLauncher):
+    name = KIND
+
+    def find_channel_address(self) -> str:
+        return "127.0.0.1"
+
+    def start_agents(self, configs):
+        agents = []
+        for config in configs:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", AGENT_MODULE],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            popen.stdin.write(json.dumps(config).encode() + b"\n")
+            popen.stdin.flush()
+            agents.append(AgentProcess(popen, [config["node"]], f"agent {config['name']}"))
+        return agents
+
+
+LAUNCHERS[KIND] = LocalAgentsLauncher
+
+
+def local_plan(hosts: list[str], front: Front = Front.NOTEBOOK) -> LaunchPlan:
+    """A plan whose "hosts" are agents on this machine."""
+    layout = parse_hosts(hosts, None)
+    remote = RemoteOptions(kind=KIND, layout=layout, python=sys.executable, cwd="/")
+    return LaunchPlan.create(front, layout.num_processes, remote=remote, cpu=True)

@@ -1,0 +1,306 @@
+"""The many-hosts engine without ssh: hosts parsing, the CURVE hub, agents as real processes.
+
+Agents run on this machine (``tests/remote_agents.py``), each a real ``python -m
+nbaccel.launch.remote.agent`` subprocess connecting to the kernel's CURVE hub on 127.0.0.1; the
+ssh and SLURM lanes (``tests/hosts``) run the same engine across network-namespace hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import zmq
+
+from nbaccel.launch.errors import RankCrashed
+from nbaccel.launch.remote.hosts import parse_hosts, slurm_layout
+from nbaccel.launch.remote.hub import Hub
+from nbaccel.launch.remote.options import remote_options
+from nbaccel.launch.remote.wire import Kind, encode, new_keys
+from nbaccel.launch.render import TextRenderer
+from nbaccel.launch.run import run_function
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from remote_agents import local_plan  # noqa: E402
+
+# ----------------------------------------------------------------------------- hosts, options
+
+
+def test_hosts_layout_numbers_ranks_host_by_host():
+    layout = parse_hosts("a:2,user@b:3", None)
+    assert [h.name for h in layout.hosts] == ["a", "b"]
+    assert layout.hosts[1].target == "user@b"
+    assert layout.num_processes == 5
+    assert [layout.place(r) for r in range(5)] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert parse_hosts(["a", "b"], 4).describe() == "a:2, b:2"
+
+
+@pytest.mark.parametrize(
+    ("hosts", "n", "words"),
+    [
+        ([], 2, "non-empty list"),
+        (["a:0"], None, "positive integer"),
+        (["a:x"], None, "positive integer"),
+        (["a b:2"], None, "not '[user@]host[:N]'"),
+        (["a;rm -rf:2"], None, "not '[user@]host[:N]'"),
+        (["a:2", "a:2"], None, "more than once"),
+        (["a:2", "b:2"], 3, "add up to 4"),
+        (["a", "b"], 3, "cannot be shared evenly"),
+        (["a", "b"], None, "give each host its number"),
+    ],
+)
+def test_bad_hosts_are_refused_with_the_fix(hosts, n, words):
+    with pytest.raises(ValueError, match=None) as info:
+        parse_hosts(hosts, n)
+    assert words in str(info.value)
+
+
+def test_slurm_outside_an_allocation_says_so():
+    with pytest.raises(ValueError, match="SLURM_JOB_ID is not set"):
+        slurm_layout(4, environ={})
+
+
+def test_remote_options_check_before_anything_starts(monkeypatch):
+    with pytest.raises(ValueError, match="needs hosts"):
+        remote_options("ssh", 2)
+    with pytest.raises(ValueError, match="launcher must be one of"):
+        remote_options("rsh", 2, ["a:2"])
+    monkeypatch.delenv("NBACCEL_NOT_SET_ANYWHERE", raising=False)
+    with pytest.raises(ValueError, match="NBACCEL_NOT_SET_ANYWHERE"):
+        remote_options("ssh", 2, ["a:2"], env=["NBACCEL_NOT_SET_ANYWHERE"])
+    with pytest.raises(ValueError, match="list of arguments"):
+        remote_options("ssh", 2, ["a:2"], ssh_args="-p 22")
+    monkeypatch.setenv("NBACCEL_FORWARD_ME", "yes")
+    options = remote_options("ssh", None, "a:1,b:1", env=["NBACCEL_FORWARD_ME"], cwd="/srv")
+    assert options.env == {"NBACCEL_FORWARD_ME": "yes"}
+    assert options.layout.num_processes == 2 and options.cwd == "/srv"
+
+
+def test_notebook_launcher_refuses_bad_hosts_before_starting():
+    from nbaccel import notebook_launcher
+
+    with pytest.raises(ValueError, match="add up to 2"):
+        notebook_launcher(print, num_processes=3, hosts=["a:1", "b:1"])
+
+
+# ----------------------------------------------------------------------------- the hub
+
+
+def test_hub_admits_only_this_launchs_keys():
+    """A client with the server's public key but a key pair of its own is refused by ZAP
+    before any message reaches the hub; the launch's own key gets through."""
+    heard = []
+    hub = Hub("127.0.0.1", 1, lambda node, kind, header: heard.append((node, kind, header)))
+    context = zmq.Context()
+    try:
+
+        def client(public: str, secret: str) -> zmq.Socket:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.curve_serverkey = hub.server_public.encode()
+            sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
+            sock.connect(f"tcp://127.0.0.1:{hub.port}")
+            return sock
+
+        stranger = client(*new_keys())
+        stranger.send_multipart(encode(Kind.LOG, {"text": "let me in"}))
+        member = client(*hub.agent_keys[0])
+        member.send_multipart(encode(Kind.LOG, {"text": "node 0 here"}))
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the stranger's message, were it admitted, would be here by now
+        assert heard == [(0, Kind.LOG, {"text": "node 0 here"})]
+        stranger.close()
+        member.close()
+    finally:
+        context.term()
+        hub.close()
+
+
+def test_hub_binds_only_the_address_it_was_given():
+    hub = Hub("127.0.0.1", 1, lambda *a: None)
+    try:
+        listening = [
+            c.laddr
+            for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == hub.port
+        ]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening)
+    finally:
+        hub.close()
+
+
+# ----------------------------------------------------------------------------- agents
+
+
+def _where(big):
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(total)
+    print(f"on {os.environ['NBACCEL_HOST']} as {os.environ['LOCAL_RANK']}", flush=True)
+    return (
+        int(os.environ["RANK"]),
+        os.environ["NODE_RANK"],
+        os.environ["LOCAL_RANK"],
+        float(big.sum()),
+        total.item(),
+        socket.gethostname() != "",
+    )
+
+
+def test_agents_run_ranks_host_by_host(capsys):
+    big = torch.arange(100_000, dtype=torch.float64)  # large: through the hosts' shared memory
+    report = run_function(local_plan(["h1:2", "h2:1"]), _where, (big,), renderer=TextRenderer())
+    values = report.values()
+    expected = float(big.sum())
+    assert values == [
+        (0, "0", "0", expected, 3.0, True),
+        (1, "0", "1", expected, 3.0, True),
+        (2, "1", "0", expected, 3.0, True),
+    ]
+    out = capsys.readouterr()
+    assert "[rank 2 @ h2] on h2 as 0" in out.out
+    assert "on 2 hosts (h1:2, h2:1)" in out.out and "CURVE" in out.out
+    assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def _raise_on_last():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise KeyError("missing on the second host")
+    return "ok"
+
+
+def test_first_failure_keeps_its_type_and_names_rank_and_host():
+    report = run_function(local_plan(["h1:1", "h2:1"]), _raise_on_last, renderer=TextRenderer())
+    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] missing on the second host"):
+        report.values()
+
+
+def _sleep_long(folder):
+    import os
+    import time
+
+    path = os.path.join(folder, os.environ["RANK"])
+    with open(path + ".tmp", "w") as handle:
+        handle.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)  # whole, or not there yet
+    time.sleep(120)
+
+
+def _agent_pids() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "nbaccel.launch.remote.agent" in " ".join(p.info["cmdline"] or [])
+        and p.pid != os.getpid()
+    ]
+
+
+def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
+    def kill_second_agent():
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank = psutil.Process(int((tmp_path / "1").read_text()))
+        rank.parent().parent().kill()  # rank 1 -> its host's fork server -> that host's agent
+
+    thread = threading.Thread(target=kill_second_agent)
+    thread.start()
+    try:
+        report = run_function(
+            local_plan(["h1:1", "h2:1"]), _sleep_long, (str(tmp_path),), renderer=TextRenderer()
+        )
+    finally:
+        thread.join()
+    with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: its agent"):
+        report.values()
+    assert not _agent_pids()
+
+
+_KERNEL = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {here!r})
+    from remote_agents import local_plan
+    from nbaccel.launch.render import TextRenderer
+    from nbaccel.launch.run import run_function
+
+    def sleep_long():
+        import os, time
+        print("rank up", os.getpid(), flush=True)
+        time.sleep(300)
+
+    run_function(local_plan(["h1:1", "h2:1"]), sleep_long, renderer=TextRenderer())
+    """
+)
+
+
+def test_kernel_death_ends_the_agents_and_their_ranks():
+    """A kernel killed with SIGKILL: each agent's stdin closes (as ssh's would), the agent
+    kills its ranks and exits. Nothing of the launch survives."""
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", _KERNEL.format(here=HERE)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ranks = []
+    try:
+        for line in kernel.stdout:
+            if "rank up" in line:
+                ranks.append(int(line.split()[-1]))
+                if len(ranks) == 2:
+                    break
+        assert len(ranks) == 2, "the ranks never started"
+        agents = [p for p in _agent_pids() if p.ppid() == kernel.pid]
+        assert len(agents) == 2
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait()
+        gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in ranks] + agents, timeout=30)
+        assert not alive, f"still running after the kernel died: {alive}"
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+
+
+def test_a_silent_agent_is_named_lost_by_the_heartbeat(tmp_path):
+    """An agent that stops answering (SIGSTOP: a frozen host, a cut network) is named lost
+    once its heartbeat is overdue, and its ranks with it."""
+    stopped = []
+
+    def freeze_second_agent():
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        agent = psutil.Process(int((tmp_path / "1").read_text())).parent().parent()
+        agent.suspend()
+        stopped.append(agent)
+
+    thread = threading.Thread(target=freeze_second_agent)
+    thread.start()
+    try:
+        report = run_function(
+            local_plan(["h1:1", "h2:1"]), _sleep_long, (str(tmp_path),), renderer=TextRenderer()
+        )
+    finally:
+        thread.join()
+    with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: no word from"):
+        report.values()
+    assert stopped and not stopped[0].is_running()  # the launch ended it (and its ranks)
