@@ -224,7 +224,7 @@ class RemoteLauncher(ProcessLauncher):
             with open(work.segment, "rb") as handle:
                 self.hub.send(node, Kind.WORK, {"name": name}, handle.read())
             self._work_sent.add((node, name))
-        return Packed(work.data, os.path.join(self._hello[node]["shm"], name), work.records)
+        return dataclasses.replace(work, segment=os.path.join(self._hello[node]["shm"], name))
 
     def _signal(self, rank: int, sig: int) -> None:
         if self.hub is not None:
