@@ -205,12 +205,20 @@ def _sleep_long(folder):
 
 
 def _agent_pids() -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "nbaccel.launch.remote.agent" in " ".join(p.info["cmdline"] or [])
-        and p.pid != os.getpid()
-    ]
+    """This test session's agents (other sessions may run on the machine): they inherit the
+    session's own ``TMPDIR`` (tests/conftest.py), orphans included."""
+    mine = []
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid == os.getpid() or "nbaccel.launch.remote.agent" not in " ".join(
+            p.info["cmdline"] or []
+        ):
+            continue
+        try:
+            if p.environ().get("TMPDIR") == os.environ["TMPDIR"]:
+                mine.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return mine
 
 
 def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
