@@ -21,8 +21,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 from nbaccel.launch.channel import (
     AuthenticationFailed,
@@ -35,54 +33,19 @@ from nbaccel.launch.channel import (
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.labels import use_hosts
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.lines import Piece, StreamLines
 from nbaccel.launch.output_budget import OutputBudget
-from nbaccel.launch.processes import WorkerProcess
 from nbaccel.launch.protocol import Message, OutcomeKind, Stream
+from nbaccel.launch.rank_state import Outcome, RankState
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.spec import Mode, Work, WorkerSpec
 from nbaccel.launch.transport import SharedTensors, pack
 
 __all__ = ["Outcome", "WorkerGroup"]
 
-_MAX_PARTIAL = 1 << 16
 _DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
 # what a ready selector key is (the key's data is (source, rank, stream))
 _LISTENER, _WAKE, _EVENTS, _OUTPUT, _HANDSHAKE = range(5)
-
-
-@dataclass
-class Outcome:
-    """How one rank's call ended: a value, an error (info dict) or a crash (exit code)."""
-
-    kind: OutcomeKind
-    value: Any = None
-    at: float = field(default_factory=time.time)
-    #: a consequence, not a cause: the rank was stopped by the driver, or its error is a broken
-    #: connection to a peer that failed first (see ``errors.is_peer_loss``)
-    secondary: bool = False
-    detail: str = ""  # what else is known about a crash (why the rank could not connect...)
-    lost: bool = False  # the process did not end by itself: ``detail`` says what took it
-
-
-@dataclass
-class _Rank:
-    rank: int
-    process: WorkerProcess | None = None
-    events: Connection | None = None
-    streams_open: set[str] = field(default_factory=set)
-    partial: dict[str, bytearray] = field(default_factory=dict)
-    continuing: set[str] = field(default_factory=set)  # streams in the middle of a long line
-    connected: set[str] = field(default_factory=set)
-    ready: bool = False
-    events_closed: bool = False
-    outcomes: dict[int, Outcome] = field(default_factory=dict)
-    busy_since: float | None = None
-    drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
-    stopped: bool = False  # the driver signalled it to stop (its end is not a cause)
-
-    @property
-    def finished_io(self) -> bool:
-        return self.events_closed and not self.streams_open
 
 
 class WorkerGroup:
@@ -135,7 +98,7 @@ class WorkerGroup:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._ranks = [_Rank(global_rank(i)) for i in range(num_processes)]
+        self._ranks = [RankState(global_rank(i)) for i in range(num_processes)]
         self._by_rank = {r.rank: r for r in self._ranks}
         self._call_ids = itertools.count(1)
         self._current_call: int | None = None
@@ -262,11 +225,11 @@ class WorkerGroup:
             self._selector.register(conn, selectors.EVENT_READ, (_EVENTS, state.rank, None))
         else:
             state.streams_open.add(stream)
-            state.partial[stream] = bytearray()
+            state.lines[stream] = StreamLines()
             conn.sock.setblocking(False)
             self._selector.register(conn, selectors.EVENT_READ, (_OUTPUT, state.rank, stream))
 
-    def _read_output(self, state: _Rank, stream: str, conn: Connection) -> None:
+    def _read_output(self, state: RankState, stream: str, conn: Connection) -> None:
         try:
             data = conn.sock.recv(1 << 16)
         except BlockingIOError:
@@ -280,45 +243,23 @@ class WorkerGroup:
             state.streams_open.discard(stream)
             self._flush_partial(state, stream)
             return
-        buffer = state.partial[stream]
-        buffer.extend(data)
-        *lines, rest = buffer.split(b"\n")
-        for line in lines:
-            self._emit_line(state, stream, line)
-        if b"\r" in rest:
-            rest = rest[rest.rfind(b"\r") :]
-        if len(rest) > _MAX_PARTIAL:  # a very long line: pass it on in pieces
-            self._emit_line(state, stream, rest, complete=False)
-            rest = b""
-        state.partial[stream] = bytearray(rest)
+        for piece in state.lines[stream].feed(data):
+            self._show(state, stream, piece)
 
-    def _flush_partial(self, state: _Rank, stream: str) -> None:
+    def _flush_partial(self, state: RankState, stream: str) -> None:
         """Pass on the unfinished last line of ``stream`` (its rank ended, or its call did)."""
-        buffer = state.partial.get(stream)
-        if buffer or stream in state.continuing:
-            self._emit_line(state, stream, bytes(buffer or b""))
-        if buffer:
-            buffer.clear()
+        for piece in state.lines[stream].flush():
+            self._show(state, stream, piece)
 
-    def _emit_line(self, state: _Rank, stream: str, raw: bytes, complete: bool = True) -> None:
-        text = raw.decode("utf-8", errors="replace")
-        if "\r" in text:  # carriage-return progress: keep the last state only
-            parts = [part for part in text.split("\r") if part.strip()]
-            text = parts[-1] if parts else ""
-            if not text and complete and stream not in state.continuing:
-                return
-        continues = stream in state.continuing
-        if complete:
-            state.continuing.discard(stream)
-        else:
-            state.continuing.add(stream)
-        shown = self.output.take(state.rank, stream, text, continues, complete)
+    def _show(self, state: RankState, stream: str, piece: Piece) -> None:
+        """A line to the renderer, or to the log file once the output budget is spent."""
+        shown = self.output.take(state.rank, stream, piece.text, piece.continues, piece.complete)
         if shown is not None:
             self.renderer.line(state.rank, stream, shown)
         else:
-            self.renderer.overflow(state.rank, stream, text)
+            self.renderer.overflow(state.rank, stream, piece.text)
 
-    def _read_event(self, state: _Rank) -> None:
+    def _read_event(self, state: RankState) -> None:
         try:
             message = state.events.recv()
         except (EOFError, OSError, pickle.UnpicklingError):
@@ -367,7 +308,7 @@ class WorkerGroup:
             if not state.ready and not state.outcomes:
                 state.outcomes[0] = crash
 
-    def _drained(self, state: _Rank) -> bool:
+    def _drained(self, state: RankState) -> bool:
         """True once a dead process's streams were read to the end, or stayed silent for
         ``_DRAIN_IDLE`` seconds with nothing waiting (a child of the rank may hold them open).
         Each read moves the deadline, so a slow renderer still gets every message (the result
@@ -388,7 +329,7 @@ class WorkerGroup:
             return False
         return True
 
-    def _crash_detail(self, state: _Rank) -> str:
+    def _crash_detail(self, state: RankState) -> str:
         """What is known beyond the exit code: the fork server's death, or the reason a rank
         wrote down when it could not connect to this driver."""
         if state.process is not None and state.process.lost:
@@ -410,7 +351,7 @@ class WorkerGroup:
         ]
 
     @staticmethod
-    def _still_draining(state: _Rank) -> None:
+    def _still_draining(state: RankState) -> None:
         if state.drain_deadline is not None:
             state.drain_deadline = time.monotonic() + _DRAIN_IDLE
 
@@ -472,7 +413,7 @@ class WorkerGroup:
             still = {key.fileobj for key in self._selector.get_map().values()}
             waiting = [conn for conn in ready if conn in still]
         for state in self._ranks:
-            for stream in list(state.partial):
+            for stream in list(state.lines):
                 self._flush_partial(state, stream)
         self.output.end()
 

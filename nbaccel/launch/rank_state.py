@@ -1,0 +1,50 @@
+"""What the driver knows of each rank, and how a rank's call ended (:class:`Outcome`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbaccel.launch.channel import Connection
+from nbaccel.launch.lines import StreamLines
+from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.protocol import OutcomeKind
+
+__all__ = ["Outcome", "RankState"]
+
+
+@dataclass
+class Outcome:
+    """How one rank's call ended: a value, an error (info dict) or a crash (exit code)."""
+
+    kind: OutcomeKind
+    value: Any = None
+    at: float = field(default_factory=time.time)
+    #: a consequence, not a cause: the rank was stopped by the driver, or its error is a broken
+    #: connection to a peer that failed first (see ``errors.is_peer_loss``)
+    secondary: bool = False
+    detail: str = ""  # what else is known about a crash (why the rank could not connect...)
+    lost: bool = False  # the process did not end by itself: ``detail`` says what took it
+
+
+@dataclass
+class RankState:
+    """What the driver knows of one rank: its process, connections, calls and outcomes."""
+
+    rank: int
+    process: WorkerProcess | None = None
+    events: Connection | None = None
+    streams_open: set[str] = field(default_factory=set)
+    lines: dict[str, StreamLines] = field(default_factory=dict)  # output streams, cut in lines
+    connected: set[str] = field(default_factory=set)
+    ready: bool = False
+    events_closed: bool = False
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    busy_since: float | None = None
+    drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
+    stopped: bool = False  # the driver signalled it to stop (its end is not a cause)
+
+    @property
+    def finished_io(self) -> bool:
+        return self.events_closed and not self.streams_open
