@@ -298,3 +298,13 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel.test_utils.testing": _TEST_UTILS_TESTING,
     "nbaccel.test_utils.training": _TEST_UTILS_TRAINING,
 }
+
+# Accelerate's launch helpers and test scripts (issue 16, commands part). "=module" makes the
+# façade path that very module, so mock.patch("nbaccel.utils.launch.which") reaches its code.
+ALIASES["nbaccel.utils.launch"] = (
+    "=nbaccel.launch.command_env",
+)
+ALIASES["nbaccel.test_utils"] += ("nbaccel.testkit.scripts:test_cli,test_ops,test_script,test_sync",)
+ALIASES["nbaccel.test_utils.scripts"] = ("=nbaccel.testkit.scripts",)
+for _script in ("test_cli", "test_ops", "test_script", "test_sync", "test_distributed_data_loop"):
+    ALIASES[f"nbaccel.test_utils.scripts.{_script}"] = (f"=nbaccel.testkit.scripts.{_script}",)

@@ -254,4 +254,3 @@ def load_config_from_file(config_file: str | os.PathLike | None = None) -> BaseC
         else ClusterConfig
     )
     return kind._from_mapping(data, path)
-
