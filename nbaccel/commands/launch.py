@@ -32,6 +32,7 @@ __all__ = ["launch_command", "launch_command_parser", "register", "run", "run_sc
 logger = logging.getLogger(__name__)
 
 _PARADIGMS = ("multi_gpu", "cpu", "tpu", "use_deepspeed", "use_fsdp")
+_HANDLED_APART = ("compute_environment", "mixed_precision", "distributed_type")
 _SECTION_PREFIX = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
 
 
@@ -102,9 +103,8 @@ def _apply_config(args: argparse.Namespace, config: Any) -> bool:
                     key = key if key.startswith(prefix) else prefix + key
                     if key not in given:
                         setattr(args, key, item)
-            elif name not in ("compute_environment", "mixed_precision", "distributed_type"):
-                if getattr(args, name, None) is None:
-                    setattr(args, name, value)
+            elif name not in _HANDLED_APART and getattr(args, name, None) is None:
+                setattr(args, name, value)
     args.debug = bool(args.debug or config.debug)
     if args.mixed_precision is None:
         args.mixed_precision = config.mixed_precision or "no"

@@ -59,7 +59,9 @@ class AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         sources = ALIASES[spec.name]
         if len(sources) == 1 and sources[0].startswith("="):  # the path IS that module
-            return importlib.import_module(sources[0][1:])
+            module = importlib.import_module(sources[0][1:])
+            module.__nbaccel_sources__ = (module.__name__,)
+            return module
         return None  # the default module object
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -10,7 +10,7 @@ from nbaccel.commands.config.config_args import ClusterConfig, default_config_fi
 
 __all__ = ["default_command_parser", "default_config_command", "write_basic_config"]
 
-_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+_PRECISIONS = ("no", "fp16", "bf16")  # fp8 is refused by nbaccel's Accelerator
 
 
 def write_basic_config(
@@ -19,7 +19,7 @@ def write_basic_config(
     """Write a config for every device of this machine (all GPUs, else one CPU process).
 
     Returns the path written, or ``False`` (writing nothing) when a file is already there.
-    JSON when ``save_location`` ends in ``.json``, else YAML.
+    The file is JSON, which YAML readers read too (as Accelerate writes it).
     """
     import torch
 
@@ -33,7 +33,8 @@ def write_basic_config(
     precision = str(mixed_precision).lower()
     if precision not in _PRECISIONS:
         raise ValueError(
-            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, not {mixed_precision!r}."
+            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, not {mixed_precision!r} "
+            "(nbaccel does not run fp8)."
         )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     config = ClusterConfig(
@@ -45,10 +46,7 @@ def write_basic_config(
         num_processes=max(gpus, 1),
         gpu_ids="all" if gpus else None,
     )
-    if path.suffix == ".json":
-        config.to_json_file(path)
-    else:
-        config.to_yaml_file(path)
+    config.to_json_file(path)
     return path
 
 

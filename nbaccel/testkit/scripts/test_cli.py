@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["main"]
+
 
 def main() -> None:
     """Print the number and kind of accelerators visible to this process."""

@@ -13,6 +13,8 @@ from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.training.accelerator import Accelerator
 from nbaccel.training.configuration import DataLoaderConfiguration
 
+__all__ = ["main"]
+
 
 def _expect(condition: bool, what: str) -> None:
     if not condition:

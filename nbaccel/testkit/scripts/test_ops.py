@@ -16,6 +16,8 @@ from nbaccel.distributed.collectives import (
 )
 from nbaccel.distributed.state import PartialState
 
+__all__ = ["main"]
+
 
 def _expect(condition: bool, what: str) -> None:
     if not condition:

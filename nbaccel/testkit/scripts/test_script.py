@@ -17,6 +17,8 @@ from nbaccel.distributed.state import AcceleratorState, GradientState, PartialSt
 from nbaccel.testkit.regression import RegressionDataset, RegressionModel
 from nbaccel.training.accelerator import Accelerator
 
+__all__ = ["main"]
+
 
 def _expect(condition: bool, what: str) -> None:
     if not condition:

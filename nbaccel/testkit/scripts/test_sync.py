@@ -12,6 +12,8 @@ from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.testkit.regression import RegressionModel
 from nbaccel.training.accelerator import Accelerator
 
+__all__ = ["main"]
+
 
 def _expect(condition: bool, what: str) -> None:
     if not condition:
