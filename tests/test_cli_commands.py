@@ -1,0 +1,328 @@
+"""Accelerate's command line, nbaccel's way: ``config`` (default, update), ``launch`` from
+config files, ``to-fsdp2``, ``tpu-config``, ``env``, ``test`` and the launch helpers of
+``nbaccel.utils.launch``. Commands run as real subprocesses on real files in ``tmp_path``; the
+user's own default config is kept out by pointing ``HF_HOME`` at ``tmp_path``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RANK_SCRIPT = """
+import os, sys
+print(f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
+      f"precision={os.environ['NBACCEL_MIXED_PRECISION']} cpu={os.environ.get('NBACCEL_CPU')} "
+      f"threads={os.environ.get('OMP_NUM_THREADS')} argv={sys.argv[1:]}")
+"""
+
+
+def _cli(tmp_path: Path, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, "-m", "nbaccel", *argv],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _yaml(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# -- config files -------------------------------------------------------------------------------
+def test_config_default_writes_a_readable_file_once(tmp_path):
+    from nbaccel.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    target = tmp_path / "cfg" / "default_config.yaml"
+    done = _cli(tmp_path, "config", "default", "--config_file", str(target),
+                "--mixed_precision", "bf16")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = load_config_from_file(target)
+    assert isinstance(config, ClusterConfig)
+    assert config.mixed_precision == "bf16" and config.num_processes >= 1
+    assert config.use_cpu is True and config.distributed_type == "NO"  # no GPU on this machine
+    again = _cli(tmp_path, "config", "default", "--config_file", str(target))
+    assert again.returncode == 1 and "already exists" in again.stdout
+
+
+def test_config_update_upgrades_an_old_file(tmp_path):
+    old = _yaml(tmp_path / "old.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: NO
+        fp16: true
+        num_processes: 2
+        dynamo_backend: INDUCTOR
+    """)  # fmt: skip
+    done = _cli(tmp_path, "config", "update", "--config_file", str(old))
+    assert done.returncode == 0, done.stderr
+    data = yaml.safe_load(old.read_text())
+    assert data["mixed_precision"] == "fp16" and "fp16" not in data
+    assert data["distributed_type"] == "NO" and data["num_processes"] == 2
+    assert data["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}
+
+
+def test_unknown_keys_are_named(tmp_path):
+    from nbaccel.commands.config.config_args import load_config_from_file
+
+    bad = _yaml(tmp_path / "bad.yaml", "compute_environment: LOCAL_MACHINE\nzeta: 1\nalpha: 2\n")
+    with pytest.raises(ValueError, match=r"unknown keys \(alpha, zeta\)"):
+        load_config_from_file(bad)
+    with pytest.raises(FileNotFoundError, match="nbaccel config"):
+        load_config_from_file(tmp_path / "missing.yaml")
+
+
+def test_sagemaker_file_reads_as_sagemaker_config(tmp_path):
+    from nbaccel.commands.config.config_args import SageMakerConfig, load_config_from_file
+
+    path = _yaml(tmp_path / "sm.yaml", """
+        compute_environment: AMAZON_SAGEMAKER
+        distributed_type: NO
+        mixed_precision: fp16
+        ec2_instance_type: ml.g5.xlarge
+        iam_role_name: role
+    """)  # fmt: skip
+    config = load_config_from_file(path)
+    assert isinstance(config, SageMakerConfig) and config.distributed_type == "NO"
+    config.to_json_file(tmp_path / "sm.json")
+    assert load_config_from_file(tmp_path / "sm.json") == config
+
+
+# -- launch from config files -------------------------------------------------------------------
+def test_launch_takes_missing_options_from_the_config(tmp_path):
+    (tmp_path / "show.py").write_text(RANK_SCRIPT)
+    config = _yaml(tmp_path / "two.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: MULTI_CPU
+        mixed_precision: bf16
+        num_processes: 2
+        use_cpu: true
+    """)  # fmt: skip
+    done = _cli(tmp_path, "launch", "--config_file", str(config), "show.py", "--x", "1")
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert f"rank={rank} world=2 precision=bf16 cpu=1 threads=1 argv=['--x', '1']" in (
+            done.stdout
+        )
+    # A command-line option wins over the file; hyphenated spellings are accepted.
+    one = _cli(tmp_path, "launch", "--config-file", str(config), "--num-processes", "1",
+               "--mixed_precision", "no", "show.py")  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    assert "rank=0 world=1 precision=no" in one.stdout and "rank=1" not in one.stdout
+
+
+def test_the_default_config_file_is_read(tmp_path):
+    (tmp_path / "show.py").write_text(RANK_SCRIPT)
+    written = _cli(tmp_path, "config", "default", "--mixed_precision", "fp16")
+    assert written.returncode == 0, written.stderr
+    assert (tmp_path / "nbaccel" / "default_config.yaml").is_file()
+    done = _cli(tmp_path, "launch", "show.py")
+    assert done.returncode == 0, done.stderr
+    assert "precision=fp16" in done.stdout
+
+
+def test_unsupported_configs_are_refused_before_anything_runs(tmp_path):
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    bad = _yaml(tmp_path / "bad.yaml", "compute_environment: LOCAL_MACHINE\ninvalid_key: 1\n")
+    done = _cli(tmp_path, "launch", "--config_file", str(bad), "x.py", timeout=60)
+    assert done.returncode == 2 and "unknown keys (invalid_key)" in done.stderr
+    deepspeed = _yaml(tmp_path / "ds.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: DEEPSPEED
+        num_processes: 1
+    """)  # fmt: skip
+    done = _cli(tmp_path, "launch", "--config_file", str(deepspeed), "x.py", timeout=60)
+    assert done.returncode == 2 and "does not run DeepSpeed" in done.stderr
+    both = _cli(tmp_path, "launch", "--cpu", "--use_fsdp", "x.py", timeout=60)
+    assert both.returncode == 2 and "only one of --cpu, --use_fsdp" in both.stderr
+    for result in (done, both):
+        assert "never runs" not in result.stdout
+
+
+def test_launch_help_lists_each_option_once():
+    from nbaccel.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    text = parser.format_help()
+    assert "--num_processes" in text and "--fsdp_sync_module_states" in text
+    for dest in vars(parser.parse_args(["x.py"])):
+        twin = f"--{dest.replace('_', '-')}"
+        if "_" in dest and dest != "num_processes":
+            assert twin not in text, twin
+    args = parser.parse_args(["--multi-gpu", "--num_processes", "4", "--debug", "t.py", "--lr"])
+    assert args.multi_gpu and args.num_processes == 4 and args.training_script_args == ["--lr"]
+    assert args.nondefault == {"multi_gpu", "num_processes", "debug"}
+
+
+def test_validate_keeps_given_options_and_fills_the_rest(tmp_path):
+    from nbaccel.commands.launch import _validate_launch_command, launch_command_parser
+
+    config = _yaml(tmp_path / "c.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: FSDP
+        debug: true
+        num_processes: 1
+        fsdp_config:
+          fsdp_sync_module_states: false
+          sharding_strategy: SHARD_GRAD_OP
+        deepspeed_config:
+          deepspeed_config_file: from/the/file
+    """)  # fmt: skip
+    args = launch_command_parser().parse_args(
+        ["--num_processes", "2", "--deepspeed_config_file", "given", "--config_file",
+         str(config), "t.py"]
+    )  # fmt: skip
+    args, defaults, precision_from_config = _validate_launch_command(args)
+    assert args.debug is True and args.use_fsdp is True and args.num_processes == 2
+    assert args.fsdp_sync_module_states is False
+    assert args.fsdp_sharding_strategy == "SHARD_GRAD_OP"  # prefixed like its section
+    assert args.deepspeed_config_file == "given"
+    assert precision_from_config and args.mixed_precision == "no"
+    assert defaults.distributed_type == "FSDP"
+
+
+# -- nbaccel.utils.launch -----------------------------------------------------------------------
+def _fake_mpirun(folder: Path, banner: str) -> None:
+    folder.mkdir()
+    program = folder / "mpirun"
+    program.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    program.chmod(program.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.mark.parametrize(
+    "banner, expected",
+    [
+        ("Intel(R) MPI Library", ["-f", "hosts", "-ppn", "2", "-n", "4"]),
+        ("mpirun (Open MPI) 4.1", ["--hostfile", "hosts", "--npernode", "2", "-n", "4",
+                                   "--bind-to", "socket"]),
+    ],
+)  # fmt: skip
+def test_mpirun_command_follows_the_installed_mpi(tmp_path, monkeypatch, banner, expected):
+    from nbaccel.commands.launch import _validate_launch_command, launch_command_parser
+    from nbaccel.utils.launch import prepare_simple_launcher_cmd_env
+
+    _fake_mpirun(tmp_path / "bin", banner)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    argv = ["--cpu", "--num_processes", "4", "--num_machines", "2", "--mpirun_hostfile",
+            "hosts", "--main_process_ip", "10.0.0.1", "--main_process_port", "29500",
+            "train.py", "--lr", "1"]  # fmt: skip
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    cmd, env = prepare_simple_launcher_cmd_env(args)
+    assert cmd[0].endswith("mpirun") and cmd[1 : 1 + len(expected)] == expected
+    assert cmd[1 + len(expected) :] == [sys.executable, "train.py", "--lr", "1"]
+    assert env["KMP_AFFINITY"] == "granularity=fine,compact,1,0" and env["MASTER_PORT"] == "29500"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(OSError, match="needs mpirun or mpiexec"):
+        prepare_simple_launcher_cmd_env(args)
+
+
+def test_multi_process_env_picks_a_free_port_for_port_zero():
+    from nbaccel.utils.launch import prepare_multi_gpu_env
+
+    args = argparse.Namespace(num_processes=2, num_machines=1, main_process_port=0,
+                              main_process_ip=None, machine_rank=0, mixed_precision="fp16",
+                              use_fsdp=True, fsdp_version="2", cpu=True)  # fmt: skip
+    env = prepare_multi_gpu_env(args)
+    assert args.master_port.isdigit() and args.master_port != "0"
+    assert env["MASTER_PORT"] == args.master_port and args.nproc_per_node == "2"
+    assert env["NBACCEL_MIXED_PRECISION"] == "fp16" and env["FSDP_VERSION"] == "2"
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["NBACCEL_CPU"] == "1"
+
+
+def test_script_arguments_become_typed_hyperparameters():
+    from nbaccel.utils.launch import _convert_nargs_to_dict
+
+    got = _convert_nargs_to_dict(["--name", "bert", "--flag", "False", "--n=3", "--lr", "5e-5"])
+    assert got == {"name": "bert", "flag": False, "n": 3, "lr": 5e-5}
+    with pytest.raises(ValueError, match="--do_train' has no value"):
+        _convert_nargs_to_dict(["--do_train", "--epochs", "3"])
+
+
+# -- other commands -----------------------------------------------------------------------------
+def test_to_fsdp2_converts_and_checks_its_arguments(tmp_path):
+    source = _yaml(tmp_path / "fsdp1.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: FSDP
+        num_processes: 2
+        fsdp_config:
+          fsdp_sharding_strategy: SHARD_GRAD_OP
+          fsdp_backward_prefetch: BACKWARD_PRE
+          fsdp_use_orig_params: true
+          fsdp_forward_prefetch: true
+          fsdp_offload_params: true
+    """)  # fmt: skip
+    done = _cli(tmp_path, "to-fsdp2", "--config_file", str(source), "--output_file", "out.yaml")
+    assert done.returncode == 0, done.stderr
+    fsdp = yaml.safe_load((tmp_path / "out.yaml").read_text())["fsdp_config"]
+    assert fsdp == {"fsdp_version": 2, "fsdp_reshard_after_forward": False,
+                    "fsdp_offload_params": True}  # fmt: skip
+    assert "fsdp_forward_prefetch" in done.stderr  # dropped with a warning
+    again = _cli(tmp_path, "to-fsdp2", "--config_file", str(source), "--output_file", "out.yaml")
+    assert again.returncode != 0 and "already exists" in again.stderr
+    neither = _cli(tmp_path, "to-fsdp2", "--config_file", str(source))
+    assert neither.returncode != 0 and "--output_file must be provided" in neither.stderr
+
+
+def test_tpu_config_debug_prints_the_gcloud_command(tmp_path):
+    (tmp_path / "setup.sh").write_text("echo one\n\necho two\n")
+    config = _yaml(tmp_path / "tpu.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: XLA
+        tpu_name: pod-1
+        tpu_zone: europe-west4-a
+        command_file: setup.sh
+    """)  # fmt: skip
+    done = _cli(tmp_path, "tpu-config", "--config_file", str(config), "--install_nbaccel",
+                "--nbaccel_version", "0.1.0", "--debug")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "Running gcloud compute tpus tpu-vm ssh pod-1 --zone europe-west4-a --command "
+        "cd /usr/share; pip install nbaccel==0.1.0; echo one; echo two --worker all"
+    )
+    nameless = _cli(tmp_path, "tpu-config", "--command", "ls", "--debug")
+    assert nameless.returncode != 0 and "--tpu_name and --tpu_zone" in nameless.stderr
+
+
+def test_env_command_reports_the_executable_and_config(tmp_path, monkeypatch, capsys):
+    from nbaccel.commands.env import env_command, env_command_parser
+
+    config = _yaml(tmp_path / "c.yaml", "compute_environment: LOCAL_MACHINE\nnum_processes: 3\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nbaccel executable here
+    info = env_command(env_command_parser().parse_args(["--config_file", str(config)]))
+    assert info["`nbaccel` bash location"] == "Not found"
+    assert info["`nbaccel` configs"]["num_processes"] == 3
+    assert "- `nbaccel` bash location: Not found" in capsys.readouterr().out
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    found = env_command(env_command_parser().parse_args([]))
+    assert found["`nbaccel` bash location"] == str(Path(sys.executable).parent / "nbaccel")
+
+
+def test_nbaccel_test_runs_the_check_script_on_two_ranks(tmp_path):
+    config = _yaml(tmp_path / "two.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: MULTI_CPU
+        num_processes: 2
+        use_cpu: true
+    """)  # fmt: skip
+    done = _cli(tmp_path, "test", "--config_file", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank 0] Checking 2 process(es) on cpu." in done.stdout
+    assert "[rank 0] check_training_matches_one_process: ok" in done.stdout
+    assert "Test is a success!" in done.stdout
+
+
+def test_estimate_memory_hub_names_and_timm_prefix(tmp_path):
+    from nbaccel.commands.estimate import add_timm_hub_prefix
+
+    assert add_timm_hub_prefix("resnet50") == "resnet50"
+    assert add_timm_hub_prefix("timm/resnet50.a1_in1k") == "hf-hub:timm/resnet50.a1_in1k"
+    assert add_timm_hub_prefix("local-dir:/m") == "local-dir:/m"
