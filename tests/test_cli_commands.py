@@ -326,3 +326,20 @@ def test_estimate_memory_hub_names_and_timm_prefix(tmp_path):
     assert add_timm_hub_prefix("resnet50") == "resnet50"
     assert add_timm_hub_prefix("timm/resnet50.a1_in1k") == "hf-hub:timm/resnet50.a1_in1k"
     assert add_timm_hub_prefix("local-dir:/m") == "local-dir:/m"
+
+
+def test_merge_weights_writes_one_loadable_file(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    model = torch.nn.Linear(3, 2)
+    shards = tmp_path / "pytorch_model_fsdp_0"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(shards))  # one process, no group
+    done = _cli(tmp_path, "merge-weights", str(shards), "merged", "--remove_checkpoint_dir")
+    assert done.returncode == 0, done.stderr
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert torch.equal(merged["weight"], model.weight.detach())
+    assert not shards.exists()
+    missing = _cli(tmp_path, "merge-weights", str(tmp_path / "nope"), "out")
+    assert missing.returncode != 0 and "no .metadata" in missing.stderr
