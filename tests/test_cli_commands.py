@@ -6,6 +6,7 @@ user's own default config is kept out by pointing ``HF_HOME`` at ``tmp_path``.""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import stat
 import subprocess
@@ -144,7 +145,12 @@ def test_unsupported_configs_are_refused_before_anything_runs(tmp_path):
     assert done.returncode == 2 and "does not run DeepSpeed" in done.stderr
     both = _cli(tmp_path, "launch", "--cpu", "--use_fsdp", "x.py", timeout=60)
     assert both.returncode == 2 and "only one of --cpu, --use_fsdp" in both.stderr
-    for result in (done, both):
+    checked = [done, both]
+    if importlib.util.find_spec("torch_xla") is None:
+        tpu = _cli(tmp_path, "launch", "--tpu", "x.py", timeout=60)
+        assert tpu.returncode == 2 and "needs torch-xla" in tpu.stderr
+        checked.append(tpu)
+    for result in checked:
         assert "never runs" not in result.stdout
 
 
@@ -343,3 +349,30 @@ def test_merge_weights_writes_one_loadable_file(tmp_path):
     assert not shards.exists()
     missing = _cli(tmp_path, "merge-weights", str(tmp_path / "nope"), "out")
     assert missing.returncode != 0 and "no .metadata" in missing.stderr
+
+
+def test_config_questions_answered_at_the_prompt(tmp_path):
+    from nbaccel.commands.config.config_args import load_config_from_file
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path)}
+    target = tmp_path / "asked.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "nbaccel", "config", "--config_file", str(target)],
+        input="gpu\nmulti-cpu\n\nfour\n4\nbf16\n", cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Please answer one of: no, multi-cpu" in done.stdout  # "gpu" is not a choice
+    assert "'four' is not a valid answer" in done.stdout
+    config = load_config_from_file(target)
+    assert config.distributed_type == "MULTI_CPU" and config.num_processes == 4
+    assert config.use_cpu is True and config.mixed_precision == "bf16"
+    assert config.num_machines == 1
+
+
+def test_no_python_runs_an_executable_and_keeps_its_exit_code(tmp_path):
+    done = _cli(tmp_path, "launch", "--no_python", "--num_processes", "1", "sh", "-c",
+                "echo from-sh; exit 3")  # fmt: skip
+    assert done.returncode == 3 and "from-sh" in done.stdout
+    two = _cli(tmp_path, "launch", "--no_python", "--num_processes", "2", "sh", timeout=60)
+    assert two.returncode == 2 and "--no_python runs one process" in two.stderr

@@ -171,6 +171,12 @@ def _refuse_unsupported(args: argparse.Namespace, config: Any) -> None:
             "nbaccel does not start Amazon SageMaker jobs: launch the script inside the job "
             "with `nbaccel launch`, or use a LOCAL_MACHINE config."
         )
+    if args.tpu and not args.cpu:
+        from nbaccel.distributed.environment import is_torch_xla_available
+
+        if not is_torch_xla_available():
+            raise ValueError("--tpu (or distributed_type: XLA) needs torch-xla on a TPU host: "
+                             "pip install torch-xla, or drop --tpu.")  # fmt: skip
     for flag, stack in (("use_deepspeed", "DeepSpeed"), ("use_megatron_lm", "Megatron-LM")):
         if getattr(args, flag, False) and not args.cpu:
             raise NotImplementedError(
