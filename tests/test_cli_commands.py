@@ -376,3 +376,21 @@ def test_no_python_runs_an_executable_and_keeps_its_exit_code(tmp_path):
     assert done.returncode == 3 and "from-sh" in done.stdout
     two = _cli(tmp_path, "launch", "--no_python", "--num_processes", "2", "sh", timeout=60)
     assert two.returncode == 2 and "--no_python runs one process" in two.stderr
+
+
+def test_launch_options_reach_the_accelerator(tmp_path):
+    (tmp_path / "acc.py").write_text(
+        textwrap.dedent("""
+        from nbaccel import Accelerator
+        from nbaccel.utils import TorchDynamoPlugin
+
+        accelerator = Accelerator()
+        print(f"precision={accelerator.mixed_precision} "
+              f"steps={accelerator.gradient_accumulation_steps} "
+              f"device={accelerator.device.type} dynamo={TorchDynamoPlugin().backend.value}")
+        """)
+    )  # fmt: skip
+    done = _cli(tmp_path, "launch", "--cpu", "--mixed_precision", "bf16",
+                "--gradient_accumulation_steps", "4", "--dynamo_backend", "eager", "acc.py")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "precision=bf16 steps=4 device=cpu dynamo=EAGER" in done.stdout
