@@ -390,7 +390,7 @@ def test_launch_options_reach_the_accelerator(tmp_path):
               f"device={accelerator.device.type} dynamo={TorchDynamoPlugin().backend.value}")
         """)
     )  # fmt: skip
-    done = _cli(tmp_path, "launch", "--cpu", "--mixed_precision", "bf16",
-                "--gradient_accumulation_steps", "4", "--dynamo_backend", "eager", "acc.py")  # fmt: skip
+    options = ["--cpu", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "4"]
+    done = _cli(tmp_path, "launch", *options, "--dynamo_backend", "eager", "acc.py")
     assert done.returncode == 0, done.stderr
     assert "precision=bf16 steps=4 device=cpu dynamo=EAGER" in done.stdout
