@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nbaccel.commands.launch import _validate_launch_command, launch_command_parser
+
 ROOT = Path(__file__).resolve().parents[1]
 
 RANK_SCRIPT = """
@@ -155,8 +157,6 @@ def test_unsupported_configs_are_refused_before_anything_runs(tmp_path):
 
 
 def test_launch_help_lists_each_option_once():
-    from nbaccel.commands.launch import launch_command_parser
-
     parser = launch_command_parser()
     text = parser.format_help()
     assert "--num_processes" in text and "--fsdp_sync_module_states" in text
@@ -170,8 +170,6 @@ def test_launch_help_lists_each_option_once():
 
 
 def test_validate_keeps_given_options_and_fills_the_rest(tmp_path):
-    from nbaccel.commands.launch import _validate_launch_command, launch_command_parser
-
     config = _yaml(tmp_path / "c.yaml", """
         compute_environment: LOCAL_MACHINE
         distributed_type: FSDP
@@ -213,7 +211,6 @@ def _fake_mpirun(folder: Path, banner: str) -> None:
     ],
 )  # fmt: skip
 def test_mpirun_command_follows_the_installed_mpi(tmp_path, monkeypatch, banner, expected):
-    from nbaccel.commands.launch import _validate_launch_command, launch_command_parser
     from nbaccel.utils.launch import prepare_simple_launcher_cmd_env
 
     _fake_mpirun(tmp_path / "bin", banner)
