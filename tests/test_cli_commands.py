@@ -391,3 +391,24 @@ def test_launch_options_reach_the_accelerator(tmp_path):
     done = _cli(tmp_path, "launch", *options, "--dynamo_backend", "eager", "acc.py")
     assert done.returncode == 0, done.stderr
     assert "precision=bf16 steps=4 device=cpu dynamo=EAGER" in done.stdout
+
+
+def test_an_fsdp1_config_launches_with_fsdp2_only_variables(tmp_path):
+    (tmp_path / "fsdp.py").write_text(
+        "import os\nprint('fsdp', os.environ.get('ACCELERATE_USE_FSDP'), "
+        "os.environ.get('FSDP_VERSION'), os.environ.get('FSDP_STATE_DICT_TYPE'))\n"
+    )
+    config = _yaml(tmp_path / "fsdp1.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: FSDP
+        num_processes: 1
+        fsdp_config:
+          fsdp_sharding_strategy: FULL_SHARD
+          fsdp_state_dict_type: SHARDED_STATE_DICT
+    """)  # fmt: skip
+    done = _cli(tmp_path, "launch", "--config_file", str(config), "fsdp.py")
+    assert done.returncode == 0, done.stderr
+    assert "fsdp true None SHARDED_STATE_DICT" in done.stdout
+    assert "nbaccel runs FSDP2 only" in done.stderr
+    two = _cli(tmp_path, "launch", "--config_file", str(config), "--fsdp_version", "2", "fsdp.py")
+    assert "fsdp true 2 SHARDED_STATE_DICT" in two.stdout and "FSDP2 only" not in two.stderr

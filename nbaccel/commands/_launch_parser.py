@@ -153,7 +153,8 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
     _option(deepspeed, "gradient_accumulation_steps", type=int, default=None,
             help="gradient accumulation steps of the Accelerator")  # fmt: skip
     fsdp = parser.add_argument_group("FSDP", "Options of a --use_fsdp launch.")
-    _option(fsdp, "fsdp_version", choices=["1", "2"], default="1", help="FSDP 1 or 2")
+    _option(fsdp, "fsdp_version", choices=["1", "2"], default=None,
+            help="2 (nbaccel runs FSDP2 only; convert FSDP1 configs with to-fsdp2)")  # fmt: skip
     _option(fsdp, "fsdp_offload_params", type=to_bool, default=False, help="offload to CPU")
     _option(fsdp, "fsdp_min_num_params", type=int, default=int(1e8),
             help="size policy: parameters per wrapped module")  # fmt: skip

@@ -274,6 +274,11 @@ def _launch(args: argparse.Namespace) -> int:
 
     args, config, _ = _validate_launch_command(args)
     _refuse_unsupported(args, config)
+    if args.use_fsdp and str(args.fsdp_version or 1) == "1":
+        if not args.quiet:
+            logger.warning("nbaccel runs FSDP2 only: FSDP_VERSION is not passed on (convert "
+                           "the config with `nbaccel to-fsdp2`).")  # fmt: skip
+        args.fsdp_version = None
     target, per_machine = _check_target(args)
     if getattr(args, "mpirun_hostfile", None) or args.no_python:
         if args.no_python and (args.num_processes or 1) > 1 and not args.mpirun_hostfile:
