@@ -124,36 +124,39 @@ def test_launch_takes_missing_options_from_the_config(tmp_path):
 
 
 def test_the_default_config_file_is_read(tmp_path):
+    from nbaccel.utils import write_basic_config
+
     (tmp_path / "show.py").write_text(RANK_SCRIPT)
-    written = _cli(tmp_path, "config", "default", "--mixed_precision", "fp16")
-    assert written.returncode == 0, written.stderr
-    assert (tmp_path / "nbaccel" / "default_config.yaml").is_file()
+    write_basic_config("fp16", tmp_path / "nbaccel" / "default_config.yaml")  # HF_HOME's
     done = _cli(tmp_path, "launch", "show.py")
     assert done.returncode == 0, done.stderr
     assert "precision=fp16" in done.stdout
 
 
-def test_unsupported_configs_are_refused_before_anything_runs(tmp_path):
+def test_unsupported_configs_are_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    from nbaccel.cli import main
+    from nbaccel.commands.config import config_args
+
+    monkeypatch.setattr(config_args, "default_config_file", str(tmp_path / "none.yaml"))
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("print('never runs')\n")
     bad = _yaml(tmp_path / "bad.yaml", "compute_environment: LOCAL_MACHINE\ninvalid_key: 1\n")
-    done = _cli(tmp_path, "launch", "--config_file", str(bad), "x.py", timeout=60)
-    assert done.returncode == 2 and "unknown keys (invalid_key)" in done.stderr
     deepspeed = _yaml(tmp_path / "ds.yaml", """
         compute_environment: LOCAL_MACHINE
         distributed_type: DEEPSPEED
         num_processes: 1
     """)  # fmt: skip
-    done = _cli(tmp_path, "launch", "--config_file", str(deepspeed), "x.py", timeout=60)
-    assert done.returncode == 2 and "does not run DeepSpeed" in done.stderr
-    both = _cli(tmp_path, "launch", "--cpu", "--use_fsdp", "x.py", timeout=60)
-    assert both.returncode == 2 and "only one of --cpu, --use_fsdp" in both.stderr
-    checked = [done, both]
+    cases = [
+        (["--config_file", str(bad)], "unknown keys (invalid_key)"),
+        (["--config_file", str(deepspeed)], "does not run DeepSpeed"),
+        (["--cpu", "--use_fsdp"], "only one of --cpu, --use_fsdp"),
+    ]
     if importlib.util.find_spec("torch_xla") is None:
-        tpu = _cli(tmp_path, "launch", "--tpu", "x.py", timeout=60)
-        assert tpu.returncode == 2 and "needs torch-xla" in tpu.stderr
-        checked.append(tpu)
-    for result in checked:
-        assert "never runs" not in result.stdout
+        cases.append((["--tpu"], "needs torch-xla"))
+    for options, message in cases:
+        assert main(["launch", *options, "x.py"]) == 2, options
+        out, err = capsys.readouterr()
+        assert message in err and "never runs" not in out
 
 
 def test_launch_help_lists_each_option_once():
