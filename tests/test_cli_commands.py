@@ -326,8 +326,13 @@ def test_nbaccel_test_runs_the_check_script_on_two_ranks(tmp_path):
     assert "Test is a success!" in done.stdout
 
 
-def test_estimate_memory_hub_names_and_timm_prefix(tmp_path):
+def test_estimate_memory_hub_names_and_timm_prefix(tmp_path, monkeypatch):
     from nbaccel.commands.estimate import add_timm_hub_prefix
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the same answer with or without a network
+    done = _cli(tmp_path, "estimate-memory", "somebrokenname")
+    assert done.returncode == 2
+    assert "Could not look up 'somebrokenname' on the Hugging Face Hub" in done.stderr
 
     assert add_timm_hub_prefix("resnet50") == "resnet50"
     assert add_timm_hub_prefix("timm/resnet50.a1_in1k") == "hf-hub:timm/resnet50.a1_in1k"

@@ -42,7 +42,7 @@ def estimate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     else:
         parser = argparse.ArgumentParser("nbaccel estimate-memory", description=__doc__)
     parser.add_argument(
-        "model_name", metavar="factory",
+        "model_name", metavar="model",
         help="MODULE:FUNCTION or FILE.py:FUNCTION returning a model, or a Hub model name",
     )  # fmt: skip
     parser.add_argument(
@@ -71,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _is_factory(name: str) -> bool:
-    target, sep, attr = name.rpartition(":")
-    return bool(sep) and not name.startswith("hf-hub:")
+    """``module:function`` or ``file.py:function`` (a Hub name has no colon, or ``hf-hub:``)."""
+    return ":" in name and not name.startswith("hf-hub:")
 
 
 def add_timm_hub_prefix(model_name: str) -> str:
