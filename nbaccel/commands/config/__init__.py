@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from nbaccel.commands.config.config import config_command, config_command_parser
+from nbaccel.commands.config.config_args import default_config_file, load_config_from_file
 from nbaccel.commands.config.default import default_config_command, write_basic_config
 from nbaccel.commands.config.update import update_config_command
 
@@ -14,7 +15,9 @@ __all__ = [
     "config_command",
     "config_command_parser",
     "default_config_command",
+    "default_config_file",
     "get_config_parser",
+    "load_config_from_file",
     "register",
     "update_config_command",
     "write_basic_config",
