@@ -420,3 +420,14 @@ def test_an_fsdp1_config_launches_with_fsdp2_only_variables(tmp_path):
     assert "nbaccel runs FSDP2 only" in done.stderr
     two = _cli(tmp_path, "launch", "--config_file", str(config), "--fsdp_version", "2", "fsdp.py")
     assert "fsdp true 2 SHARDED_STATE_DICT" in two.stdout and "FSDP2 only" not in two.stderr
+
+
+@pytest.mark.parametrize("script", ["test_ops", "test_sync", "test_distributed_data_loop"])
+def test_check_scripts_pass_on_two_cpu_ranks(script):
+    import importlib
+
+    from nbaccel import debug_launcher
+
+    module = importlib.import_module(f"nbaccel.test_utils.scripts.{script}")
+    assert module.main is importlib.import_module(f"nbaccel.testkit.scripts.{script}").main
+    debug_launcher(module.main, num_processes=2)  # a wrong result raises here, naming the rank
