@@ -422,7 +422,9 @@ def test_an_fsdp1_config_launches_with_fsdp2_only_variables(tmp_path):
     assert "fsdp true 2 SHARDED_STATE_DICT" in two.stdout and "FSDP2 only" not in two.stderr
 
 
-@pytest.mark.parametrize("script", ["test_ops", "test_sync", "test_distributed_data_loop"])
+@pytest.mark.parametrize(
+    "script", ["test_ops", "test_sync", "test_distributed_data_loop", "test_ddp_comm_hook"]
+)
 def test_check_scripts_pass_on_two_cpu_ranks(script):
     import importlib
 
