@@ -308,5 +308,5 @@ ALIASES["nbaccel.test_utils"] += (
 )
 ALIASES["nbaccel.test_utils.scripts"] = ("=nbaccel.testkit.scripts",)
 for _script in ("test_cli", "test_ops", "test_script", "test_sync", "test_distributed_data_loop",
-                "test_ddp_comm_hook"):  # fmt: skip
+                "test_ddp_comm_hook", "test_merge_weights"):  # fmt: skip
     ALIASES[f"nbaccel.test_utils.scripts.{_script}"] = (f"=nbaccel.testkit.scripts.{_script}",)
