@@ -32,7 +32,9 @@ def tpu_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     pod.add_argument("--command_file", default=None, help="file with one command per line")
     pod.add_argument("--command", action="append", nargs="+", help="a command (repeatable)")
     pod.add_argument("--install_nbaccel", action="store_true", help="pip install nbaccel first")
-    pod.add_argument("--nbaccel_version", default="latest", help="version to install (default: latest)")
+    pod.add_argument(
+        "--nbaccel_version", default="latest", help="version to install (default: latest)"
+    )
     pod.add_argument("--debug", action="store_true", help="print the command, do not run it")
     parser.set_defaults(handler=_handler)
     return parser
