@@ -1,18 +1,17 @@
 """Merging a sharded FSDP2 checkpoint, checked on every rank: the model is sharded over the
-ranks, trained a step, saved as ``SHARDED_STATE_DICT``; ``merge_fsdp_weights`` and the
-``merge-weights`` command then write one file (safetensors, and pickle) that a plain model
-loads with exactly the trained weights. Run with ``nbaccel launch`` or ``debug_launcher(main)``."""
+ranks, trained a step, saved as ``SHARDED_STATE_DICT``; ``merge_fsdp_weights`` (what
+``nbaccel merge-weights`` runs) then writes one file (safetensors, and pickle) that a plain
+model loads with exactly the trained weights. Run with ``nbaccel launch`` or
+``debug_launcher(main)``."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
 
 import torch
 
-from nbaccel.commands.merge import merge_command
 from nbaccel.distributed.collectives import broadcast_object_list
 from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.training.accelerator import Accelerator
@@ -85,11 +84,9 @@ def main() -> None:
     accelerator, expected = _trained_sharded_checkpoint(folder[0])
     shards = os.path.join(folder[0], "pytorch_model_fsdp_0")
     merged = merge_fsdp_weights(shards, os.path.join(folder[0], "merged"))
-    command = argparse.Namespace(
-        checkpoint_directory=shards, output_path=os.path.join(folder[0], "merged_bin"),
-        unsafe_serialization=True, remove_checkpoint_dir=False,
-    )  # fmt: skip
-    pickled = merge_command(command)
+    pickled = merge_fsdp_weights(
+        shards, os.path.join(folder[0], "merged_bin"), safe_serialization=False
+    )
     if accelerator.is_main_process:
         _check_file(merged, expected)
         _check_file(pickled, expected)
