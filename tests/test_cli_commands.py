@@ -339,6 +339,7 @@ def test_estimate_memory_hub_names_and_timm_prefix(tmp_path, monkeypatch):
     assert add_timm_hub_prefix("local-dir:/m") == "local-dir:/m"
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process on purpose
 def test_merge_weights_writes_one_loadable_file(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
