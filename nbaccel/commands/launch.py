@@ -27,7 +27,7 @@ from typing import Any
 
 from nbaccel.commands._launch_parser import launch_command_parser
 
-__all__ = ["launch_command", "launch_command_parser", "register", "run", "run_script"]
+__all__ = ["launch_command", "launch_command_parser", "main", "register", "run", "run_script"]
 
 logger = logging.getLogger(__name__)
 
@@ -326,3 +326,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, NotImplementedError, OSError) as exc:
         print(f"nbaccel launch: {exc}", file=sys.stderr)
         return 2
+
+
+def main() -> None:
+    """``python -m nbaccel.commands.launch ...``: the same as ``nbaccel launch ...``."""
+    sys.exit(run(launch_command_parser().parse_args()))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
