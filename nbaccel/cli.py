@@ -3,6 +3,8 @@
 Every module in :mod:`nbaccel.commands` whose name does not start with ``_`` is a subcommand. It
 defines ``register(subparsers)``, which adds its parser and sets ``handler`` (a function taking
 the parsed arguments and returning an exit code) with ``parser.set_defaults(handler=...)``.
+A handler's ``ValueError``/``OSError``/``NotImplementedError`` (bad input) is printed as one
+line naming the command, with exit code 2.
 Adding a command means adding a file; this module does not change. Command modules import heavy
 libraries (torch) inside their handlers, so ``nbaccel --help`` stays fast.
 """
@@ -58,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 1
-    return int(handler(args) or 0)
+    try:
+        return int(handler(args) or 0)
+    except (ValueError, OSError, NotImplementedError) as exc:  # bad input: say it, no trace
+        print(f"nbaccel {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -104,16 +104,20 @@ def test_version_flag(capsys: pytest.CaptureFixture) -> None:
 
 def test_every_command_module_registers(capsys: pytest.CaptureFixture) -> None:
     """Each module in nbaccel/commands adds a working subcommand (none is a broken stub)."""
+    import argparse
     import pkgutil
 
     import nbaccel.commands
+    from nbaccel.cli import build_parser
 
-    names = [m.name for m in pkgutil.iter_modules(nbaccel.commands.__path__)]
-    assert "env" in names
-    for name in names:
-        if name.startswith("_"):
-            continue
+    modules = [m.name for m in pkgutil.iter_modules(nbaccel.commands.__path__)]
+    assert "env" in modules
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands = sorted(sub.choices)
+    assert len(commands) == len([m for m in modules if not m.startswith("_")]), commands
+    for name in commands:
         with pytest.raises(SystemExit) as info:
-            main([name.replace("_", "-"), "--help"])
+            main([name, "--help"])
         assert info.value.code == 0
         assert "unavailable" not in capsys.readouterr().out

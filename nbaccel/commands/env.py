@@ -8,9 +8,10 @@ import os
 import platform
 import sys
 from importlib import metadata
+from shutil import which
 from typing import Any
 
-__all__ = ["collect", "register", "render_text"]
+__all__ = ["collect", "env_command", "env_command_parser", "register", "render_text"]
 
 # Distribution names, in the order a reader wants them.
 PACKAGES = (
@@ -49,22 +50,76 @@ _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "AUTH")
 _GIB = 1024**3
 
 
+def env_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The ``env`` parser (added to ``subparsers`` when given, else standalone)."""
+    options = {
+        "help": "print versions, devices and the detected environment (paste it into bug reports)",
+        "description": __doc__,
+    }
+    if subparsers is not None:
+        parser = subparsers.add_parser("env", **options)
+    else:
+        parser = argparse.ArgumentParser("nbaccel env", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--config_file", default=None, help="a launch config file to include in the report"
+    )
+    parser.set_defaults(handler=run)
+    return parser
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``nbaccel env`` to the command line."""
-    parser = subparsers.add_parser(
-        "env",
-        help="print versions, devices and the detected environment (paste it into bug reports)",
-        description=__doc__,
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.set_defaults(handler=run)
+    env_command_parser(subparsers)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; exit code 0."""
     info = collect()
+    config = _config(getattr(args, "config_file", None))
+    if config is not None:
+        info["config"] = config
     print(json.dumps(info, indent=2) if args.json else render_text(info))
     return 0
+
+
+def _config(path: str | None) -> dict[str, Any] | str | None:
+    """The launch config (the given file, else the default one when it exists)."""
+    from nbaccel.commands.config.config_args import default_config_file, load_config_from_file
+
+    path = path or (default_config_file if os.path.isfile(default_config_file) else None)
+    if path is None:
+        return None
+    try:
+        return load_config_from_file(path).to_dict()
+    except (OSError, ValueError) as exc:
+        return f"unreadable: {exc}"
+
+
+def env_command(args: argparse.Namespace) -> dict[str, Any]:
+    """Accelerate's ``env`` summary: print it as a bulleted list and return it as a dict."""
+    import torch
+
+    versions = _versions()
+    config = _config(getattr(args, "config_file", None))
+    info: dict[str, Any] = {
+        "`nbaccel` version": versions["nbaccel"],
+        "Platform": platform.platform(),
+        "`nbaccel` bash location": which("nbaccel") or "Not found",
+        "Python version": platform.python_version(),
+        "Numpy version": versions.get("numpy") or "not installed",
+        "PyTorch version": f"{torch.__version__} (cuda: {torch.cuda.is_available()})",
+        "System RAM": f"{_devices()['ram_total_gib']} GiB",
+    }
+    if torch.cuda.is_available():
+        info["GPU type"] = torch.cuda.get_device_name()
+    info["`nbaccel` configs"] = config if config is not None else "Not found"
+    print("\nCopy-and-paste the text below in your GitHub issue\n")
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = "\n" + "\n".join(f"\t- {k}: {v}" for k, v in value.items())
+        print(f"- {key}: {value}")
+    return info
 
 
 def _version(distribution: str) -> str | None:

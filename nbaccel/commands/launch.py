@@ -1,73 +1,44 @@
 """``nbaccel launch``: run a training script on N ranks, as ``accelerate launch`` does.
 
-``nbaccel launch --num_processes 2 train.py --lr 3e-4`` runs ``train.py`` on 2 ranks through the
-public :func:`nbaccel.notebook_launcher`: each rank executes the script as ``__main__`` (or a
+``nbaccel launch --num_processes 2 train.py --lr 3e-4`` runs ``train.py`` on 2 ranks through
+the public :func:`nbaccel.notebook_launcher`: each rank executes the script as ``__main__`` (or a
 module with ``-m``) with ``sys.argv`` set to the script and its arguments, and the distributed
 environment set, so a script written for ``accelerate launch`` runs with one word changed.
 Output comes back as rank-labelled lines. The exit code is the script's: 0 when every rank
 finished, the code of the first failing rank's ``sys.exit(code)``, 1 for an uncaught exception
 (its traceback printed, naming the rank), 130 on Ctrl-C.
 
-Flags follow ``accelerate launch``: ``--num_processes`` is the total over all machines, and
-``--num_machines``/``--machine_rank``/``--main_process_ip``/``--main_process_port`` start one
-node of a multi-node run (the same command on every machine, with its own ``--machine_rank``).
+Options not given come from the config file (``--config_file``, else the default one that
+``nbaccel config`` writes; see :mod:`nbaccel.commands.config.config_args`). ``--num_processes``
+is the total over all machines; ``--num_machines``/``--machine_rank``/``--main_process_ip``/
+``--main_process_port`` start one node of a multi-node run. A config with ``mpirun_hostfile``
+runs the script under ``mpirun``. DeepSpeed, Megatron-LM and SageMaker configs are refused with
+a clear error before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import subprocess
 import sys
 from typing import Any
 
-__all__ = ["register", "run", "run_script"]
+from nbaccel.commands._launch_parser import launch_command_parser
 
-_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+__all__ = ["launch_command", "launch_command_parser", "main", "register", "run", "run_script"]
+
+logger = logging.getLogger(__name__)
+
+_PARADIGMS = ("multi_gpu", "cpu", "tpu", "use_deepspeed", "use_fsdp")
+_HANDLED_APART = ("compute_environment", "mixed_precision", "distributed_type")
+_SECTION_PREFIX = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``nbaccel launch`` to the command line."""
-    parser = subparsers.add_parser(
-        "launch",
-        help="run a script on N ranks (like `accelerate launch`)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--num_processes",
-        "--num-processes",
-        type=int,
-        default=None,
-        help="total number of ranks over all machines (default: every GPU, or 1)",
-    )
-    parser.add_argument("--mixed_precision", "--mixed-precision", choices=_PRECISIONS, default="no")
-    parser.add_argument("--cpu", action="store_true", help="run on CPU ranks (gloo)")
-    parser.add_argument(
-        "--main_process_port", "--main-process-port", type=int, default=None,
-        help="rendezvous port (default: a free one; required with several machines)",
-    )  # fmt: skip
-    parser.add_argument("--num_machines", "--num-machines", type=int, default=1)
-    parser.add_argument("--machine_rank", "--machine-rank", type=int, default=0)
-    parser.add_argument(
-        "--main_process_ip", "--main-process-ip", default="127.0.0.1",
-        help="address of machine 0 (multi-node)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--num_cpu_threads_per_process", "--num-cpu-threads-per-process", type=int, default=None,
-        help="OMP_NUM_THREADS on each rank",
-    )  # fmt: skip
-    parser.add_argument(
-        "--multi_gpu", "--multi-gpu", action="store_true",
-        help="accepted for compatibility (several GPUs are used when num_processes > 1)",
-    )  # fmt: skip
-    parser.add_argument(
-        "-m", "--module", action="store_true",
-        help="the target is a module name, run like `python -m`",
-    )  # fmt: skip
-    parser.add_argument("training_script", help="the script (or module with -m) to run")
-    parser.add_argument(
-        "training_script_args", nargs=argparse.REMAINDER, help="arguments of the script"
-    )
+    parser = launch_command_parser(subparsers)
     parser.set_defaults(handler=run)
 
 
@@ -103,7 +74,118 @@ def run_script(
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _check(args: argparse.Namespace) -> tuple[str, int | None]:
+def _apply_config(args: argparse.Namespace, config: Any) -> bool:
+    """Fill the options not given on the command line from ``config``; True when the
+    precision came from it."""
+    from nbaccel.distributed.state import DistributedType
+
+    kind = config.distributed_type
+    explicit = ("multi_gpu", "tpu", "tpu_use_cluster", "use_deepspeed", "use_fsdp",
+                "use_megatron_lm")  # fmt: skip
+    if not any(getattr(args, name, False) for name in explicit):
+        multi = {"MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                 "MULTI_HPU", "MULTI_NEURON"}  # fmt: skip
+        args.multi_gpu = getattr(kind, "value", kind) in multi
+        args.tpu = kind == DistributedType.XLA
+        args.use_fsdp = kind == DistributedType.FSDP
+        args.use_deepspeed = kind == DistributedType.DEEPSPEED
+        args.use_megatron_lm = kind == DistributedType.MEGATRON_LM
+        args.tpu_use_cluster = bool(getattr(config, "tpu_use_cluster", False)) and args.tpu
+        args.use_parallelism_config = bool(getattr(config, "parallelism_config", {}))
+    if args.gpu_ids is None:
+        args.gpu_ids = getattr(config, "gpu_ids", None) or "all"
+    given = getattr(args, "nondefault", set())
+    if str(getattr(config.compute_environment, "value", "")) == "LOCAL_MACHINE":
+        for name, value in vars(config).items():
+            if isinstance(value, dict):
+                prefix = _SECTION_PREFIX.get(name, "")
+                for key, item in value.items():
+                    key = key if key.startswith(prefix) else prefix + key
+                    if key not in given:
+                        setattr(args, key, item)
+            elif name not in _HANDLED_APART and getattr(args, name, None) is None:
+                setattr(args, name, value)
+    args.debug = bool(args.debug or config.debug)
+    if args.mixed_precision is None:
+        args.mixed_precision = config.mixed_precision or "no"
+        return True
+    return False
+
+
+def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespace, Any, bool]:
+    """Check the options and fill the missing ones (config file, then defaults); returns
+    ``(args, config or None, precision_from_config)``. Errors name the fix."""
+    import torch
+
+    from nbaccel.commands.config.config_args import default_config_file, load_config_from_file
+    from nbaccel.distributed.environment_patch import get_int_from_env
+
+    chosen = [f"--{name}" for name in _PARADIGMS if getattr(args, name, False)]
+    if len(chosen) > 1:
+        raise ValueError(f"Use only one of {', '.join(chosen)} at a time.")
+    if args.multi_gpu and args.num_processes is not None and args.num_processes < 2:
+        raise ValueError("--multi_gpu needs at least 2 processes (--num_processes 2 or more).")
+    if args.use_parallelism_config and not (args.use_fsdp and str(args.fsdp_version) == "2"):
+        raise ValueError("--use_parallelism_config needs --use_fsdp and --fsdp_version 2.")
+    config, from_config, notes = None, False, []
+    if args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu):
+        config = load_config_from_file(args.config_file)
+        from_config = _apply_config(args, config)
+        if args.num_processes == -1:
+            raise ValueError("This config file leaves the process count open: pass "
+                             "--num_processes.")  # fmt: skip
+    else:
+        if args.num_processes is None:
+            args.num_processes = max(torch.cuda.device_count(), 1)
+            notes.append(f"--num_processes {args.num_processes}")
+        if args.num_machines is None:
+            args.num_machines = 1
+        if args.mixed_precision is None:
+            args.mixed_precision = "no"
+        args.use_cpu = args.cpu
+    args.num_machines = args.num_machines or 1
+    args.machine_rank = args.machine_rank or 0
+    args.dynamo_backend = args.dynamo_backend or "no"
+    multi = args.multi_gpu and args.num_machines <= 1 and str(args.gpu_ids or "all") != "all"
+    if multi and len(str(args.gpu_ids).split(",")) < 2:
+        raise ValueError("--multi_gpu with --gpu_ids needs two ids or more (or --gpu_ids all).")
+    if args.num_cpu_threads_per_process is None and not (
+        config is not None and str(config.compute_environment.value) == "AMAZON_SAGEMAKER"
+    ):
+        threads = get_int_from_env(["OMP_NUM_THREADS"], 0)
+        if threads == 0 and getattr(args, "use_cpu", False) and (args.num_processes or 0) >= 1:
+            import psutil
+
+            local = max((args.num_processes or 1) // args.num_machines, 1)
+            threads = (psutil.cpu_count(logical=False) or 1) // local
+        args.num_cpu_threads_per_process = max(threads, 1)
+    if notes and not args.quiet:
+        logger.warning("nbaccel launch used defaults for: %s (set them, or run `nbaccel "
+                       "config`).", ", ".join(notes))  # fmt: skip
+    return args, config, from_config
+
+
+def _refuse_unsupported(args: argparse.Namespace, config: Any) -> None:
+    if config is not None and str(config.compute_environment.value) == "AMAZON_SAGEMAKER":
+        raise NotImplementedError(
+            "nbaccel does not start Amazon SageMaker jobs: launch the script inside the job "
+            "with `nbaccel launch`, or use a LOCAL_MACHINE config."
+        )
+    if args.tpu and not args.cpu:
+        from nbaccel.distributed.environment import is_torch_xla_available
+
+        if not is_torch_xla_available():
+            raise ValueError("--tpu (or distributed_type: XLA) needs torch-xla on a TPU host: "
+                             "pip install torch-xla, or drop --tpu.")  # fmt: skip
+    for flag, stack in (("use_deepspeed", "DeepSpeed"), ("use_megatron_lm", "Megatron-LM")):
+        if getattr(args, flag, False) and not args.cpu:
+            raise NotImplementedError(
+                f"nbaccel does not run {stack}: use --use_fsdp (FSDP2) or plain data parallel "
+                f"instead, or launch this script with `accelerate launch`."
+            )
+
+
+def _check_target(args: argparse.Namespace) -> tuple[str, int | None]:
     """The script's absolute path (or module name) and processes per machine; clear errors
     before anything starts."""
     target = args.training_script
@@ -119,7 +201,7 @@ def _check(args: argparse.Namespace) -> tuple[str, int | None]:
             sys.path.pop(0)
         if found is None:
             raise SystemExit(f"nbaccel launch: no module named {target!r} (run from its parent).")
-    else:
+    elif not args.no_python:
         target = os.path.abspath(target)
         if not os.path.isfile(target):
             raise SystemExit(f"nbaccel launch: no such script: {args.training_script!r}.")
@@ -174,31 +256,82 @@ def _report(exc: BaseException) -> None:
     print(f"nbaccel launch: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Launch the script; return its exit code."""
-    from nbaccel import notebook_launcher
-
-    target, per_machine = _check(args)
-    call: tuple[Any, ...] = (
-        target,
-        list(args.training_script_args),
-        args.module,
-        os.getcwd(),
-        args.num_cpu_threads_per_process,
-    )
+def _with_environment(env: dict[str, str], call: Any) -> Any:
+    """Run ``call()`` with ``env`` as this process's environment (the ranks inherit it)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
     try:
-        notebook_launcher(
-            run_script,
-            call,
-            num_processes=per_machine,
-            mixed_precision=args.mixed_precision,
-            use_port=args.main_process_port,
-            master_addr=args.main_process_ip,
-            node_rank=args.machine_rank,
-            num_nodes=args.num_machines,
-            cpu=args.cpu,
-        )
+        return call()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Validate, then run; returns the exit code (raises on bad options)."""
+    from nbaccel.launch.command_env import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args, config, _ = _validate_launch_command(args)
+    _refuse_unsupported(args, config)
+    if args.use_fsdp and str(args.fsdp_version or 1) == "1":
+        if not args.quiet:
+            logger.warning("nbaccel runs FSDP2 only: FSDP_VERSION is not passed on (convert "
+                           "the config with `nbaccel to-fsdp2`).")  # fmt: skip
+        args.fsdp_version = None
+    target, per_machine = _check_target(args)
+    if getattr(args, "mpirun_hostfile", None) or args.no_python:
+        if args.no_python and (args.num_processes or 1) > 1 and not args.mpirun_hostfile:
+            raise ValueError("--no_python runs one process; use --num_processes 1 (or mpirun).")
+        cmd, env = prepare_simple_launcher_cmd_env(args)
+        return subprocess.run(cmd, env=env).returncode
+    world = (args.num_processes or 1) > 1 or args.num_machines > 1
+    env = prepare_multi_gpu_env(args) if world else prepare_simple_launcher_cmd_env(args)[1]
+    port = int(args.master_port) if world else args.main_process_port
+    cpu = bool(args.cpu or getattr(args, "use_cpu", False))
+    call = (target, list(args.training_script_args), args.module, os.getcwd(),
+            args.num_cpu_threads_per_process)  # fmt: skip
+
+    def start() -> Any:
+        from nbaccel import notebook_launcher
+
+        return notebook_launcher(
+            run_script, call, num_processes=per_machine, mixed_precision=args.mixed_precision,
+            use_port=port, master_addr=args.main_process_ip or "127.0.0.1",
+            node_rank=args.machine_rank, num_nodes=args.num_machines, cpu=cpu,
+            rdzv_backend=args.rdzv_backend or "static", max_restarts=args.max_restarts or 0,
+            monitor_interval=args.monitor_interval,
+        )  # fmt: skip
+
+    try:
+        _with_environment(env, start)
     except BaseException as exc:  # every failure becomes an exit code
         _report(exc)
         return _exit_code(exc)
     return 0
+
+
+def launch_command(args: argparse.Namespace) -> None:
+    """Run the launch ``args`` describe; a failed run raises ``CalledProcessError`` with its
+    exit code (bad options raise ValueError/NotImplementedError before anything starts)."""
+    code = _launch(args)
+    if code:
+        raise subprocess.CalledProcessError(code, ["nbaccel", "launch", args.training_script])
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command-line handler: the script's exit code; bad options print their error."""
+    try:
+        return _launch(args)
+    except (ValueError, NotImplementedError, OSError) as exc:
+        print(f"nbaccel launch: {exc}", file=sys.stderr)
+        return 2
+
+
+def main() -> None:
+    """``python -m nbaccel.commands.launch ...``: the same as ``nbaccel launch ...``."""
+    sys.exit(run(launch_command_parser().parse_args()))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -82,7 +82,8 @@ _OTHER = (
     "nbaccel.launch.plan:get_free_port=free_port",
     "nbaccel.launch.ports",
     "nbaccel.training.model_inspection:convert_bytes,recursive_getattr",
-    "nbaccel.training.run_options:get_pretty_name,merge_dicts,write_basic_config",
+    "nbaccel.training.run_options:get_pretty_name,merge_dicts",
+    "nbaccel.commands.config.default:write_basic_config",
     "nbaccel.distributed.probes:is_torch_version,is_weights_only_available,is_deepspeed_available",
 )
 _RANDOM = (
@@ -298,3 +299,14 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel.test_utils.testing": _TEST_UTILS_TESTING,
     "nbaccel.test_utils.training": _TEST_UTILS_TRAINING,
 }
+
+# Accelerate's launch helpers and test scripts (issue 16, commands part). "=module" makes the
+# façade path that very module, so mock.patch("nbaccel.utils.launch.which") reaches its code.
+ALIASES["nbaccel.utils.launch"] = ("=nbaccel.launch.command_env",)
+ALIASES["nbaccel.test_utils"] += (
+    "nbaccel.testkit.scripts:test_cli,test_ops,test_script,test_sync",
+)
+ALIASES["nbaccel.test_utils.scripts"] = ("=nbaccel.testkit.scripts",)
+for _script in ("test_cli", "test_ops", "test_script", "test_sync", "test_distributed_data_loop",
+                "test_ddp_comm_hook", "test_merge_weights"):  # fmt: skip
+    ALIASES[f"nbaccel.test_utils.scripts.{_script}"] = (f"=nbaccel.testkit.scripts.{_script}",)

@@ -56,10 +56,17 @@ class AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             fullname, self, is_package=_has_children(fullname), origin="nbaccel.compat.aliases"
         )
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        sources = ALIASES[spec.name]
+        if len(sources) == 1 and sources[0].startswith("="):  # the path IS that module
+            module = importlib.import_module(sources[0][1:])
+            module.__nbaccel_sources__ = (module.__name__,)
+            return module
         return None  # the default module object
 
     def exec_module(self, module: types.ModuleType) -> None:
+        if module.__name__ not in ALIASES:  # a real module served under a façade path
+            return
         sources = ALIASES[module.__name__]
         names: dict[str, Any] = {}
         for source in sources:

@@ -1,17 +1,13 @@
 """Option types of a run that are plain values: compile (TorchDynamoPlugin, DynamoBackend), the
-compute environment and SageMaker mode of a config file, custom dtypes; and
-:func:`write_basic_config`, the one-call config file for ``nbaccel launch``."""
+compute environment and SageMaker mode of a config file, custom dtypes. (Config files
+themselves live in :mod:`nbaccel.commands.config`.)"""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from enum import Enum, EnumMeta
-from pathlib import Path
 from typing import Any
-
-import torch
 
 __all__ = [
     "BaseEnum",
@@ -23,14 +19,7 @@ __all__ = [
     "EnumWithContains",
     "SageMakerDistributedType",
     "TorchDynamoPlugin",
-    "write_basic_config",
 ]
-
-DEFAULT_CONFIG_FILE = Path(
-    os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"),
-    "accelerate",
-    "default_config.yaml",
-)
 
 
 class EnumWithContains(EnumMeta):
@@ -138,37 +127,6 @@ class TorchDynamoPlugin:
 
     def to_kwargs(self) -> dict[str, Any]:
         return self.to_dict()
-
-
-def write_basic_config(mixed_precision: str = "no", save_location: str = str(DEFAULT_CONFIG_FILE)):
-    """Write a config file for a local run on every device of this machine (all GPUs, else the
-    CPU); return its path, or False (and write nothing) when a file is already there."""
-    path = Path(save_location)
-    if path.exists():
-        print(f"Configuration already exists at {path}, will not override; delete it first.")
-        return False
-    mixed_precision = mixed_precision.lower()
-    if mixed_precision not in ("no", "fp16", "bf16"):
-        raise ValueError(
-            f"mixed_precision must be 'no', 'fp16' or 'bf16', not {mixed_precision!r}."
-        )
-    gpus = torch.cuda.device_count()
-    config: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "mixed_precision": mixed_precision,
-        "num_processes": max(gpus, 1),
-        "num_machines": 1,
-        "machine_rank": 0,
-        "use_cpu": gpus == 0,
-        "debug": False,
-        "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
-    }
-    if gpus:
-        config["gpu_ids"] = "all"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # JSON is valid YAML: readers of either format accept the file.
-    path.write_text(json.dumps(config, indent=2) + "\n")
-    return path
 
 
 def get_pretty_name(obj: Any) -> str:

@@ -1,0 +1,192 @@
+"""The argument parser of ``nbaccel launch`` (Accelerate's ``accelerate launch`` flags).
+
+Every option is accepted with underscores or hyphens (``--num_processes`` or
+``--num-processes``); the help lists the underscore spelling only. The parser records which
+options were given on the command line in ``args.nondefault`` so that a config file fills in
+only the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["launch_command_parser", "to_bool"]
+
+_DESCRIPTION = """Run a training script on N ranks on nbaccel's engine, as `accelerate launch` does.
+
+Options come from the command line, else from the config file (--config_file, or the default
+one written by `nbaccel config`), else from defaults. Example, two CPU ranks:
+  nbaccel launch --num-processes 2 --cpu train.py --lr 3e-4
+Output comes back as rank-labelled lines; the exit code is the script's.
+"""
+
+
+def to_bool(value: Any) -> bool:
+    """``"true"``/``"1"``/``"yes"`` -> True, ``"false"``/``"0"``/``"no"`` -> False."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("true", "1", "yes", "y"):
+        return True
+    if lowered in ("false", "0", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option once: the hyphenated twin of an underscore option is hidden."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if action.option_strings:
+            shown = [s for s in action.option_strings if not (s.startswith("--") and "-" in s[2:])]
+            if shown and len(shown) != len(action.option_strings):
+                action = argparse.Action(shown, action.dest, nargs=action.nargs,
+                                         metavar=action.metavar)  # fmt: skip
+        return super()._format_action_invocation(action)
+
+
+def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+            given = getattr(namespace, "nondefault", None)
+            if given is None:
+                given = set()
+                namespace.nondefault = given
+            given.add(self.dest)
+            super().__call__(parser, namespace, values, option)
+
+    Recording.__name__ = f"Recording{base.__name__}"
+    return Recording
+
+
+_ACTIONS = {
+    "store": _recording(argparse._StoreAction),
+    "store_true": _recording(argparse._StoreTrueAction),
+    "store_false": _recording(argparse._StoreFalseAction),
+    "append": _recording(argparse._AppendAction),
+}
+
+
+def _option(group: Any, name: str, *extra: str, **kwargs: Any) -> None:
+    """``--name`` and its hyphenated twin (plus ``extra`` spellings), recording when given."""
+    names = [f"--{name}", *extra]
+    if "_" in name:
+        names.append(f"--{name.replace('_', '-')}")
+    kwargs["action"] = _ACTIONS[kwargs.get("action", "store")]
+    group.add_argument(*names, **kwargs)
+
+
+def _hardware_and_resources(parser: argparse.ArgumentParser) -> None:
+    hardware = parser.add_argument_group("Hardware", "Which devices the ranks use.")
+    _option(hardware, "cpu", action="store_true", help="run on CPU ranks (gloo), even with GPUs")
+    _option(hardware, "multi_gpu", action="store_true", help="one rank per GPU (the default "
+            "when several GPUs are visible and num_processes > 1)")  # fmt: skip
+    _option(hardware, "tpu", action="store_true", help="run on TPU cores through torch-xla")
+    res = parser.add_argument_group("Resources", "How many processes, which precision.")
+    _option(res, "mixed_precision", choices=["no", "fp16", "bf16", "fp8"], default=None,
+            help="mixed precision of the Accelerator on each rank")  # fmt: skip
+    _option(res, "num_processes", type=int, default=None,
+            help="total number of ranks over all machines")  # fmt: skip
+    _option(res, "num_machines", type=int, default=None, help="number of machines")
+    _option(res, "num_cpu_threads_per_process", type=int, default=None,
+            help="threads per rank (OMP_NUM_THREADS)")  # fmt: skip
+    _option(res, "enable_cpu_affinity", action="store_true", help="pin ranks to CPU cores")
+    _option(res, "dynamo_backend", type=str.lower, default=None,
+            help="torch.compile backend (no, inductor, eager, ...)")  # fmt: skip
+    _option(res, "dynamo_mode", default="default", help="torch.compile mode")
+    _option(res, "dynamo_use_fullgraph", action="store_true", help="compile whole graphs only")
+    _option(res, "dynamo_use_dynamic", action="store_true", help="compile with dynamic shapes")
+    _option(res, "dynamo_use_regional_compilation", action="store_true",
+            help="compile repeated blocks once")  # fmt: skip
+
+
+def _paradigms_and_world(parser: argparse.ArgumentParser) -> None:
+    paradigm = parser.add_argument_group("Paradigm", "How the model is spread over the ranks.")
+    _option(paradigm, "use_fsdp", action="store_true", help="shard the model with FSDP")
+    _option(paradigm, "use_deepspeed", action="store_true",
+            help="DeepSpeed (not run by nbaccel: refused with a clear error)")  # fmt: skip
+    _option(paradigm, "use_megatron_lm", action="store_true",
+            help="Megatron-LM (not run by nbaccel: refused with a clear error)")  # fmt: skip
+    _option(paradigm, "use_parallelism_config", action="store_true",
+            help="ParallelismConfig (not run by nbaccel)")  # fmt: skip
+    world = parser.add_argument_group("Distributed", "Where the ranks meet.")
+    _option(world, "gpu_ids", default=None, help="GPU ids to use, comma separated, or all")
+    _option(world, "same_network", action="store_true", help="machines share a local network")
+    _option(world, "machine_rank", type=int, default=None, help="rank of this machine")
+    _option(world, "main_process_ip", default=None, help="address of machine 0")
+    _option(world, "main_process_port", type=int, default=None,
+            help="rendezvous port on machine 0 (default: a free one)")  # fmt: skip
+    _option(world, "tee", default="0", help="accepted for compatibility")
+    _option(world, "log_dir", default=None, help="accepted for compatibility")
+    _option(world, "role", default="default", help="accepted for compatibility")
+    _option(world, "rdzv_backend", default="static", help="rendezvous backend (static, c10d)")
+    _option(world, "rdzv_conf", default="", help="rendezvous options (key=value,...)")
+    _option(world, "max_restarts", type=int, default=0, help="restarts of a failed world")
+    _option(world, "monitor_interval", type=float, default=0.1,
+            help="seconds between checks of the ranks")  # fmt: skip
+    _option(world, "module", "-m", action="store_true",
+            help="the script is a module name, run like python -m")  # fmt: skip
+    _option(world, "no_python", action="store_true",
+            help="the script is an executable, run without python")  # fmt: skip
+    _option(world, "mpirun_hostfile", default=None, help="run under mpirun with this host file")
+
+
+def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
+    tpu = parser.add_argument_group("TPU", "TPU pods.")
+    _option(tpu, "tpu_cluster", action="store_true", dest="tpu_use_cluster",
+            help="run on every host of a TPU pod")  # fmt: skip
+    _option(tpu, "no_tpu_cluster", action="store_false", dest="tpu_use_cluster",
+            help="run on this TPU host only")  # fmt: skip
+    _option(tpu, "tpu_use_sudo", action="store_true", help="run the pod command with sudo")
+    _option(tpu, "vm", type=str, action="append", help="TPU VM names of the pod")
+    _option(tpu, "env", type=str, action="append", help="KEY=VALUE variables for the pod")
+    _option(tpu, "main_training_function", default=None, help="function run on TPU cores")
+    deepspeed = parser.add_argument_group("DeepSpeed", "Read from configs; DeepSpeed is refused.")
+    for name in (
+        "deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
+        "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_clipping",
+        "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+        "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names",
+    ):  # fmt: skip
+        _option(deepspeed, name, default=None, help="(DeepSpeed)")
+    _option(deepspeed, "gradient_accumulation_steps", type=int, default=None,
+            help="gradient accumulation steps of the Accelerator")  # fmt: skip
+    fsdp = parser.add_argument_group("FSDP", "Options of a --use_fsdp launch.")
+    _option(fsdp, "fsdp_version", choices=["1", "2"], default=None,
+            help="2 (nbaccel runs FSDP2 only; convert FSDP1 configs with to-fsdp2)")  # fmt: skip
+    _option(fsdp, "fsdp_offload_params", type=to_bool, default=False, help="offload to CPU")
+    _option(fsdp, "fsdp_min_num_params", type=int, default=int(1e8),
+            help="size policy: parameters per wrapped module")  # fmt: skip
+    _option(fsdp, "fsdp_sharding_strategy", default="FULL_SHARD", help="FSDP1 sharding")
+    _option(fsdp, "fsdp_reshard_after_forward", default="true", help="FSDP2 resharding")
+    _option(fsdp, "fsdp_auto_wrap_policy", default=None, help="TRANSFORMER_BASED_WRAP, ...")
+    _option(fsdp, "fsdp_transformer_layer_cls_to_wrap", default=None, help="layer class names")
+    _option(fsdp, "fsdp_backward_prefetch", default=None, help="BACKWARD_PRE, BACKWARD_POST")
+    _option(fsdp, "fsdp_state_dict_type", default=None, help="FULL_STATE_DICT, ...")
+    for name, default in (
+        ("fsdp_forward_prefetch", False), ("fsdp_use_orig_params", True),
+        ("fsdp_cpu_ram_efficient_loading", True), ("fsdp_sync_module_states", True),
+        ("fsdp_activation_checkpointing", False), ("fsdp_activation_checkpointing_offload", False),
+    ):  # fmt: skip
+        _option(fsdp, name, type=to_bool, default=default, help=f"true/false ({default})")
+
+
+def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The ``launch`` parser (added to ``subparsers`` when given, else standalone)."""
+    options = {"description": _DESCRIPTION, "formatter_class": _Formatter, "allow_abbrev": False}
+    if subparsers is not None:
+        parser = subparsers.add_parser("launch", help="run a script on N ranks", **options)
+    else:
+        parser = argparse.ArgumentParser("nbaccel launch", **options)
+    _option(parser, "config_file", default=None, help="config file with the launch defaults")
+    _option(parser, "quiet", "-q", action="store_true", help="no launcher messages")
+    _option(parser, "debug", action="store_true", help="check collectives' shapes (slower)")
+    _hardware_and_resources(parser)
+    _paradigms_and_world(parser)
+    _tpu_and_stacks(parser)
+    parser.add_argument("training_script", help="the script (or module with -m) to run")
+    parser.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="arguments of the script"
+    )
+    return parser

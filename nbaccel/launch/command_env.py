@@ -1,0 +1,226 @@
+"""The command line and environment of a script launch, from ``nbaccel launch``'s arguments.
+
+``nbaccel launch`` runs scripts on nbaccel's own engine, which takes the rank environment this
+module computes (precision, CPU, debug mode, ``torch.compile`` and FSDP options, threads); runs
+that need an outside launcher (``mpirun`` on a host file, ``--no_python`` executables) also use
+the command line built here. The names are Accelerate's (``accelerate.utils.launch``):
+:func:`prepare_simple_launcher_cmd_env` for one machine's processes, :func:`prepare_multi_gpu_env`
+for a torchrun-style multi-process world, :func:`prepare_tpu` for torch-xla.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from shutil import which
+from typing import Any
+
+__all__ = [
+    "convert_nargs_to_dict",
+    "launch_environment",
+    "prepare_multi_gpu_env",
+    "prepare_simple_launcher_cmd_env",
+    "prepare_tpu",
+]
+
+_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+# FSDP options whose values go to the ranks as FSDP_<NAME> variables.
+_FSDP_OPTIONS = (
+    "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
+    "fsdp_min_num_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+    "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch",
+    "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
+    "fsdp_activation_checkpointing",
+)  # fmt: skip
+
+
+def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _flag(value: Any) -> str:
+    return "true" if str(value).lower() in ("1", "true", "yes") else "false"
+
+
+def launch_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The variables every rank of this launch gets on top of the current environment."""
+    env: dict[str, str] = {}
+    precision = str(_get(args, "mixed_precision", "no")).lower()
+    if precision not in _PRECISIONS:
+        raise ValueError(
+            f"Unknown mixed_precision {precision!r}: choose one of {', '.join(_PRECISIONS)}."
+        )
+    env["NBACCEL_MIXED_PRECISION"] = precision
+    cpu = bool(_get(args, "cpu", False) or _get(args, "use_cpu", False))
+    env["ACCELERATE_USE_CPU"] = str(cpu)
+    if cpu:
+        env["NBACCEL_CPU"] = "1"
+        # Intel OpenMP: pin threads and let them sleep soon, as CPU training wants.
+        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
+        env["KMP_BLOCKTIME"] = "1"
+    if _get(args, "debug", False):
+        env["NBACCEL_DEBUG_MODE"] = "true"
+    gpu_ids = _get(args, "gpu_ids", "all")
+    if str(gpu_ids) != "all":
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
+    backend = str(_get(args, "dynamo_backend", "no")).upper()
+    if backend != "NO":
+        env["NBACCEL_DYNAMO_BACKEND"] = backend
+        env["NBACCEL_DYNAMO_MODE"] = str(_get(args, "dynamo_mode", "default"))
+        env["NBACCEL_DYNAMO_USE_FULLGRAPH"] = _flag(_get(args, "dynamo_use_fullgraph", False))
+        env["NBACCEL_DYNAMO_USE_DYNAMIC"] = _flag(_get(args, "dynamo_use_dynamic", False))
+        env["NBACCEL_DYNAMO_USE_REGIONAL_COMPILATION"] = _flag(
+            _get(args, "dynamo_use_regional_compilation", False)
+        )
+    steps = getattr(args, "gradient_accumulation_steps", None)
+    if steps is not None:
+        env["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(steps)
+    threads = getattr(args, "num_cpu_threads_per_process", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if _get(args, "use_fsdp", False):
+        env["ACCELERATE_USE_FSDP"] = "true"
+        for name in _FSDP_OPTIONS:
+            value = getattr(args, name, None)
+            if value is not None:
+                env[name.upper()] = str(value)
+    return env
+
+
+def _mpirun_flags() -> tuple[str, str, str, str, str | None]:
+    """The MPI launcher here and its flag names: (program, host file, processes, processes per
+    node, binding or None). Open MPI spells them differently from Intel MPI and MVAPICH."""
+    programs = [name for name in ("mpirun", "mpiexec") if which(name)]
+    if not programs:
+        raise OSError(
+            "--mpirun_hostfile needs mpirun or mpiexec on PATH: install Open MPI, Intel MPI or "
+            "MVAPICH, or leave mpirun_hostfile out to launch on this machine."
+        )
+    program = programs[0]
+    if b"Open MPI" in subprocess.check_output([program, "--version"]):
+        return program, "--hostfile", "-n", "--npernode", "--bind-to"
+    return program, "-f", "-n", "-ppn", None
+
+
+def prepare_simple_launcher_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The command that runs the script (under ``mpirun`` when ``mpirun_hostfile`` is set) and
+    its full environment."""
+    if _get(args, "no_python", False) and _get(args, "module", False):
+        raise ValueError("--module and --no_python cannot be used together: pick one.")
+    processes = getattr(args, "num_processes", None)
+    machines = _get(args, "num_machines", 1)
+    cmd: list[str] = []
+    hostfile = getattr(args, "mpirun_hostfile", None)
+    if hostfile is not None:
+        program, host_flag, count_flag, per_node_flag, bind_flag = _mpirun_flags()
+        per_node = str(processes // machines) if processes and machines else "1"
+        cmd += [program, host_flag, str(hostfile), per_node_flag, per_node]
+        if processes:
+            cmd += [count_flag, str(processes)]
+        if bind_flag:
+            cmd += [bind_flag, "socket"]
+    if not _get(args, "no_python", False):
+        cmd.append(sys.executable)
+        if _get(args, "module", False):
+            cmd.append("-m")
+    cmd.append(str(args.training_script))
+    cmd.extend(str(a) for a in _get(args, "training_script_args", []))
+
+    env = dict(os.environ)
+    env.update(launch_environment(args))
+    if machines > 1 and (args.main_process_ip is None or args.main_process_port is None):
+        raise ValueError(
+            "A launch over several machines needs --main_process_ip and --main_process_port "
+            "(machine 0's address and a port open on it)."
+        )
+    if (processes is not None and processes > 1) or machines > 1:
+        env["MASTER_ADDR"] = str(_get(args, "main_process_ip", "127.0.0.1"))
+        env["MASTER_PORT"] = str(_get(args, "main_process_port", 29500))
+    return cmd, env
+
+
+def prepare_multi_gpu_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of a multi-process world, with torchrun's fields set on ``args``
+    (``nproc_per_node``, ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` as strings).
+    Port 0 (or none on one machine) means a free port chosen here."""
+    from nbaccel.launch.plan import free_port
+
+    machines = _get(args, "num_machines", 1)
+    processes = _get(args, "num_processes", 1)
+    port = getattr(args, "main_process_port", None)
+    if port in (None, 0, "0") and machines <= 1:
+        port = free_port()
+    elif port in (None, 0, "0"):
+        raise ValueError("A launch over several machines needs --main_process_port (not 0).")
+    args.nproc_per_node = str(processes // machines if machines > 1 else processes)
+    args.nnodes = str(machines)
+    args.node_rank = str(_get(args, "machine_rank", 0))
+    args.master_addr = str(_get(args, "main_process_ip", "127.0.0.1"))
+    args.master_port = str(port)
+    env = dict(os.environ)
+    env.update(launch_environment(args))
+    env["MASTER_ADDR"] = args.master_addr
+    env["MASTER_PORT"] = args.master_port
+    return env
+
+
+def prepare_tpu(
+    args: argparse.Namespace, current_env: dict[str, str], pod: bool = False
+) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Add the torch-xla variables of a TPU launch to ``current_env`` (bf16 becomes
+    ``XLA_USE_BF16``); returns ``args`` and the environment."""
+    if str(_get(args, "mixed_precision", "no")).lower() == "bf16":
+        current_env["XLA_USE_BF16"] = "1"
+    if _get(args, "debug", False):
+        current_env["NBACCEL_DEBUG_MODE"] = "true"
+    current_env.setdefault("PJRT_DEVICE", "TPU")
+    if pod:
+        args.vm = _get(args, "vm", [])
+        args.tpu_name = getattr(args, "tpu_name", None)
+    return args, current_env
+
+
+def _typed(text: str) -> Any:
+    """``"3"`` -> 3, ``"5e-5"`` -> 5e-05, ``"False"`` -> False; anything else stays a string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def convert_nargs_to_dict(nargs: list[str]) -> dict[str, Any]:
+    """A script's ``--name value`` arguments as a typed mapping (for job services that take
+    hyperparameters as a dict). A flag without a value cannot be expressed: ValueError."""
+    if not nargs:
+        return {}
+    out: dict[str, Any] = {}
+    items = list(nargs)
+    index = 0
+    while index < len(items):
+        item = items[index]
+        if not item.startswith("-"):
+            raise ValueError(f"Expected an option (--name) in the script arguments, got {item!r}.")
+        name, eq, value = item.lstrip("-").partition("=")
+        if not eq:
+            following = items[index + 1] if index + 1 < len(items) else None
+            if following is None or following.startswith("--"):
+                raise ValueError(
+                    f"The script argument {item!r} has no value: flags without values are not "
+                    f"supported here; pass it as {item} True (and parse it as a bool)."
+                )
+            value = following
+            index += 1
+        out[name] = _typed(value)
+        index += 1
+    return out
+
+
+# Accelerate's name for it (``accelerate.utils.launch._convert_nargs_to_dict``).
+_convert_nargs_to_dict = convert_nargs_to_dict
