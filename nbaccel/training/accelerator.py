@@ -40,6 +40,7 @@ from nbaccel.training.kwargs_handlers import (
     ProfileKwargs,
 )
 from nbaccel.training.optimizer import AcceleratedOptimizer
+from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.registry import select_strategy
@@ -67,6 +68,21 @@ def _refuse(what: str) -> NotImplementedError:
         "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), torch-xla, and mixed precision "
         "'no', 'fp16' or 'bf16'."
     )
+
+
+def _check_parallelism(config: ParallelismConfig | None, accelerator: Any) -> Any:
+    """Accept the data-parallel layouts (validated against the run); refuse tensor, context
+    and sequence parallelism and HSDP, which nbaccel does not train."""
+    if config is None:
+        return None
+    if not isinstance(config, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a ParallelismConfig, not {type(config)}.")
+    if config.tp_enabled or config.cp_enabled or config.sp_enabled:
+        raise _refuse("parallelism_config with tp_size/cp_size/sp_size > 1")
+    if config.dp_replicate_enabled and config.dp_shard_enabled:
+        raise _refuse("parallelism_config with both dp_replicate_size and dp_shard_size > 1 (HSDP)")
+    config._validate_accelerator(accelerator)
+    return config
 
 
 class Accelerator(ProcessControlMixin, StateIOMixin):
@@ -105,7 +121,6 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             (deepspeed_plugin or deepspeed_plugins, "DeepSpeed (deepspeed_plugin)"),
             (megatron_lm_plugin, "Megatron-LM (megatron_lm_plugin)"),
             (torch_tp_plugin, "Tensor parallelism (torch_tp_plugin)"),
-            (parallelism_config, "parallelism_config (TP/CP/HSDP meshes)"),
         ):
             if value is not None:
                 raise _refuse(what)
@@ -124,6 +139,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             _from_accelerator=True,
             **group_options,
         )
+        self.parallelism_config = _check_parallelism(parallelism_config, self)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
