@@ -211,8 +211,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.training.precision_contexts:get_grad_scaler,get_mixed_precision_context_manager",
         "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
         "save_fsdp_model,save_fsdp_optimizer",
-        _UNSUPPORTED
-        + ":apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao,"
+        _UNSUPPORTED + ":apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao,"
         "compile_regions_deepspeed",
         "nbaccel.training.accelerator:Accelerator",
         "nbaccel.training.parallelism_config:ParallelismConfig",

@@ -99,10 +99,10 @@ def _distributed_type(device: torch.device, world_size: int) -> DistributedType:
 
 
 _STATE_FIELDS = frozenset(
-    "device backend num_processes process_index local_process_index local_num_processes "
-    "distributed_type launch_environment communicator fork_launched mixed_precision "
-    "dynamo_plugin fsdp_plugin".split()
-)
+    ("device", "backend", "num_processes", "process_index", "local_process_index",
+     "local_num_processes", "distributed_type", "launch_environment", "communicator",
+     "fork_launched", "mixed_precision", "dynamo_plugin", "fsdp_plugin")
+)  # fmt: skip
 
 
 class PartialState:
