@@ -31,8 +31,20 @@ __all__ = ["DataLoaderDispatcher", "DataLoaderShard"]
 _END = object()
 
 
+class _InstanceItself:
+    """``loader.base_dataloader`` is the loader itself (a prepared loader *is* a DataLoader; no
+    inner one is wrapped); read on the class it raises AttributeError, as an instance field."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError("base_dataloader is set on loader instances, not on the class.")
+        return obj
+
+
 class _PreparedLoader:
     """Epoch bookkeeping shared by both prepared loader kinds."""
+
+    base_dataloader = _InstanceItself()
 
     device: torch.device | None
     non_blocking: bool
