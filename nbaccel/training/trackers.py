@@ -319,8 +319,8 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
             )
         if cls.requires_logging_directory and logging_dir is None:
             raise ValueError(
-                f"Tracker {name!r} writes files: pass project_dir= (or a ProjectConfiguration "
-                "with logging_dir) to Accelerator."
+                f"Logging with `{name}` requires a `logging_dir`: the tracker writes files. Pass "
+                "project_dir= (or a ProjectConfiguration with logging_dir) to Accelerator."
             )
         if name not in resolved:
             resolved.append(name)
