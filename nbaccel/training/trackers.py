@@ -352,9 +352,12 @@ class TrackerSet:
         self.logging_dir = logging_dir
         self.is_main_process = is_main_process
         self.trackers: list[GeneralTracker] = []
+        self.finished = False
 
     def init(self, project_name: str, config: dict | None, init_kwargs: dict | None) -> None:
         init_kwargs = init_kwargs or {}
+        if self.finished:  # a new run after end_training(): the finished trackers are let go
+            self.trackers, self.finished = [], False
         for item in self.wanted:
             if isinstance(item, GeneralTracker):
                 tracker = item
@@ -390,6 +393,9 @@ class TrackerSet:
         return _InactiveTracker()
 
     def finish(self) -> None:
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
+        """Finish every tracker once; they stay listed (``accelerator.trackers``), as in
+        Accelerate, so their files and runs can be inspected after ``end_training()``."""
+        if not self.finished:
+            for tracker in self.trackers:
+                tracker.finish()
+        self.finished = True
