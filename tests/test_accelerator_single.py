@@ -40,7 +40,7 @@ def test_bad_configuration_is_refused_clearly():
     with pytest.raises(ValueError, match="comm_hook"):
         DistributedDataParallelKwargs(comm_hook="zip")
     acc = Accelerator()
-    with pytest.raises(ValueError, match=r"#0 \(int\).*state_dict"):
+    with pytest.raises(ValueError, match=r"Item at index 0 \(int\).*state_dict"):
         acc.register_for_checkpointing(3)
     with pytest.raises(ValueError, match="output_dir"):
         acc.save_state()

@@ -74,7 +74,7 @@ def test_tracker_registry_has_public_names():
         assert "never" not in available_trackers()
         with pytest.raises(ImportError, match="not available"):
             Accelerator(log_with="never")
-        with pytest.raises(TypeError, match="GeneralTracker subclass"):
+        with pytest.raises(ValueError, match="GeneralTracker subclass"):
             register_tracker_class(object, name="bad")
     finally:
         LOGGER_TYPE_TO_CLASS.pop("collect", None)

@@ -434,9 +434,9 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torc
     unknown = [k for k in device_map if k not in known]
     if unknown:
         warnings.warn(
-            f"device_map names {_shorten(unknown)}, which the model does not have: keys must be "
-            "module names from model.named_modules() or tensor names (use '' for the whole "
-            "model). Those entries are ignored.",
+            f"device_map keys do not match any submodules or tensors of the model: "
+            f"{_shorten(unknown)}. Keys must be module names from model.named_modules() or "
+            "tensor names (use '' for the whole model); those entries are ignored.",
             UserWarning,
             stacklevel=2,
         )

@@ -132,8 +132,15 @@ def load_checkpoint_in_model(
         raise CheckpointMismatchError(
             f"Checkpoint {str(checkpoint)!r} does not match {type(model).__name__}: {problem}."
         )
-    if missing or unexpected:
-        logger.warning("Loading %s into %s: %s.", checkpoint, type(model).__name__, problem)
+    if unexpected:
+        logger.warning(
+            "Checkpoint weights %s were not used when loading %s into %s (the model has no such "
+            "tensors).", _fmt(unexpected), checkpoint, type(model).__name__,
+        )  # fmt: skip
+    if missing:
+        logger.warning(
+            "Loading %s into %s: %s.", checkpoint, type(model).__name__, _mismatch_text(missing, [])
+        )
 
     disk_index: dict[str, dict] = {}
     placed: set[str] = set()

@@ -35,6 +35,14 @@ __all__ = [
 ]
 
 
+# dtypes numpy cannot hold, stored as integer words of the same width.
+_RAW_WORDS = {
+    name: torch.int8 if "float8" in name else torch.int16
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+}
+
+
 def offload_weight(
     weight: torch.Tensor,
     weight_name: str,
@@ -44,9 +52,10 @@ def offload_weight(
     """Write ``weight`` to ``{offload_folder}/{weight_name}.dat``; record dtype and shape in
     ``index`` (a new dict when None), which is returned."""
     dtype = None
-    if weight.dtype == torch.bfloat16:  # numpy has no bfloat16: store the raw 16-bit words
-        weight = weight.view(torch.int16)
-        dtype = "bfloat16"
+    raw = _RAW_WORDS.get(str(weight.dtype).replace("torch.", ""))
+    if raw is not None:  # numpy has no bfloat16/float8: store the raw words, keep the name
+        dtype = str(weight.dtype).replace("torch.", "")
+        weight = weight.detach().cpu().contiguous().view(raw)
     array = weight.detach().cpu().contiguous().numpy()
     os.makedirs(offload_folder, exist_ok=True)
     path = os.path.join(offload_folder, f"{weight_name}.dat")
@@ -66,12 +75,13 @@ def load_offloaded_weight(
     """Read back a tensor written by :func:`offload_weight` (``weight_info`` = its index entry)."""
     shape = tuple(weight_info["shape"])
     dtype = weight_info["dtype"]
-    stored = "int16" if dtype == "bfloat16" else dtype
+    raw = _RAW_WORDS.get(dtype)
+    stored = str(raw).replace("torch.", "") if raw is not None else dtype
     array = np.memmap(weight_file, dtype=stored, shape=shape or (1,), mode="r")
     if not shape:
         array = array[0]
     tensor = torch.tensor(np.asarray(array))
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+    return tensor.view(getattr(torch, dtype)) if raw is not None else tensor
 
 
 def extract_submodules_state_dict(

@@ -58,8 +58,9 @@ _DATACLASSES = (
     "nbaccel.training.run_options",
     "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,DeepSpeedSequenceParallelConfig,"
     "MegatronLMPlugin,FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
-    "BnbQuantizationConfig,TorchTensorParallelPlugin,TorchTensorParallelConfig,"
-    "TorchContextParallelConfig,FP8BackendType,MODEL_CONFIGS_TO_MEGATRON_PARSERS",
+    "BnbQuantizationConfig,TorchTensorParallelPlugin,FP8BackendType,"
+    "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
+    "nbaccel.training.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
     "nbaccel.distributed.structures:TensorInformation",
     "nbaccel.training.model_inspection:get_module_class_from_name",
 )
@@ -181,7 +182,8 @@ _TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
-        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,ParallelismConfig,prepare_pippy",
+        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,prepare_pippy",
+        "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.distributed.probes:is_rich_available",
         "nbaccel.distributed.random:synchronize_rng_states",
         "nbaccel.training.run_options:TorchDynamoPlugin",
@@ -210,10 +212,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.training.precision_contexts:get_grad_scaler,get_mixed_precision_context_manager",
         "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
         "save_fsdp_model,save_fsdp_optimizer",
-        _UNSUPPORTED
-        + ":ParallelismConfig,apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao,"
+        _UNSUPPORTED + ":apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao,"
         "compile_regions_deepspeed",
         "nbaccel.training.accelerator:Accelerator",
+        "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.training.trackers:LOGGER_TYPE_TO_CLASS",
         "nbaccel.training.constants",
         "nbaccel.distributed.probes",
@@ -271,7 +273,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel.memory_utils": (
         "nbaccel.training.batch_size:find_executable_batch_size,release_memory",
     ),
-    "nbaccel.parallelism_config": (_UNSUPPORTED + ":ParallelismConfig",),
+    "nbaccel.parallelism_config": ("nbaccel.training.parallelism_config",),
     "nbaccel.utils": _UTILS,
     "nbaccel.utils.ao": (
         _UNSUPPORTED + ":convert_model_to_fp8_ao,filter_linear_layers,"

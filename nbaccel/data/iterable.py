@@ -41,7 +41,7 @@ class IterableDatasetShard(IterableDataset):
         if split_batches and batch_size > 1 and batch_size % num_processes != 0:
             raise ValueError(
                 f"split_batches=True cuts each batch of {batch_size} into {num_processes} equal "
-                f"slices: use a batch size that is a multiple of {num_processes}."
+                f"slices: use a batch size that is a round multiple of {num_processes}."
             )
         self.dataset = dataset
         self.batch_size = batch_size

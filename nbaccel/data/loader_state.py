@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader
 
 from nbaccel.data.loaders import DataLoaderDispatcher, DataLoaderShard
+from nbaccel.data.stateful import stateful_base_class, stateful_variant
 from nbaccel.distributed.state import GradientState
 
 __all__ = ["DataLoaderAdapter", "DataLoaderStateMixin", "SkipDataLoader", "get_sampler"]
@@ -71,21 +72,13 @@ class DataLoaderAdapter(DataLoader):
         **kwargs: Any,
     ):
         self.use_stateful_dataloader = use_stateful_dataloader
+        inner = None
         if use_stateful_dataloader:
-            try:
-                from torchdata.stateful_dataloader import StatefulDataLoader
-            except ImportError as exc:
-                raise ImportError(
-                    "use_stateful_dataloader=True needs torchdata >= 0.8: pip install torchdata"
-                ) from exc
-            self.base_dataloader = StatefulDataLoader(
-                dataset, batch_sampler=batch_sampler, **kwargs
-            )
-        else:
-            self.base_dataloader = None
+            inner = stateful_base_class()(dataset, batch_sampler=batch_sampler, **kwargs)
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        if self.base_dataloader is None:
-            self.base_dataloader = self
+        self.base_dataloader = self if inner is None else inner
+        if inner is not None:  # is a StatefulDataLoader for isinstance (see nbaccel.data.stateful)
+            self.__class__ = stateful_variant(type(self))
 
     def _base_iter(self) -> Iterator[Any]:
         if self.base_dataloader is self:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from nbaccel.data.stateful import attach_stateful_base, is_torchdata_state
 from nbaccel.distributed.collectives import (
     broadcast_object_list,
     find_batch_size,
@@ -31,8 +32,21 @@ __all__ = ["DataLoaderDispatcher", "DataLoaderShard"]
 _END = object()
 
 
+class _BaseLoader:
+    """``loader.base_dataloader``: the inner torchdata loader of a stateful loader, else the
+    loader itself (a prepared loader *is* a DataLoader); on the class it raises AttributeError,
+    as an instance field."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError("base_dataloader is set on loader instances, not on the class.")
+        return obj.__dict__.get("_stateful_base", obj)
+
+
 class _PreparedLoader:
     """Epoch bookkeeping shared by both prepared loader kinds."""
+
+    base_dataloader = _BaseLoader()
 
     device: torch.device | None
     non_blocking: bool
@@ -61,6 +75,19 @@ class _PreparedLoader:
         self._in_epoch = False
         self._epoch_generator_state: torch.Tensor | None = None
         self._parent: _PreparedLoader | None = None
+
+    # -- reading ------------------------------------------------------------------------------
+    def _raw_batches(self) -> Iterator[Any]:
+        """The batches before placement: from the inner torchdata loader when stateful."""
+        inner = self.__dict__.get("_stateful_base")
+        return iter(inner) if inner is not None else DataLoader.__iter__(self)  # type: ignore[arg-type]
+
+    def _snapshot(self) -> None:
+        """Record the inner torchdata state now (called right after a batch is read, before
+        the read-ahead), so ``state_dict`` describes the batches really yielded."""
+        inner = self.__dict__.get("_stateful_base")
+        if inner is not None:
+            self._stateful_snapshot = inner.state_dict()
 
     # -- epoch --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -111,7 +138,22 @@ class _PreparedLoader:
 
     # -- position, for checkpoints ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is: epoch, batches yielded in it, shuffling state at its start."""
+        """Where this loader is: epoch, batches yielded in it, shuffling state at its start
+        (torchdata's state dict for a stateful loader, see :mod:`nbaccel.data.stateful`)."""
+        if "_stateful_base" in self.__dict__:
+            state = dict(self._stateful_snapshot)
+            # After the epoch's last batch the epoch is over: loading starts the next one.
+            state["_iterator_finished"] = bool(state.get("_iterator_finished")) or bool(
+                self.end_of_dataloader
+            )
+            # torchdata replays the epoch's batch order only if the shuffling generator and
+            # the epoch number are back as they were: record them when there are any.
+            if self.synchronized_generator is not None or self.iteration:
+                state["nbaccel_position"] = self._position()
+            return state
+        return self._position()
+
+    def _position(self) -> dict[str, Any]:
         generator = self.synchronized_generator
         if self._in_epoch:
             gen_state = self._epoch_generator_state
@@ -129,6 +171,18 @@ class _PreparedLoader:
         With ``use_stateful_dataloader`` it also starts at the saved batch; otherwise call
         ``skip_first_batches(loader, state["batches_yielded"])`` for the first epoch.
         """
+        if "_stateful_base" in self.__dict__ and is_torchdata_state(state):
+            state = dict(state)
+            position = state.pop("nbaccel_position", None)
+            if position is not None:
+                self._restore_position(position)
+            self._stateful_base.load_state_dict(state)
+            self._stateful_snapshot = state
+            self._resume_batches = 0  # torchdata resumes mid-epoch by itself
+            return
+        self._restore_position(state)
+
+    def _restore_position(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         generator = self.synchronized_generator
         if generator is not None and state.get("generator_state") is not None:
@@ -173,6 +227,8 @@ class DataLoaderShard(_PreparedLoader, DataLoader):
             device, non_blocking, remainder, total_batch_size, skip_batches,
             use_stateful_dataloader,
         )  # fmt: skip
+        if use_stateful_dataloader:
+            attach_stateful_base(self, dataset, kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         if self.rng_types:
@@ -182,10 +238,11 @@ class DataLoaderShard(_PreparedLoader, DataLoader):
         self._resume_batches = 0
         finished = False
         try:
-            iterator = super().__iter__()
+            iterator = self._raw_batches()
             current = next(iterator, _END)
             index = 0
             while current is not _END:
+                self._snapshot()
                 upcoming = next(iterator, _END)
                 if upcoming is _END:
                     self.end_of_dataloader = True
@@ -237,6 +294,8 @@ class DataLoaderDispatcher(_PreparedLoader, DataLoader):
         self._setup(
             device, non_blocking, -1, None, skip_batches, use_stateful_dataloader,
         )  # fmt: skip
+        if use_stateful_dataloader:
+            attach_stateful_base(self, dataset, kwargs)
 
     def _fetch(self, iterator: Iterator[Any] | None) -> Any:
         box = [next(iterator, _END) if iterator is not None else None]
@@ -269,11 +328,12 @@ class DataLoaderDispatcher(_PreparedLoader, DataLoader):
         self._resume_batches = 0
         finished = False
         try:
-            iterator = super().__iter__() if self._partial.is_main_process else None
+            iterator = self._raw_batches() if self._partial.is_main_process else None
             current = self._fetch(iterator)
             first = current if current is not _END else None
             index = 0
             while current is not _END:
+                self._snapshot()
                 upcoming = self._fetch(iterator)
                 if upcoming is _END:
                     self.end_of_dataloader = True

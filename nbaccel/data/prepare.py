@@ -133,7 +133,12 @@ def prepare_data_loader(
 
     generator = None
     remainder, total_batch_size = -1, None
-    if iterable:
+    if iterable and n > 1 and not split_batches and _natively_shardable(dataset, n):
+        # A Hugging Face streaming dataset with enough shards: each rank reads its own files.
+        source = {"batch_size": batch_size, "drop_last": drop_last}
+        dataset_for_loader = dataset.shard(num_shards=n, index=i)
+        total_batch_size = batch_size * n
+    elif iterable:
         shard = IterableDatasetShard(dataset, batch_size, drop_last, n, i, split_batches)
         per_process = batch_size // n if split_batches else batch_size
         source = {"batch_size": per_process, "drop_last": drop_last}
@@ -176,6 +181,17 @@ def prepare_data_loader(
         **options,
     )
     return wrap_for_device(loader, state.device)
+
+
+def _natively_shardable(dataset: Any, num_processes: int) -> bool:
+    """A ``datasets.IterableDataset`` with at least one shard (file) per process."""
+    if not type(dataset).__module__.startswith("datasets."):
+        return False
+    try:
+        from datasets import IterableDataset as HFIterableDataset
+    except ImportError:
+        return False
+    return isinstance(dataset, HFIterableDataset) and dataset.n_shards >= num_processes
 
 
 class _OneSample:

@@ -72,8 +72,8 @@ class BatchSamplerShard(BatchSampler):
             if self.batch_size % num_processes != 0:
                 raise ValueError(
                     f"split_batches=True cuts each batch of {self.batch_size} into "
-                    f"{num_processes} equal slices: use a batch size that is a multiple of "
-                    f"{num_processes}."
+                    f"{num_processes} equal slices: use a batch size that is a round multiple "
+                    f"of {num_processes}."
                 )
 
     @property

@@ -8,6 +8,7 @@ run's :class:`~nbaccel.distributed.comm.Communicator` (``PartialState().communic
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -235,7 +236,20 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
 def pad_across_processes(
     tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
-    """Pad (nested) tensors on ``dim`` to the largest size any process holds."""
+    """Pad (nested) tensors on ``dim`` to the largest size any process holds.
+
+    A ``torch.nested`` tensor cannot be padded: it is returned as it is, with a
+    :class:`CannotPadNestedTensorWarning`."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_nested:
+        from nbaccel.distributed.operation_checks import CannotPadNestedTensorWarning
+
+        warnings.warn(
+            "pad_across_processes got a nested tensor, which cannot be padded: it is returned "
+            "unchanged. Pad its components yourself (or convert it with to_padded_tensor).",
+            CannotPadNestedTensorWarning,
+            stacklevel=2,
+        )
+        return tensor
     state = _state()
     if state.num_processes <= 1 or not state.communicator.checks_shapes:
         return tensor

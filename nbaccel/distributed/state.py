@@ -60,6 +60,15 @@ class DistributedType(str, Enum):
 def _pick_device(cpu: bool, launch: LaunchEnvironment) -> torch.device:
     if cpu:
         return torch.device("cpu")
+    forced = os.environ.get("NBACCEL_TORCH_DEVICE") or os.environ.get("ACCELERATE_TORCH_DEVICE")
+    if forced:  # an explicit device such as "cuda:3" or "xpu:1" (Accelerate's variable too)
+        try:
+            return torch.device(forced)
+        except RuntimeError:
+            raise ValueError(
+                f"NBACCEL_TORCH_DEVICE/ACCELERATE_TORCH_DEVICE={forced!r} is not a torch device: "
+                "use a name like 'cuda:1' or 'cpu'."
+            ) from None
     if is_tpu_requested() and is_torch_xla_available():
         return xla_runtime.xla_device()
     if torch.cuda.is_available():
@@ -89,6 +98,13 @@ def _distributed_type(device: torch.device, world_size: int) -> DistributedType:
     )
 
 
+_STATE_FIELDS = frozenset(
+    ("device", "backend", "num_processes", "process_index", "local_process_index",
+     "local_num_processes", "distributed_type", "launch_environment", "communicator",
+     "fork_launched", "mixed_precision", "dynamo_plugin", "fsdp_plugin")
+)  # fmt: skip
+
+
 class PartialState:
     """The distributed environment, without the training-specific parts of ``AcceleratorState``.
 
@@ -99,6 +115,17 @@ class PartialState:
     """
 
     _shared_state: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the instance lacks: explain the usual cause for a state field.
+        cls = type(self).__name__
+        if name in _STATE_FIELDS and not self._shared_state:
+            raise AttributeError(
+                f"`{cls}` object has no attribute `{name}`: the shared state was cleared. "
+                f"This happens if `{cls}._reset_state()` was called and no `{cls}()` was "
+                "created since: create one again before reading it."
+            )
+        raise AttributeError(f"'{cls}' object has no attribute '{name}'")
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         self.__dict__ = self._shared_state

@@ -4,6 +4,7 @@ allowed) by default so loading a checkpoint does not run arbitrary pickled code.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -53,15 +54,13 @@ def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
 
 def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
     """A state dict safetensors accepts: one entry per shared tensor (tied aliases dropped, with
-    a warning naming them) and every tensor contiguous."""
+    one logged warning naming them) and every tensor contiguous."""
     kept, aliases = drop_tied_aliases(state_dict)
     if aliases:
-        import warnings
-
-        warnings.warn(
-            f"Dropped shared tensors {sorted(aliases)} while saving (tied to "
-            f"{sorted(set(aliases.values()))}); re-tie them after loading.",
-            stacklevel=2,
+        logging.getLogger(__name__).warning(
+            f"Removed shared tensors {sorted(aliases)} while saving (they share memory with "
+            f"{sorted(set(aliases.values()))}); re-tie them after loading, e.g. with "
+            "model.tie_weights().",
         )
     return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kept.items()}
 

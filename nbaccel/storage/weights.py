@@ -204,7 +204,10 @@ def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, list[str] | Non
         return _from_index(path) if path.suffix == ".json" else {str(path): None}
     if not path.is_dir():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-    indexes = sorted(path.glob("*.index.json")) or sorted(path.glob("index.json"))
+    indexes = sorted(path.glob("*.index.json"))
+    plain = path / "index.json"  # a plain {name: file} index, unless it is an offload index
+    if not indexes and plain.is_file() and _is_weight_map(_index_doc(plain)):
+        indexes = [plain]
     if len(indexes) > 1:
         indexes = [p for p in indexes if "safetensors" in p.name][:1] or indexes[:1]
     if indexes:
@@ -230,12 +233,17 @@ def _index_doc(index_path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def _is_weight_map(data: Any) -> bool:
+    """True for ``{"weight_map": {name: file}}`` or a plain ``{name: file}`` document (an
+    offload folder's ``index.json`` maps names to dtype/shape records instead)."""
+    weight_map = data.get("weight_map", data) if isinstance(data, Mapping) else None
+    return isinstance(weight_map, Mapping) and all(isinstance(v, str) for v in weight_map.values())
+
+
 def _from_index(index_path: Path) -> dict[str, list[str]]:
     data = _index_doc(index_path)
     weight_map = data.get("weight_map", data)
-    if not isinstance(weight_map, Mapping) or not all(
-        isinstance(v, str) for v in weight_map.values()
-    ):
+    if not _is_weight_map(data):
         raise ValueError(
             f"{index_path} is not a checkpoint index (no 'weight_map' of name -> file)."
         )

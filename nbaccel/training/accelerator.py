@@ -40,6 +40,7 @@ from nbaccel.training.kwargs_handlers import (
     ProfileKwargs,
 )
 from nbaccel.training.optimizer import AcceleratedOptimizer
+from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.registry import select_strategy
@@ -67,6 +68,30 @@ def _refuse(what: str) -> NotImplementedError:
         "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), torch-xla, and mixed precision "
         "'no', 'fp16' or 'bf16'."
     )
+
+
+def _mark_prepared(obj: Any) -> Any:
+    """Flag an object ``prepare`` returned (``_is_nbaccel_prepared``; also Accelerate's
+    ``_is_accelerate_prepared``, which libraries such as transformers' Trainer look for)."""
+    for flag in ("_is_nbaccel_prepared", "_is_accelerate_prepared"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(obj, flag, True)
+    return obj
+
+
+def _check_parallelism(config: ParallelismConfig | None, accelerator: Any) -> Any:
+    """Accept the data-parallel layouts (validated against the run); refuse tensor, context
+    and sequence parallelism and HSDP, which nbaccel does not train."""
+    if config is None:
+        return None
+    if not isinstance(config, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a ParallelismConfig, not {type(config)}.")
+    if config.tp_enabled or config.cp_enabled or config.sp_enabled:
+        raise _refuse("parallelism_config with tp_size/cp_size/sp_size > 1")
+    if config.dp_replicate_enabled and config.dp_shard_enabled:
+        raise _refuse("parallelism_config with both dp_replicate_size and dp_shard_size > 1 (HSDP)")
+    config._validate_accelerator(accelerator)
+    return config
 
 
 class Accelerator(ProcessControlMixin, StateIOMixin):
@@ -105,7 +130,6 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             (deepspeed_plugin or deepspeed_plugins, "DeepSpeed (deepspeed_plugin)"),
             (megatron_lm_plugin, "Megatron-LM (megatron_lm_plugin)"),
             (torch_tp_plugin, "Tensor parallelism (torch_tp_plugin)"),
-            (parallelism_config, "parallelism_config (TP/CP/HSDP meshes)"),
         ):
             if value is not None:
                 raise _refuse(what)
@@ -124,6 +148,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             _from_accelerator=True,
             **group_options,
         )
+        self.parallelism_config = _check_parallelism(parallelism_config, self)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
@@ -252,7 +277,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         for kind, prepare_one in kinds:  # models first: FSDP may replace their parameters
             for i, obj in enumerate(args):
                 if isinstance(obj, kind) and not isinstance(obj, AcceleratedScheduler):
-                    result[i] = prepare_one(obj, placement[i])
+                    result[i] = _mark_prepared(prepare_one(obj, placement[i]))
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_model_tracking(self, moved: dict[int, torch.nn.Parameter]) -> Callable:
@@ -273,7 +298,11 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         device_placement: bool | None = None,
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
-        """Place ``model``, add autocast, wrap it for DDP/FSDP, compile it if asked."""
+        """Place ``model``, add autocast, wrap it for DDP/FSDP, compile it if asked.
+        A model this accelerator already prepared is returned as it is."""
+        if any(m is model for m in self._models):
+            return model
+        _refuse_offloaded_quantized(model)
         if device_placement is None:
             device_placement = self.device_placement
         place = device_placement and not _has_device_map(model)
@@ -282,7 +311,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         if backend and str(backend).lower() != "no":
             options = _dynamo_options(self.dynamo_plugin)
             model = torch.compile(model, backend=str(backend).lower(), **options)
-        self._models.append(model)
+        self._models.append(_mark_prepared(model))
         for optimizer in self._optimizers:  # prepared before this model: follow its parameters
             self.strategy.prepare_optimizer(optimizer, [model])
         return model
@@ -298,7 +327,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         wrapped = AcceleratedOptimizer(
             optimizer, placement, self.scaler, step_fn=self.strategy.optimizer_step
         )
-        self._optimizers.append(wrapped)
+        self._optimizers.append(_mark_prepared(wrapped))
         return wrapped
 
     def prepare_data_loader(
@@ -327,7 +356,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
         )
-        prepared = self.strategy.prepare_dataloader(prepared)
+        prepared = _mark_prepared(self.strategy.prepare_dataloader(prepared))
         self._dataloaders.append(prepared)
         return prepared
 
@@ -341,7 +370,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
             step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
-        self._schedulers.append(wrapped)
+        self._schedulers.append(_mark_prepared(wrapped))
         return wrapped
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
@@ -433,6 +462,22 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
 def _has_device_map(model: torch.nn.Module) -> bool:
     device_map = getattr(model, "hf_device_map", None)
     return isinstance(device_map, dict) and len(set(device_map.values())) > 1
+
+
+def _refuse_offloaded_quantized(model: torch.nn.Module) -> None:
+    """A model loaded in 8/4-bit whose device map puts layers on cpu/disk cannot be trained."""
+    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(
+        model, "is_loaded_in_4bit", False
+    )
+    device_map = getattr(model, "hf_device_map", None)
+    if quantized and isinstance(device_map, dict):
+        offloaded = sorted({str(d) for d in device_map.values()} & {"cpu", "disk"})
+        if offloaded:
+            raise ValueError(
+                f"This model is quantized (8/4-bit) and its device map uses CPU or disk offload "
+                f"({', '.join(offloaded)}): such a model cannot be trained. Load it with a "
+                "device_map that keeps every layer on the accelerator."
+            )
 
 
 def _repoint(optimizer: Any, moved: dict[int, torch.nn.Parameter]) -> Any:

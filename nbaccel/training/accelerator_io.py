@@ -77,14 +77,14 @@ class StateIOMixin:
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Also save/restore these objects (each needs ``state_dict`` and ``load_state_dict``)."""
         bad = [
-            f"#{i} ({type(o).__name__})"
+            f"Item at index {i} ({type(o).__name__})"
             for i, o in enumerate(objects)
             if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
         ]
         if bad:
             raise ValueError(
-                f"Objects {', '.join(bad)} need state_dict() and load_state_dict() to be "
-                "checkpointed."
+                f"{'; '.join(bad)}: register_for_checkpointing needs objects with "
+                "state_dict() and load_state_dict()."
             )
         self._custom_objects.extend(objects)
 

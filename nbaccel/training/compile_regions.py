@@ -115,8 +115,21 @@ def model_has_dtensor(model: nn.Module) -> bool:
 
 
 def get_model_tp_size(model: nn.Module) -> int | None:
-    """Tensor-parallel degree of a model prepared with a device mesh (None: not TP-sharded;
-    nbaccel does not shard with tensor parallelism)."""
+    """Tensor-parallel degree a model records (None: not TP-sharded; nbaccel itself does not
+    shard with tensor parallelism). Looked up in ``model.tp_size`` (transformers < 5), then
+    ``model.config.distributed_config`` (transformers >= 5; an object or a plain dict), then
+    the ``tp`` axis of the model's device mesh."""
+    size = getattr(model, "tp_size", None)
+    if size is not None:
+        return size
+    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+    size = (
+        distributed.get("tp_size")
+        if isinstance(distributed, dict)
+        else getattr(distributed, "tp_size", None)
+    )
+    if size is not None:
+        return size
     mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["tp"].size() if "tp" in names else None

@@ -46,7 +46,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.device_placement = device_placement
         self.step_fn = step_fn
         self.gradient_state = GradientState()
-        self._step_was_skipped = False
+        self._is_overflow = False  # Accelerate's name, which code and tests set and read
         self._unscaled = False
 
     # -- the wrapped optimizer's surface ------------------------------------------------------
@@ -115,20 +115,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             result = self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))
             self.scaler.update()
             # GradScaler lowers the scale exactly when it found inf/nan and skipped the step.
-            self._step_was_skipped = self.scaler.get_scale() < scale_before
+            self._is_overflow = self.scaler.get_scale() < scale_before
         elif self.step_fn is not None:
             result = self.step_fn(self.optimizer, closure)
-            self._step_was_skipped = False
+            self._is_overflow = False
         else:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            self._step_was_skipped = False
+            self._is_overflow = False
         self._unscaled = False
         return result
 
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` was skipped because of inf/nan gradients (fp16)."""
-        return self._step_was_skipped
+        return self._is_overflow
 
     def train(self) -> None:
         """Forward ``train()`` to optimizers that have modes (schedule-free optimizers)."""

@@ -105,8 +105,11 @@ class PrecisionPolicy:
 
     @staticmethod
     def unwrap_forward(model: torch.nn.Module) -> None:
-        """Give ``model`` back the forward it had before :meth:`wrap_forward`."""
+        """Give ``model`` back the forward it had before :meth:`wrap_forward` (or before code
+        written for Accelerate wrapped it and kept the original as ``_original_forward``)."""
         original = model.__dict__.pop("_nbaccel_original_forward", None)
+        accelerate_style = model.__dict__.pop("_original_forward", None)
+        original = original or accelerate_style
         if original is None:
             return
         if getattr(original, "__self__", None) is model and "forward" in model.__dict__:

@@ -126,7 +126,17 @@ class TorchDynamoPlugin:
         return out
 
     def to_kwargs(self) -> dict[str, Any]:
-        return self.to_dict()
+        """Only the options that differ from a plugin built with no ``*_DYNAMO_*`` variables
+        (what a ``KwargsHandler`` returns): the explicit choices of this run."""
+        variables = [
+            k for k in os.environ if k.startswith(("NBACCEL_DYNAMO_", "ACCELERATE_DYNAMO_"))
+        ]
+        saved = {k: os.environ.pop(k) for k in variables}
+        try:
+            default = type(self)().to_dict()
+        finally:
+            os.environ.update(saved)
+        return {k: v for k, v in self.to_dict().items() if default[k] != v}
 
 
 def get_pretty_name(obj: Any) -> str:

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -233,20 +234,36 @@ def register_tracker_class(
 ) -> type[GeneralTracker]:
     """Make ``log_with=name`` (default: the class's ``name``) build ``tracker_cls``.
 
-    Usable as a class decorator, as in Accelerate. ``available()`` says whether the tracker can
-    run here (a missing optional package makes it unavailable). A name already taken by another
-    class is an error.
+    Usable as a class decorator, as in Accelerate. The class must subclass GeneralTracker and
+    declare its own ``name`` (unless ``name=`` is given) and ``requires_logging_directory``
+    (ValueError otherwise). ``available()`` says whether the tracker can run here (a missing
+    optional package makes it unavailable). Registering a name that another class holds
+    replaces that class, with a UserWarning.
     """
     if not (isinstance(tracker_cls, type) and issubclass(tracker_cls, GeneralTracker)):
-        raise TypeError(
+        raise ValueError(
             f"register_tracker_class needs a GeneralTracker subclass, not {tracker_cls!r}."
         )
-    name = name or getattr(tracker_cls, "name", None)
+
+    def declares(attr: str) -> bool:
+        return any(attr in vars(c) for c in tracker_cls.__mro__ if c is not GeneralTracker)
+
+    name = name or (tracker_cls.name if declares("name") else None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{tracker_cls.__name__} needs a class attribute `name` (a string).")
+    if not declares("requires_logging_directory"):
+        raise ValueError(
+            f"{tracker_cls.__name__} needs a class attribute `requires_logging_directory`: True "
+            "when it writes under the Accelerator's logging directory, else False."
+        )
     taken = LOGGER_TYPE_TO_CLASS.get(name)
     if taken is not None and taken is not tracker_cls and taken.__name__ != tracker_cls.__name__:
-        raise ValueError(f"Tracker name {name!r} is already registered by {taken.__name__}.")
+        warnings.warn(
+            f"Tracker name {name!r} was registered by {taken.__name__}; {tracker_cls.__name__} "
+            "replaces it.",
+            UserWarning,
+            stacklevel=2,
+        )
     LOGGER_TYPE_TO_CLASS[name] = tracker_cls
     if available is not None:
         _AVAILABLE[name] = available
@@ -302,8 +319,8 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
             )
         if cls.requires_logging_directory and logging_dir is None:
             raise ValueError(
-                f"Tracker {name!r} writes files: pass project_dir= (or a ProjectConfiguration "
-                "with logging_dir) to Accelerator."
+                f"Logging with `{name}` requires a `logging_dir`: the tracker writes files. Pass "
+                "project_dir= (or a ProjectConfiguration with logging_dir) to Accelerator."
             )
         if name not in resolved:
             resolved.append(name)
@@ -335,9 +352,12 @@ class TrackerSet:
         self.logging_dir = logging_dir
         self.is_main_process = is_main_process
         self.trackers: list[GeneralTracker] = []
+        self.finished = False
 
     def init(self, project_name: str, config: dict | None, init_kwargs: dict | None) -> None:
         init_kwargs = init_kwargs or {}
+        if self.finished:  # a new run after end_training(): the finished trackers are let go
+            self.trackers, self.finished = [], False
         for item in self.wanted:
             if isinstance(item, GeneralTracker):
                 tracker = item
@@ -373,6 +393,9 @@ class TrackerSet:
         return _InactiveTracker()
 
     def finish(self) -> None:
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
+        """Finish every tracker once; they stay listed (``accelerator.trackers``), as in
+        Accelerate, so their files and runs can be inspected after ``end_training()``."""
+        if not self.finished:
+            for tracker in self.trackers:
+                tracker.finish()
+        self.finished = True

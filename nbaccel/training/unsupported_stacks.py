@@ -75,8 +75,7 @@ _CLASSES = {
     "MegatronLMSchedulerWrapper",
     "FP8": "FP8RecipeKwargs TERecipeKwargs AORecipeKwargs MSAMPRecipeKwargs",
     "bitsandbytes": "BnbQuantizationConfig",
-    "tensor/context parallelism": "TorchTensorParallelPlugin TorchTensorParallelConfig "
-    "TorchContextParallelConfig ParallelismConfig",
+    "tensor/context parallelism": "TorchTensorParallelPlugin",
 }
 _FUNCTIONS = {
     "DeepSpeed": "get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed GatheredParameters "

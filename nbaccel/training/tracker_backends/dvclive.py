@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from nbaccel.training.trackers import GeneralTracker, plain_values, require
@@ -9,7 +10,8 @@ from nbaccel.training.trackers import GeneralTracker, plain_values, require
 
 class DVCLiveTracker(GeneralTracker):
     """Logs through a ``dvclive.Live`` (``live=`` an existing one, else one built from
-    ``**kwargs``). Numbers become metrics; ``step`` sets the Live step."""
+    ``**kwargs``). Numbers and strings become metrics (other values are skipped with a
+    warning); ``step`` sets the Live step."""
 
     name = "dvclive"
     requires_logging_directory = False
@@ -34,9 +36,15 @@ class DVCLiveTracker(GeneralTracker):
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         if step is not None:
             self.live.step = step
+        from dvclive.plots import Metric
+
         for key, value in plain_values(values).items():
-            if isinstance(value, int | float):
+            if Metric.could_log(value):  # numbers and strings, as DVCLive records them
                 self.live.log_metric(key, value, **kwargs)
+            else:
+                warnings.warn(
+                    f"DVCLive cannot log {key!r} ({type(value).__name__}): skipped.", stacklevel=2
+                )
         self.live.next_step()
 
     def finish(self) -> None:

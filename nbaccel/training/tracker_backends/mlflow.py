@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+from nbaccel.distributed.environment_patch import str_to_bool
+from nbaccel.training.tracker_registry import on_main_process
 from nbaccel.training.trackers import GeneralTracker, plain_values, require
 
-_MAX_PARAM = 500  # MLflow's limit on a parameter value's length
+_MAX_PARAM = 500  # MLflow's limit on a parameter value's length when mlflow does not say
 
 
 class MLflowTracker(GeneralTracker):
     """Logs to an MLflow run. ``experiment_name`` (or ``MLFLOW_EXPERIMENT_NAME``) names the
     experiment, created when missing; ``logging_dir`` (or ``MLFLOW_TRACKING_URI``) is the
-    tracking store. Numbers are metrics; parameters longer than MLflow allows are skipped with
-    a warning."""
+    tracking store; ``MLFLOW_TAGS`` (JSON) and ``MLFLOW_NESTED_RUN`` (a boolean) override
+    ``tags`` and ``nested_run``. Numbers are metrics; parameters longer than MLflow allows are
+    skipped with a warning. ``log_figure``/``log_artifact``/``log_artifacts`` store files."""
 
     name = "mlflow"
     requires_logging_directory = False
@@ -32,8 +36,10 @@ class MLflowTracker(GeneralTracker):
     ) -> None:
         self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
         self.run_id = os.environ.get("MLFLOW_RUN_ID", run_id)
-        self.tags = tags
-        self.nested_run = nested_run
+        tags = os.environ.get("MLFLOW_TAGS", tags)
+        self.tags = json.loads(tags) if isinstance(tags, str) else tags
+        nested = os.environ.get("MLFLOW_NESTED_RUN")
+        self.nested_run = bool(str_to_bool(nested)) if nested is not None else bool(nested_run)
         self.description = description
         uri = os.environ.get("MLFLOW_TRACKING_URI", logging_dir)
         self.logging_dir = None if uri is None else os.fspath(uri)
@@ -69,11 +75,12 @@ class MLflowTracker(GeneralTracker):
         import warnings
 
         mlflow = require("mlflow", "mlflow", self.name)
-        params = {}
+        limit = _max_param_length(mlflow)
+        params = {}  # a new dict: the caller's (shared by every tracker) is left as it is
         for key, value in plain_values(values).items():
-            if len(str(value)) > _MAX_PARAM:
+            if len(str(value)) > limit:
                 warnings.warn(
-                    f"MLflow parameter {key!r} is longer than {_MAX_PARAM} characters: skipped.",
+                    f"MLflow parameter {key!r} is longer than {limit} characters: skipped.",
                     stacklevel=2,
                 )
                 continue
@@ -85,7 +92,34 @@ class MLflowTracker(GeneralTracker):
         metrics = {k: v for k, v in plain_values(values).items() if isinstance(v, int | float)}
         mlflow.log_metrics(metrics, step=step, **kwargs)
 
+    @on_main_process
+    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+        """Store a matplotlib/plotly ``figure`` in the run as ``artifact_file``."""
+        mlflow = require("mlflow", "mlflow", self.name)
+        mlflow.log_figure(figure=figure, artifact_file=artifact_file, **save_kwargs)
+
+    @on_main_process
+    def log_artifacts(self, local_dir: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Store every file under ``local_dir`` in the run (under ``artifact_path``)."""
+        mlflow = require("mlflow", "mlflow", self.name)
+        mlflow.log_artifacts(local_dir=os.fspath(local_dir), artifact_path=artifact_path)
+
+    @on_main_process
+    def log_artifact(self, local_path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Store one file in the run (under ``artifact_path``)."""
+        mlflow = require("mlflow", "mlflow", self.name)
+        mlflow.log_artifact(local_path=os.fspath(local_path), artifact_path=artifact_path)
+
     def finish(self) -> None:
         if self.active_run is not None:
             mlflow = require("mlflow", "mlflow", self.name)
             mlflow.end_run()
+
+
+def _max_param_length(mlflow: Any) -> int:
+    """MLflow's own limit on a parameter value's length (it grew across releases)."""
+    try:
+        from mlflow.utils import validation
+    except ImportError:
+        return _MAX_PARAM
+    return int(getattr(validation, "MAX_PARAM_VAL_LENGTH", _MAX_PARAM))
