@@ -98,7 +98,9 @@ class Agent:
                     f"could not enter {cwd} ({exc.strerror}); ranks run in {os.getcwd()}"
                 )
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
-        self.server = ForkServer(config.get("preload", ()))
+        # forked from this process, which imported torch already (one import per host, not two);
+        # before any thread or socket of the agent exists
+        self.server = ForkServer(config.get("preload", ()), fork=True)
         self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         path = os.path.join(self.private, "channel")
         self.entrance.bind(path)
@@ -327,4 +329,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is closed: skip the interpreter's slow teardown of torch
