@@ -267,6 +267,7 @@ _MAGIC = [
     "%%distributed\nif os.environ['RANK'] == '1':\n    raise KeyError('missing on nbh2')",
     "%%distributed\nimport time\ntime.sleep(120)",
     "%%distributed\nprint('after interrupt', host)",
+    "%dist_status",
     "%dist_shutdown",
 ]
 
@@ -285,7 +286,8 @@ def test_magic_pool_across_hosts(clean_hosts):
     ]
     assert [e.ename for e in cell_errors(nb.cells[8])] == ["KeyboardInterrupt"]
     assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[9], texts[8] + texts[9]
-    assert "Pool shut down." in texts[10]
+    assert "idle" in texts[10] and "nbh2" in texts[10], texts[10]
+    assert "Pool shut down." in texts[11]
 
 
 def test_many_hosts_notebook(clean_hosts):
@@ -320,3 +322,24 @@ def test_timeout_stops_the_ranks_on_every_host(clean_hosts):
     errors = cell_errors(nb.cells[0])
     assert [e.ename for e in errors] == ["LaunchTimeout"], cell_text(nb.cells[0])
     assert "exceeded timeout=30 s" in errors[0].evalue
+
+
+_UNREACHABLE = textwrap.dedent(
+    """
+    from nbaccel import notebook_launcher
+
+    for hosts, options in ((["nbh1:1", "10.77.0.99:1"], {}), (["nbh1:1", "nbh2:1"],
+                            {"cwd": "/no/such/folder"})):
+        try:
+            notebook_launcher(print, num_processes=2, hosts=hosts, **options)
+        except RuntimeError as exc:
+            print("refused:", exc)
+    """
+)
+
+
+def test_unreachable_host_and_missing_cwd_are_named(clean_hosts):
+    nb = run_notebook([_UNREACHABLE], timeout=240, env=NO_WARMUP)
+    text = cell_text(nb.cells[0])
+    assert "refused: could not start nbaccel's agent on 10.77.0.99: ssh 10.77.0.99 exited" in text
+    assert "cannot enter cwd='/no/such/folder'" in text, text

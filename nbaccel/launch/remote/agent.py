@@ -88,15 +88,18 @@ class Agent:
         self.config = config
         self.node = int(config["node"])
         self.watch_stdin = watch_stdin
-        self.cwd_note = ""
         cwd = config.get("cwd")
         if cwd:
             try:
                 os.chdir(cwd)
             except OSError as exc:
-                self.cwd_note = (
-                    f"could not enter {cwd} ({exc.strerror}); ranks run in {os.getcwd()}"
-                )
+                # asked for: a clear error; the kernel's own folder: it may not exist here
+                if config.get("cwd_required"):
+                    raise SystemExit(
+                        f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: "
+                        f"{exc.strerror}"
+                    ) from None
+                _log(f"no {cwd} on this host ({exc.strerror}): the ranks run in {os.getcwd()}")
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
         # forked from this process, which imported torch already (one import per host, not two);
         # before any thread or socket of the agent exists
@@ -148,7 +151,6 @@ class Agent:
                 "port": _free_port(),
                 "pid": os.getpid(),
                 "cwd": os.getcwd(),
-                "cwd_note": self.cwd_note,
                 "environ": dict(os.environ),
                 "sys_path": list(sys.path),
                 "entrance": self.entrance_path,

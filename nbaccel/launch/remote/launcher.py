@@ -121,6 +121,7 @@ class RemoteLauncher(ProcessLauncher):
                 "public": self.hub.agent_keys[node][0],
                 "secret": self.hub.agent_keys[node][1],
                 "cwd": self.options.cwd,
+                "cwd_required": self.options.cwd_required,
                 "preload": sorted(set(self.preload)),
             }
             for node, host in enumerate(self.layout.hosts)
