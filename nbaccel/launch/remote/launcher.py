@@ -164,13 +164,18 @@ class RemoteLauncher(ProcessLauncher):
 
     def _watch_agents(self) -> None:
         """An agent process that ends takes its hosts with it: name them at once."""
-        while self.hub is not None:
+        named: set[int] = set()
+        while True:
+            hub = self.hub
+            if hub is None:  # closed
+                return
             for agent in self.agents:
-                if agent.popen.poll() is not None:
-                    for node in agent.nodes:
-                        if node not in self._lost:
-                            time.sleep(0.1)
-                            self.hub.lose(node, f"its agent ended ({agent.why_ended()})")
+                if agent.popen.poll() is None:
+                    continue
+                for node in set(agent.nodes) - named:
+                    named.add(node)
+                    time.sleep(0.1)  # the agent's last words reach its tail first
+                    hub.lose(node, f"its agent ended ({agent.why_ended()})")
             time.sleep(0.1)
 
     @property
