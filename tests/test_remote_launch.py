@@ -304,3 +304,18 @@ def test_a_silent_agent_is_named_lost_by_the_heartbeat(tmp_path):
     with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: no word from"):
         report.values()
     assert stopped and not stopped[0].is_running()  # the launch ended it (and its ranks)
+
+
+def test_ssh_launcher_passes_ssh_args_and_finds_the_route():
+    """``ssh_args`` reach every ssh call (``ssh -G`` included: the route is found from what ssh
+    itself resolves); the channel binds the local address on the route to the first host."""
+    from nbaccel.launch.remote.ssh import SshLauncher
+
+    options = remote_options("ssh", 1, ["localhost:1"], ssh_args=["-p", "2222"])
+    launcher = SshLauncher(remote=options)
+    assert launcher._ssh("host", "cmd") == [
+        "ssh", "-p", "2222", "-T", "-o", "BatchMode=yes", "host", "cmd"
+    ]  # fmt: skip
+    assert launcher.channel_address == "127.0.0.1"
+    assert launcher.hosts_by_rank == {0: "localhost"}
+    assert "over ssh" in launcher.describe() and "127.0.0.1" in launcher.describe()
