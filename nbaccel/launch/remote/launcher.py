@@ -275,6 +275,8 @@ class RemoteLauncher(ProcessLauncher):
                 hub.send(node, Kind.QUIT)
         deadline = time.monotonic() + 3.0
         for agent in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.popen.wait(max(0.0, deadline - 2.0 - time.monotonic()))  # QUIT first
             with contextlib.suppress(OSError):
                 agent.popen.stdin and agent.popen.stdin.close()
             try:
