@@ -176,7 +176,7 @@ def test_agents_run_ranks_host_by_host(capsys):
     out = capsys.readouterr()
     assert "[rank 2 @ h2] on h2 as 0" in out.out
     assert "on 2 hosts (h1:2, h2:1)" in out.out and "CURVE" in out.out
-    assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    assert not _agent_pids()  # every agent (and with it its fork server and ranks) ended
 
 
 def _raise_on_last():
