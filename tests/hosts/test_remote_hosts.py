@@ -71,9 +71,10 @@ _WHERE = textwrap.dedent(
         total = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(total)
         print("hello from", socket.gethostname(), "local rank", os.environ["LOCAL_RANK"])
-        shm = sorted(name for name in os.listdir("/dev/shm") if name.startswith("nbaccel-"))
+        with open("/proc/self/maps") as maps:  # the host's shared file the tensor lives in
+            mapped = {x.split()[5].split("/")[-1] for x in maps if "/dev/shm/nbaccel-" in x}
         return (dist.get_rank(), socket.gethostname(), os.environ["NODE_RANK"], total.item(),
-                float(weights.sum()), len(shm))
+                float(weights.sum()), sorted(mapped))
 
     weights = torch.ones(1_000_000)
     results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"])
@@ -89,10 +90,15 @@ def test_launcher_results_labels_and_data_once_per_host(clean_hosts):
     assert not cell_errors(nb.cells[0]), text
     assert "on 2 hosts (nbh1:2, nbh2:2) over ssh" in text
     assert "connect back to 10.77.0.1" in text
+    rows = {}
     for rank, host, node in ((0, "nbh1", 0), (1, "nbh1", 0), (2, "nbh2", 1), (3, "nbh2", 1)):
         assert f"[rank {rank} @ {host}] hello from {host} local rank {rank % 2}" in text
-        # the 4 MB tensor: one shared file on each host's own /dev/shm, seen by both its ranks
-        assert f"({rank}, '{host}', '{node}', 6.0, 1000000.0, 1)" in text
+        line = next(x for x in text.splitlines() if x.startswith(f"({rank}, '{host}', '{node}'"))
+        assert f"({rank}, '{host}', '{node}', 6.0, 1000000.0, [" in line
+        rows[rank] = line.split("[")[1]
+    # the 4 MB tensor: one file in each host's own /dev/shm, mapped by both of its ranks
+    assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
+    assert "-0'" in rows[0] and "-1'" in rows[2], rows  # nbaccel-<token>-<node>
 
 
 _FAIL = textwrap.dedent(
@@ -264,6 +270,9 @@ _MAGIC = [
     "y = 41\n%dist_push y",
     "%%distributed\ny += int(os.environ['RANK'])",
     "%dist_pull y --all\nprint('pulled', y)",
+    "import torch\nbig = torch.ones(1_000_000)\n%dist_push big",
+    "%%distributed\nprint('big', float(big.sum()), "
+    "[n for n in os.listdir('/dev/shm') if n.startswith('nbaccel-')])",
     "%%distributed\nif os.environ['RANK'] == '1':\n    raise KeyError('missing on nbh2')",
     "%%distributed\nimport time\ntime.sleep(120)",
     "%%distributed\nprint('after interrupt', host)",
@@ -273,21 +282,24 @@ _MAGIC = [
 
 
 def test_magic_pool_across_hosts(clean_hosts):
-    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={8: 10}, env=NO_WARMUP)
+    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={10: 10}, env=NO_WARMUP)
     texts = [cell_text(c) for c in nb.cells]
     assert "[rank 0 @ nbh1] up on nbh1 rank 0" in texts[1], texts[1]
     assert "[rank 1 @ nbh2] up on nbh2 rank 1" in texts[1]
     assert "[rank 1 @ nbh2] still nbh2" in texts[2]
     assert "'nbh2'" in texts[3] and "nbh1" not in texts[3]
     assert "pulled [41, 42]" in texts[6]
-    errors = cell_errors(nb.cells[7])
+    # the pushed tensor crossed once per host, through its /dev/shm, removed after the call
+    assert not cell_errors(nb.cells[7]), texts[7]
+    assert "[rank 1 @ nbh2] big 1000000.0 []" in texts[8], texts[8]
+    errors = cell_errors(nb.cells[9])
     assert [(e.ename, e.evalue) for e in errors] == [
         ("KeyError", "'[rank 1 @ nbh2] missing on nbh2'")
     ]
-    assert [e.ename for e in cell_errors(nb.cells[8])] == ["KeyboardInterrupt"]
-    assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[9], texts[8] + texts[9]
-    assert "idle" in texts[10] and "nbh2" in texts[10], texts[10]
-    assert "Pool shut down." in texts[11]
+    assert [e.ename for e in cell_errors(nb.cells[10])] == ["KeyboardInterrupt"]
+    assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[11], texts[10] + texts[11]
+    assert "idle" in texts[12] and "nbh2" in texts[12], texts[12]
+    assert "Pool shut down." in texts[13]
 
 
 def test_many_hosts_notebook(clean_hosts):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from nbaccel.launch.processes import WorkerProcess
 from nbaccel.launch.spec import WorkerSpec
@@ -52,6 +52,14 @@ class ProcessLauncher(ABC):
     @abstractmethod
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         """Start the rank described by ``spec``; return its handle at once (do not wait)."""
+
+    def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
+        """The work each of ``ranks`` receives for a call; ranks on other hosts get its shared
+        tensors in their host's memory (sent there once per host)."""
+        return {rank: work for rank in ranks}
+
+    def release_work(self) -> None:  # noqa: B027 - optional hook
+        """Every rank has mapped the shared tensors placed so far: their files may go."""
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Call ``callback()`` from any thread when a started process may have ended."""

@@ -238,6 +238,13 @@ class Agent:
             process = self.ranks.get(int(header["rank"]))
             if process is not None:
                 process.signal_tree(int(header["signal"]))
+        elif kind == Kind.UNLINK:
+            for name in header["names"]:
+                path = os.path.join(_shm_dir(), os.path.basename(name))
+                if path in self.files:
+                    self.files.remove(path)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
         elif kind == Kind.QUIT:
             return False
         return True

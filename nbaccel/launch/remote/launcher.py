@@ -227,10 +227,25 @@ class RemoteLauncher(ProcessLauncher):
         token = self._work_names.setdefault(id(work), secrets.token_hex(8))
         name = f"nbaccel-{token}-{node}"  # hosts may share a /dev/shm (several on one machine)
         if (node, name) not in self._work_sent:
+            assert self.hub is not None
             with open(work.segment, "rb") as handle:
                 self.hub.send(node, Kind.WORK, {"name": name}, handle.read())
             self._work_sent.add((node, name))
         return Packed(work.data, os.path.join(self._hello[node]["shm"], name), work.records)
+
+    def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
+        return {rank: self._work_on(self.layout.place(rank)[0], work) for rank in ranks}
+
+    def release_work(self) -> None:
+        """Every rank mapped the shared tensors sent so far: each host removes its files."""
+        by_node: dict[int, list[str]] = {}
+        for node, name in self._work_sent:
+            by_node.setdefault(node, []).append(name)
+        self._work_sent.clear()
+        self._work_names.clear()
+        if self.hub is not None:
+            for node, names in by_node.items():
+                self.hub.send(node, Kind.UNLINK, {"names": names})
 
     def _signal(self, rank: int, sig: int) -> None:
         if self.hub is not None:
