@@ -204,13 +204,18 @@ def _sleep_long(folder):
     time.sleep(120)
 
 
-def _agent_pids() -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "nbaccel.launch.remote.agent" in " ".join(p.info["cmdline"] or [])
-        and p.pid != os.getpid()
-    ]
+def _agent_pids(parent: int | None = None) -> list[psutil.Process]:
+    """The agents started by ``parent`` (default: this test process)."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for p in psutil.process_iter(["cmdline", "ppid", "status"]):
+        if (
+            "nbaccel.launch.remote.agent" in " ".join(p.info["cmdline"] or [])
+            and p.info["ppid"] == parent
+            and p.info["status"] != psutil.STATUS_ZOMBIE
+        ):
+            found.append(p)
+    return found
 
 
 def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
@@ -269,7 +274,7 @@ def test_kernel_death_ends_the_agents_and_their_ranks():
                 if len(ranks) == 2:
                     break
         assert len(ranks) == 2, "the ranks never started"
-        agents = [p for p in _agent_pids() if p.ppid() == kernel.pid]
+        agents = _agent_pids(kernel.pid)
         assert len(agents) == 2
         kernel.send_signal(signal.SIGKILL)
         kernel.wait()
