@@ -62,7 +62,7 @@ def clean_hosts(ssh_hosts):
 
 _WHERE = textwrap.dedent(
     """
-    import os, socket, torch
+    import os, socket, sys, torch
     import torch.distributed as dist
     from nbaccel import notebook_launcher
 
@@ -70,14 +70,16 @@ _WHERE = textwrap.dedent(
         dist.init_process_group("gloo")
         total = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(total)
-        print("hello from", socket.gethostname(), "local rank", os.environ["LOCAL_RANK"])
+        print("hello from", socket.gethostname(), "local rank", os.environ["LOCAL_RANK"],
+              "forwarded", os.environ.get("NBH_FORWARD_ME"), "home", os.environ.get("HOME"))
         with open("/proc/self/maps") as maps:  # the host's shared file the tensor lives in
             mapped = {x.split()[5].split("/")[-1] for x in maps if "/dev/shm/nbaccel-" in x}
         return (dist.get_rank(), socket.gethostname(), os.environ["NODE_RANK"], total.item(),
                 float(weights.sum()), sorted(mapped))
 
     weights = torch.ones(1_000_000)
-    results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+    results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"],
+                                python=sys.executable, env=["NBH_FORWARD_ME"])
     for row in results:
         print(row)
     """
@@ -85,14 +87,17 @@ _WHERE = textwrap.dedent(
 
 
 def test_launcher_results_labels_and_data_once_per_host(clean_hosts):
-    nb = run_notebook([_WHERE], timeout=240, env=NO_WARMUP)
+    nb = run_notebook([_WHERE], timeout=240, env={**NO_WARMUP, "NBH_FORWARD_ME": "yes"})
     text = cell_text(nb.cells[0])
     assert not cell_errors(nb.cells[0]), text
     assert "on 2 hosts (nbh1:2, nbh2:2) over ssh" in text
     assert "connect back to 10.77.0.1" in text
     rows = {}
     for rank, host, node in ((0, "nbh1", 0), (1, "nbh1", 0), (2, "nbh2", 1), (3, "nbh2", 1)):
-        assert f"[rank {rank} @ {host}] hello from {host} local rank {rank % 2}" in text
+        assert (
+            f"[rank {rank} @ {host}] hello from {host} local rank {rank % 2} forwarded yes "
+            "home /root"  # the host's own environment, plus what the launch forwards
+        ) in text
         line = next(x for x in text.splitlines() if x.startswith(f"({rank}, '{host}', '{node}'"))
         assert f"({rank}, '{host}', '{node}', 6.0, 1000000.0, [" in line
         rows[rank] = line.split("[")[1]
