@@ -360,3 +360,29 @@ def test_unreachable_host_and_missing_cwd_are_named(clean_hosts):
     text = cell_text(nb.cells[0])
     assert "refused: could not start nbaccel's agent on 10.77.0.99: ssh 10.77.0.99 exited" in text
     assert "cannot enter cwd='/no/such/folder'" in text, text
+
+
+def test_cut_network_names_the_host_and_its_agent_ends_the_ranks(clean_hosts, shared_tmp):
+    """Unplug nbh2 (its link on the bridge down) mid-launch: the kernel names the host lost
+    when the heartbeat is overdue; the agent, hearing nothing, kills its ranks."""
+    folder = shared_tmp / "up"
+    folder.mkdir()
+    link = f"nbv{clean_hosts.names[1][3:]}"
+
+    def unplug():
+        deadline = time.monotonic() + 200
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=30)
+
+    thread = threading.Thread(target=unplug)
+    thread.start()
+    try:
+        nb = run_notebook([_sleeper(str(folder))], timeout=240, env=NO_WARMUP)
+    finally:
+        thread.join()
+        time.sleep(8)  # past the agent's own heartbeat limit, while still unplugged
+        subprocess.run(["ip", "link", "set", link, "up"], check=True, timeout=30)
+    errors = cell_errors(nb.cells[0])
+    assert [e.ename for e in errors] == ["RankCrashed"], cell_text(nb.cells[0])
+    assert "rank 1 @ nbh2 was lost: host nbh2 lost: no word from its agent" in errors[0].evalue
