@@ -7,6 +7,7 @@ ssh and SLURM lanes (``tests/hosts``) run the same engine across network-namespa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -324,3 +325,20 @@ def test_ssh_launcher_passes_ssh_args_and_finds_the_route():
     assert launcher.channel_address == "127.0.0.1"
     assert launcher.hosts_by_rank == {0: "localhost"}
     assert "over ssh" in launcher.describe() and "127.0.0.1" in launcher.describe()
+
+
+def _cwd():
+    import os
+
+    return os.getcwd()
+
+
+def test_a_missing_default_folder_is_a_notice_not_an_error(capsys):
+    """The kernel's own folder may not exist on a host: the ranks run in the login folder
+    and the notebook is told (an explicit cwd= that is missing is an error, lane-tested)."""
+    plan = local_plan(["h1:1"])
+    remote = dataclasses.replace(plan.remote, cwd="/no/such/nbaccel/folder")
+    plan = dataclasses.replace(plan, remote=remote)
+    report = run_function(plan, _cwd, renderer=TextRenderer())
+    assert report.values() == [os.getcwd()]  # the agent's start folder (here: this one)
+    assert "h1: no /no/such/nbaccel/folder on this host" in capsys.readouterr().err

@@ -212,6 +212,8 @@ class WorkerGroup:
             else:
                 self._read_output(self._by_rank[rank], stream, key.fileobj)
         self._expire_handshakes()
+        for text in self.launcher.take_notices():
+            self.renderer.notice(text)
         self._check_processes()
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:

@@ -61,6 +61,11 @@ class ProcessLauncher(ABC):
     def release_work(self) -> None:  # noqa: B027 - optional hook
         """Every rank has mapped the shared tensors placed so far: their files may go."""
 
+    def take_notices(self) -> list[str]:
+        """Messages for the notebook that arrived since the last call (a remote host's agent
+        saying its ranks run elsewhere than asked, ...)."""
+        return []
+
     def add_wakeup(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Call ``callback()`` from any thread when a started process may have ended."""
 

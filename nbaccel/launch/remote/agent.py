@@ -88,6 +88,7 @@ class Agent:
         self.config = config
         self.node = int(config["node"])
         self.watch_stdin = watch_stdin
+        self.notes: list[str] = []  # for the notebook, sent after the hello
         cwd = config.get("cwd")
         if cwd:
             try:
@@ -99,7 +100,9 @@ class Agent:
                         f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: "
                         f"{exc.strerror}"
                     ) from None
-                _log(f"no {cwd} on this host ({exc.strerror}): the ranks run in {os.getcwd()}")
+                self.notes.append(
+                    f"no {cwd} on this host ({exc.strerror}): the ranks run in {os.getcwd()}"
+                )
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
         # forked from this process, which imported torch already (one import per host, not two);
         # before any thread or socket of the agent exists
@@ -162,6 +165,8 @@ class Agent:
 
     def run(self) -> int:
         self.hello()
+        for text in self.notes:
+            self.send(Kind.LOG, {"text": text})
         self.last_heard = time.monotonic()  # the kernel's silence counts from the hello
         poller = zmq.Poller()
         poller.register(self.link, zmq.POLLIN)

@@ -88,6 +88,7 @@ class RemoteLauncher(ProcessLauncher):
         self._work_names: dict[int, str] = {}
         self._work_sent: set[tuple[int, str]] = set()
         self._wakeups: list[Callable[[], None]] = []
+        self._notices: list[str] = []
         self._watcher: threading.Thread | None = None
 
     # ------------------------------------------------------------------ subclasses
@@ -266,6 +267,8 @@ class RemoteLauncher(ProcessLauncher):
                     process.exited(
                         int(header["code"]), float(header["at"]), header.get("detail", "")
                     )
+            elif kind == Kind.LOG:
+                self._notices.append(f"{self.layout.hosts[node].name}: {header.get('text', '')}")
             elif kind == "lost":
                 self._lost[node] = header["why"]
                 for rank, process in self._processes.items():
@@ -273,6 +276,11 @@ class RemoteLauncher(ProcessLauncher):
                         process.host_lost(header["why"])
         for wake in list(self._wakeups):
             wake()
+
+    def take_notices(self) -> list[str]:
+        with self._lock:
+            notices, self._notices = self._notices, []
+        return notices
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._wakeups.append(callback)

@@ -36,7 +36,7 @@ class Kind(bytes, Enum):
     HELLO = b"hello"  # the host is ready: its address, a free port, environment, paths
     STARTED = b"started"  # {rank, pid}
     EXITED = b"exited"  # {rank, code, at, detail}
-    LOG = b"log"  # {text}: something the agent wants the notebook to see
+    LOG = b"log"  # {text}: something the agent wants the notebook to see (a notice)
     # kernel -> agent
     WORK = b"work"  # {name} + the shared tensors' bytes: written once into the host's /dev/shm,
     # always before the message (a spawn, a call on a tunnelled stream) that refers to it
