@@ -3,8 +3,9 @@
 Every way of starting ranks (fork server, spawn, fork, XLA; the remote variants ssh and slurm
 in ``nbaccel.launch.remote``) is a :class:`ProcessLauncher`. The worker group gives it one
 :class:`~nbaccel.launch.spec.WorkerSpec` per rank; the spec names the channel (the address of
-the driver's authenticated listener) the rank connects back to. A remote variant says where that
-listener must be reachable from through :attr:`ProcessLauncher.channel_host`.
+the driver's authenticated listener) the rank connects back to. A variant whose ranks reach this
+machine directly names the address to listen on through :attr:`ProcessLauncher.channel_host`;
+the ssh and slurm variants keep the private socket and tunnel their ranks' connections to it.
 """
 
 from __future__ import annotations
