@@ -469,7 +469,8 @@ class WorkerGroup:
             for conn in ready:
                 _, rank, stream = self._selector.get_key(conn).data
                 self._read_output(self._by_rank[rank], stream, conn)
-            waiting = [conn for conn in ready if conn in self._selector.get_map()]
+            # a stream that ended was unregistered and closed (its fd is -1: not a selector key)
+            waiting = [c for c in ready if c.fileno() >= 0 and c in self._selector.get_map()]
         for state in self._ranks:
             for stream in list(state.partial):
                 self._flush_partial(state, stream)
