@@ -7,6 +7,7 @@ ssh and SLURM lanes (``tests/hosts``) run the same engine across network-namespa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -179,6 +180,7 @@ def test_agents_run_ranks_host_by_host(capsys):
     assert "on 2 hosts (h1:2, h2:1)" in out.out and "CURVE" in out.out
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _agent_pids()  # every agent (and with it its fork server and ranks) ended
 
 
 def _raise_on_last():
@@ -206,14 +208,17 @@ def _sleep_long(folder):
     time.sleep(120)
 
 
-def _agent_pids() -> list[psutil.Process]:
-    """This test session's agents (other sessions may run on the machine): they inherit the
-    session's own ``TMPDIR`` (tests/conftest.py), orphans included."""
+def _agent_pids(parent: int | None = None) -> list[psutil.Process]:
+    """This test session's live agents, orphans included (they inherit the session's own
+    ``TMPDIR``, tests/conftest.py; other sessions may run on the machine); with ``parent``,
+    only those it started."""
     mine = []
-    for p in psutil.process_iter(["cmdline"]):
-        if p.pid == os.getpid() or "nbaccel.launch.remote.agent" not in " ".join(
-            p.info["cmdline"] or []
-        ):
+    for p in psutil.process_iter(["cmdline", "ppid", "status"]):
+        if "nbaccel.launch.remote.agent" not in " ".join(p.info["cmdline"] or []):
+            continue
+        if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+            continue
+        if parent is not None and p.info["ppid"] != parent:
             continue
         try:
             if p.environ().get("TMPDIR") == os.environ["TMPDIR"]:
@@ -279,7 +284,7 @@ def test_kernel_death_ends_the_agents_and_their_ranks():
                 if len(ranks) == 2:
                     break
         assert len(ranks) == 2, "the ranks never started"
-        agents = [p for p in _agent_pids() if p.ppid() == kernel.pid]
+        agents = _agent_pids(kernel.pid)
         assert len(agents) == 2
         kernel.send_signal(signal.SIGKILL)
         kernel.wait()
@@ -314,3 +319,35 @@ def test_a_silent_agent_is_named_lost_by_the_heartbeat(tmp_path):
     with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: no word from"):
         report.values()
     assert stopped and not stopped[0].is_running()  # the launch ended it (and its ranks)
+
+
+def test_ssh_launcher_passes_ssh_args_and_finds_the_route():
+    """``ssh_args`` reach every ssh call (``ssh -G`` included: the route is found from what ssh
+    itself resolves); the channel binds the local address on the route to the first host."""
+    from nbaccel.launch.remote.ssh import SshLauncher
+
+    options = remote_options("ssh", 1, ["localhost:1"], ssh_args=["-p", "2222"])
+    launcher = SshLauncher(remote=options)
+    assert launcher._ssh("host", "cmd") == [
+        "ssh", "-p", "2222", "-T", "-o", "BatchMode=yes", "host", "cmd"
+    ]  # fmt: skip
+    assert launcher.channel_address == "127.0.0.1"
+    assert launcher.hosts_by_rank == {0: "localhost"}
+    assert "over ssh" in launcher.describe() and "127.0.0.1" in launcher.describe()
+
+
+def _cwd():
+    import os
+
+    return os.getcwd()
+
+
+def test_a_missing_default_folder_is_a_notice_not_an_error(capsys):
+    """The kernel's own folder may not exist on a host: the ranks run in the login folder
+    and the notebook is told (an explicit cwd= that is missing is an error, lane-tested)."""
+    plan = local_plan(["h1:1"])
+    remote = dataclasses.replace(plan.remote, cwd="/no/such/nbaccel/folder")
+    plan = dataclasses.replace(plan, remote=remote)
+    report = run_function(plan, _cwd, renderer=TextRenderer())
+    assert report.values() == [os.getcwd()]  # the agent's start folder (here: this one)
+    assert "h1: no /no/such/nbaccel/folder on this host" in capsys.readouterr().err

@@ -176,6 +176,8 @@ class WorkerGroup:
             else:
                 self._read_output(self._by_rank[rank], stream, key.fileobj)
         self._expire_handshakes()
+        for text in self.launcher.take_notices():
+            self.renderer.notice(text)
         self._check_processes()
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
@@ -378,11 +380,11 @@ class WorkerGroup:
         packed, shared = pack(
             (function, tuple(args), dict(kwargs or {})),
             element_names=("function", "args", "kwargs"),
-            share=self.launcher.local_memory,
         )
         if shared is not None:
             self._shared.append(shared)
         targets = list(self.ranks if ranks is None else ranks)
+        placed = self.launcher.place_work(packed, targets)
         self._current_call = call_id
         use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
@@ -390,7 +392,7 @@ class WorkerGroup:
         for rank in targets:
             state = self._by_rank[rank]
             state.busy_since = now
-            state.events.send((Message.CALL, call_id, packed))
+            state.events.send((Message.CALL, call_id, placed[rank]))
         return call_id, targets
 
     @property
@@ -440,6 +442,7 @@ class WorkerGroup:
         for shared in self._shared:
             shared.release()
         self._shared.clear()
+        self.launcher.release_work()
 
     def adopt_shared(self, shared: SharedTensors | None) -> None:
         if shared is not None:

@@ -140,16 +140,14 @@ class SharedTensors:
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, buffer: io.BytesIO, share: bool = True) -> None:
+    def __init__(self, buffer: io.BytesIO) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-        self._share = share
         self.shared: list[torch.Tensor] = []
         self._ids: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if (
-            self._share
-            and type(obj) in (torch.Tensor, torch.nn.Parameter)
+            type(obj) in (torch.Tensor, torch.nn.Parameter)
             and obj.device.type == "cpu"
             and obj.layout == torch.strided
             and not obj.is_quantized
@@ -202,21 +200,15 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Ex
 
 
 def pack(
-    obj: Any,
-    name: str = "args",
-    element_names: tuple[str, ...] | None = None,
-    share: bool = True,
+    obj: Any, name: str = "args", element_names: tuple[str, ...] | None = None
 ) -> tuple[Packed, SharedTensors | None]:
     """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
-
-    ``share=False`` keeps every tensor inside the pickle (ranks on other hosts cannot map this
-    machine's shared memory).
 
     ``element_names`` names the items of a top-level tuple in error messages (for example
     ``("function", "args", "kwargs")``), so the path printed is the one the user typed.
     """
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, share)
+    pickler = _Pickler(buffer)
     try:
         pickler.dump(obj)
     except Exception as exc:

@@ -62,7 +62,7 @@ def clean_hosts(ssh_hosts):
 
 _WHERE = textwrap.dedent(
     """
-    import os, socket, torch
+    import os, socket, sys, torch
     import torch.distributed as dist
     from nbaccel import notebook_launcher
 
@@ -70,13 +70,16 @@ _WHERE = textwrap.dedent(
         dist.init_process_group("gloo")
         total = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(total)
-        print("hello from", socket.gethostname(), "local rank", os.environ["LOCAL_RANK"])
-        shm = sorted(name for name in os.listdir("/dev/shm") if name.startswith("nbaccel-"))
+        print("hello from", socket.gethostname(), "local rank", os.environ["LOCAL_RANK"],
+              "forwarded", os.environ.get("NBH_FORWARD_ME"), "home", os.environ.get("HOME"))
+        with open("/proc/self/maps") as maps:  # the host's shared file the tensor lives in
+            mapped = {x.split()[5].split("/")[-1] for x in maps if "/dev/shm/nbaccel-" in x}
         return (dist.get_rank(), socket.gethostname(), os.environ["NODE_RANK"], total.item(),
-                float(weights.sum()), len(shm))
+                float(weights.sum()), sorted(mapped))
 
     weights = torch.ones(1_000_000)
-    results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+    results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"],
+                                python=sys.executable, env=["NBH_FORWARD_ME"])
     for row in results:
         print(row)
     """
@@ -84,15 +87,23 @@ _WHERE = textwrap.dedent(
 
 
 def test_launcher_results_labels_and_data_once_per_host(clean_hosts):
-    nb = run_notebook([_WHERE], timeout=240, env=NO_WARMUP)
+    nb = run_notebook([_WHERE], timeout=240, env={**NO_WARMUP, "NBH_FORWARD_ME": "yes"})
     text = cell_text(nb.cells[0])
     assert not cell_errors(nb.cells[0]), text
     assert "on 2 hosts (nbh1:2, nbh2:2) over ssh" in text
     assert "connect back to 10.77.0.1" in text
+    rows = {}
     for rank, host, node in ((0, "nbh1", 0), (1, "nbh1", 0), (2, "nbh2", 1), (3, "nbh2", 1)):
-        assert f"[rank {rank} @ {host}] hello from {host} local rank {rank % 2}" in text
-        # the 4 MB tensor: one shared file on each host's own /dev/shm, seen by both its ranks
-        assert f"({rank}, '{host}', '{node}', 6.0, 1000000.0, 1)" in text
+        assert (
+            f"[rank {rank} @ {host}] hello from {host} local rank {rank % 2} forwarded yes "
+            "home /root"  # the host's own environment, plus what the launch forwards
+        ) in text
+        line = next(x for x in text.splitlines() if x.startswith(f"({rank}, '{host}', '{node}'"))
+        assert f"({rank}, '{host}', '{node}', 6.0, 1000000.0, [" in line
+        rows[rank] = line.split("[")[1]
+    # the 4 MB tensor: one file in each host's own /dev/shm, mapped by both of its ranks
+    assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
+    assert "-0'" in rows[0] and "-1'" in rows[2], rows  # nbaccel-<token>-<node>
 
 
 _FAIL = textwrap.dedent(
@@ -264,28 +275,36 @@ _MAGIC = [
     "y = 41\n%dist_push y",
     "%%distributed\ny += int(os.environ['RANK'])",
     "%dist_pull y --all\nprint('pulled', y)",
+    "import torch\nbig = torch.ones(1_000_000)\n%dist_push big",
+    "%%distributed\nprint('big', float(big.sum()), "
+    "[n for n in os.listdir('/dev/shm') if n.startswith('nbaccel-')])",
     "%%distributed\nif os.environ['RANK'] == '1':\n    raise KeyError('missing on nbh2')",
     "%%distributed\nimport time\ntime.sleep(120)",
     "%%distributed\nprint('after interrupt', host)",
+    "%dist_status",
     "%dist_shutdown",
 ]
 
 
 def test_magic_pool_across_hosts(clean_hosts):
-    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={8: 10}, env=NO_WARMUP)
+    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={10: 10}, env=NO_WARMUP)
     texts = [cell_text(c) for c in nb.cells]
     assert "[rank 0 @ nbh1] up on nbh1 rank 0" in texts[1], texts[1]
     assert "[rank 1 @ nbh2] up on nbh2 rank 1" in texts[1]
     assert "[rank 1 @ nbh2] still nbh2" in texts[2]
     assert "'nbh2'" in texts[3] and "nbh1" not in texts[3]
     assert "pulled [41, 42]" in texts[6]
-    errors = cell_errors(nb.cells[7])
+    # the pushed tensor crossed once per host, through its /dev/shm, removed after the call
+    assert not cell_errors(nb.cells[7]), texts[7]
+    assert "[rank 1 @ nbh2] big 1000000.0 []" in texts[8], texts[8]
+    errors = cell_errors(nb.cells[9])
     assert [(e.ename, e.evalue) for e in errors] == [
         ("KeyError", "'[rank 1 @ nbh2] missing on nbh2'")
     ]
-    assert [e.ename for e in cell_errors(nb.cells[8])] == ["KeyboardInterrupt"]
-    assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[9], texts[8] + texts[9]
-    assert "Pool shut down." in texts[10]
+    assert [e.ename for e in cell_errors(nb.cells[10])] == ["KeyboardInterrupt"]
+    assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[11], texts[10] + texts[11]
+    assert "idle" in texts[12] and "nbh2" in texts[12], texts[12]
+    assert "Pool shut down." in texts[13]
 
 
 def test_many_hosts_notebook(clean_hosts):
@@ -320,3 +339,50 @@ def test_timeout_stops_the_ranks_on_every_host(clean_hosts):
     errors = cell_errors(nb.cells[0])
     assert [e.ename for e in errors] == ["LaunchTimeout"], cell_text(nb.cells[0])
     assert "exceeded timeout=30 s" in errors[0].evalue
+
+
+_UNREACHABLE = textwrap.dedent(
+    """
+    from nbaccel import notebook_launcher
+
+    for hosts, options in ((["nbh1:1", "10.77.0.99:1"], {}), (["nbh1:1", "nbh2:1"],
+                            {"cwd": "/no/such/folder"})):
+        try:
+            notebook_launcher(print, num_processes=2, hosts=hosts, **options)
+        except RuntimeError as exc:
+            print("refused:", exc)
+    """
+)
+
+
+def test_unreachable_host_and_missing_cwd_are_named(clean_hosts):
+    nb = run_notebook([_UNREACHABLE], timeout=240, env=NO_WARMUP)
+    text = cell_text(nb.cells[0])
+    assert "refused: could not start nbaccel's agent on 10.77.0.99: ssh 10.77.0.99 exited" in text
+    assert "cannot enter cwd='/no/such/folder'" in text, text
+
+
+def test_cut_network_names_the_host_and_its_agent_ends_the_ranks(clean_hosts, shared_tmp):
+    """Unplug nbh2 (its link on the bridge down) mid-launch: the kernel names the host lost
+    when the heartbeat is overdue; the agent, hearing nothing, kills its ranks."""
+    folder = shared_tmp / "up"
+    folder.mkdir()
+    link = f"nbv{clean_hosts.names[1][3:]}"
+
+    def unplug():
+        deadline = time.monotonic() + 200
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=30)
+
+    thread = threading.Thread(target=unplug)
+    thread.start()
+    try:
+        nb = run_notebook([_sleeper(str(folder))], timeout=240, env=NO_WARMUP)
+    finally:
+        thread.join()
+        time.sleep(8)  # past the agent's own heartbeat limit, while still unplugged
+        subprocess.run(["ip", "link", "set", link, "up"], check=True, timeout=30)
+    errors = cell_errors(nb.cells[0])
+    assert [e.ename for e in errors] == ["RankCrashed"], cell_text(nb.cells[0])
+    assert "rank 1 @ nbh2 was lost: host nbh2 lost: no word from its agent" in errors[0].evalue

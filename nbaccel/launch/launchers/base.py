@@ -3,15 +3,16 @@
 Every way of starting ranks (fork server, spawn, fork, XLA; the remote variants ssh and slurm
 in ``nbaccel.launch.remote``) is a :class:`ProcessLauncher`. The worker group gives it one
 :class:`~nbaccel.launch.spec.WorkerSpec` per rank; the spec names the channel (the address of
-the driver's authenticated listener) the rank connects back to. A remote variant says where that
-listener must be reachable from through :attr:`ProcessLauncher.channel_host`.
+the driver's authenticated listener) the rank connects back to. A variant whose ranks reach this
+machine directly names the address to listen on through :attr:`ProcessLauncher.channel_host`;
+the ssh and slurm variants keep the private socket and tunnel their ranks' connections to it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from nbaccel.launch.processes import WorkerProcess
 from nbaccel.launch.spec import WorkerSpec
@@ -52,6 +53,19 @@ class ProcessLauncher(ABC):
     @abstractmethod
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         """Start the rank described by ``spec``; return its handle at once (do not wait)."""
+
+    def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
+        """The work each of ``ranks`` receives for a call; ranks on other hosts get its shared
+        tensors in their host's memory (sent there once per host)."""
+        return {rank: work for rank in ranks}
+
+    def release_work(self) -> None:  # noqa: B027 - optional hook
+        """Every rank has mapped the shared tensors placed so far: their files may go."""
+
+    def take_notices(self) -> list[str]:
+        """Messages for the notebook that arrived since the last call (a remote host's agent
+        saying its ranks run elsewhere than asked, ...)."""
+        return []
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Call ``callback()`` from any thread when a started process may have ended."""

@@ -37,6 +37,7 @@ from nbaccel.launch.spec import WorkerSpec
 __all__ = [
     "ENGINE_PRELOAD",
     "ForkServer",
+    "ForkedServerProcess",
     "ForkServerLauncher",
     "get_forkserver",
     "shutdown_forkserver",
@@ -162,22 +163,84 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
 
 
 # ----------------------------------------------------------------------------- driver side
-class ForkServer:
-    """Driver-side handle: start the server, ask it for workers, learn their exit codes."""
+class ForkedServerProcess:
+    """The server forked from this process instead of started fresh: for a process that has
+    imported torch already and started no thread yet (the remote agent), which saves a second
+    ``import torch``. Offers what :class:`ForkServer` uses of a ``Popen``."""
 
     def __init__(self, preload: Iterable[str] = ()) -> None:
+        to_server, from_driver = os.pipe()
+        from_server, to_driver = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: its stdin/stdout are the pipes, nothing else of the parent's
+            code = 1
+            try:
+                os.dup2(to_server, 0)
+                os.dup2(to_driver, 1)
+                for fd in (to_server, from_driver, from_server, to_driver):
+                    os.close(fd)
+                serve(preload)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(to_server)
+        os.close(to_driver)
+        self.pid = pid
+        self.stdin = os.fdopen(from_driver, "wb")
+        self.stdout = os.fdopen(from_server, "rb")
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = self.pid, 0
+            if done:
+                self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
+            time.sleep(0.01)
+        return self._code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class ForkServer:
+    """Driver-side handle: start the server, ask it for workers, learn their exit codes.
+
+    ``fork=True`` forks the server from this process (see :class:`ForkedServerProcess`).
+    """
+
+    def __init__(self, preload: Iterable[str] = (), fork: bool = False) -> None:
         bootstrap = (
             "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
             "from nbaccel.launch.launchers.forkserver import serve; "
             "serve(json.loads(sys.argv[2]))"
         )
         self.preloaded = set(ENGINE_PRELOAD) | set(preload)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", bootstrap, json.dumps(sys.path), json.dumps(sorted(preload))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-        )
+        if fork:
+            self._proc: Any = ForkedServerProcess(sorted(preload))
+        else:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    bootstrap,
+                    json.dumps(sys.path),
+                    json.dumps(sorted(preload)),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+            )
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False

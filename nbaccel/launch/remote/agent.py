@@ -88,17 +88,25 @@ class Agent:
         self.config = config
         self.node = int(config["node"])
         self.watch_stdin = watch_stdin
-        self.cwd_note = ""
+        self.notes: list[str] = []  # for the notebook, sent after the hello
         cwd = config.get("cwd")
         if cwd:
             try:
                 os.chdir(cwd)
             except OSError as exc:
-                self.cwd_note = (
-                    f"could not enter {cwd} ({exc.strerror}); ranks run in {os.getcwd()}"
+                # asked for: a clear error; the kernel's own folder: it may not exist here
+                if config.get("cwd_required"):
+                    raise SystemExit(
+                        f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: "
+                        f"{exc.strerror}"
+                    ) from None
+                self.notes.append(
+                    f"no {cwd} on this host ({exc.strerror}): the ranks run in {os.getcwd()}"
                 )
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
-        self.server = ForkServer(config.get("preload", ()))
+        # forked from this process, which imported torch already (one import per host, not two);
+        # before any thread or socket of the agent exists
+        self.server = ForkServer(config.get("preload", ()), fork=True)
         self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         path = os.path.join(self.private, "channel")
         self.entrance.bind(path)
@@ -146,7 +154,6 @@ class Agent:
                 "port": _free_port(),
                 "pid": os.getpid(),
                 "cwd": os.getcwd(),
-                "cwd_note": self.cwd_note,
                 "environ": dict(os.environ),
                 "sys_path": list(sys.path),
                 "entrance": self.entrance_path,
@@ -158,6 +165,8 @@ class Agent:
 
     def run(self) -> int:
         self.hello()
+        for text in self.notes:
+            self.send(Kind.LOG, {"text": text})
         self.last_heard = time.monotonic()  # the kernel's silence counts from the hello
         poller = zmq.Poller()
         poller.register(self.link, zmq.POLLIN)
@@ -234,6 +243,13 @@ class Agent:
             process = self.ranks.get(int(header["rank"]))
             if process is not None:
                 process.signal_tree(int(header["signal"]))
+        elif kind == Kind.UNLINK:
+            for name in header["names"]:
+                path = os.path.join(_shm_dir(), os.path.basename(name))
+                if path in self.files:
+                    self.files.remove(path)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
         elif kind == Kind.QUIT:
             return False
         return True
@@ -327,4 +343,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is closed: skip the interpreter's slow teardown of torch

@@ -164,6 +164,9 @@ class Hub:
                 if flags & zmq.POLLOUT:
                     relay.flush()
                 if flags & zmq.POLLIN and not relay.closed and not relay.ending:
+                    # what was queued before these bytes were written goes first (the shared
+                    # tensors of a call before the call itself)
+                    self._flush_outbox()
                     data = relay.read()
                     if data:
                         self._send_now(node, encode(Kind.DATA, {"sid": sid}, data))

@@ -88,6 +88,7 @@ class RemoteLauncher(ProcessLauncher):
         self._work_names: dict[int, str] = {}
         self._work_sent: set[tuple[int, str]] = set()
         self._wakeups: list[Callable[[], None]] = []
+        self._notices: list[str] = []
         self._watcher: threading.Thread | None = None
 
     # ------------------------------------------------------------------ subclasses
@@ -121,6 +122,7 @@ class RemoteLauncher(ProcessLauncher):
                 "public": self.hub.agent_keys[node][0],
                 "secret": self.hub.agent_keys[node][1],
                 "cwd": self.options.cwd,
+                "cwd_required": self.options.cwd_required,
                 "preload": sorted(set(self.preload)),
             }
             for node, host in enumerate(self.layout.hosts)
@@ -163,13 +165,18 @@ class RemoteLauncher(ProcessLauncher):
 
     def _watch_agents(self) -> None:
         """An agent process that ends takes its hosts with it: name them at once."""
-        while self.hub is not None:
+        named: set[int] = set()
+        while True:
+            hub = self.hub
+            if hub is None:  # closed
+                return
             for agent in self.agents:
-                if agent.popen.poll() is not None:
-                    for node in agent.nodes:
-                        if node not in self._lost:
-                            time.sleep(0.1)
-                            self.hub.lose(node, f"its agent ended ({agent.why_ended()})")
+                if agent.popen.poll() is None:
+                    continue
+                for node in set(agent.nodes) - named:
+                    named.add(node)
+                    time.sleep(0.1)  # the agent's last words reach its tail first
+                    hub.lose(node, f"its agent ended ({agent.why_ended()})")
             time.sleep(0.1)
 
     @property
@@ -221,10 +228,25 @@ class RemoteLauncher(ProcessLauncher):
         token = self._work_names.setdefault(id(work), secrets.token_hex(8))
         name = f"nbaccel-{token}-{node}"  # hosts may share a /dev/shm (several on one machine)
         if (node, name) not in self._work_sent:
+            assert self.hub is not None
             with open(work.segment, "rb") as handle:
                 self.hub.send(node, Kind.WORK, {"name": name}, handle.read())
             self._work_sent.add((node, name))
         return dataclasses.replace(work, segment=os.path.join(self._hello[node]["shm"], name))
+
+    def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
+        return {rank: self._work_on(self.layout.place(rank)[0], work) for rank in ranks}
+
+    def release_work(self) -> None:
+        """Every rank mapped the shared tensors sent so far: each host removes its files."""
+        by_node: dict[int, list[str]] = {}
+        for node, name in self._work_sent:
+            by_node.setdefault(node, []).append(name)
+        self._work_sent.clear()
+        self._work_names.clear()
+        if self.hub is not None:
+            for node, names in by_node.items():
+                self.hub.send(node, Kind.UNLINK, {"names": names})
 
     def _signal(self, rank: int, sig: int) -> None:
         if self.hub is not None:
@@ -245,6 +267,8 @@ class RemoteLauncher(ProcessLauncher):
                     process.exited(
                         int(header["code"]), float(header["at"]), header.get("detail", "")
                     )
+            elif kind == Kind.LOG:
+                self._notices.append(f"{self.layout.hosts[node].name}: {header.get('text', '')}")
             elif kind == "lost":
                 self._lost[node] = header["why"]
                 for rank, process in self._processes.items():
@@ -252,6 +276,11 @@ class RemoteLauncher(ProcessLauncher):
                         process.host_lost(header["why"])
         for wake in list(self._wakeups):
             wake()
+
+    def take_notices(self) -> list[str]:
+        with self._lock:
+            notices, self._notices = self._notices, []
+        return notices
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._wakeups.append(callback)
@@ -269,6 +298,8 @@ class RemoteLauncher(ProcessLauncher):
                 hub.send(node, Kind.QUIT)
         deadline = time.monotonic() + 3.0
         for agent in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.popen.wait(max(0.0, deadline - 2.0 - time.monotonic()))  # QUIT first
             with contextlib.suppress(OSError):
                 agent.popen.stdin and agent.popen.stdin.close()
             try:

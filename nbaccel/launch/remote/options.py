@@ -21,7 +21,9 @@ class RemoteOptions:
         kind: ``ssh`` (one ``ssh host`` per host) or ``slurm`` (one ``srun`` for the allocation).
         layout: the hosts and their ranks.
         python: the interpreter on the hosts (default: this kernel's, same path everywhere).
-        cwd: the ranks' working directory on the hosts (default: the kernel's).
+        cwd: the ranks' working directory on the hosts (default: the kernel's where it
+            exists, else the login directory).
+        cwd_required: ``cwd`` was asked for: a host without it is an error.
         env: variables set on every rank, on top of the host's own environment.
         ssh_args: extra ``ssh`` arguments (``["-p", "2222", "-i", key]``; jump hosts and the
             rest are best kept in ``~/.ssh/config``).
@@ -34,6 +36,7 @@ class RemoteOptions:
     layout: HostLayout
     python: str
     cwd: str
+    cwd_required: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
     ssh_args: tuple[str, ...] = ()
     srun_args: tuple[str, ...] = ()
@@ -106,6 +109,7 @@ def remote_options(
         layout=layout,
         python=python or os.environ.get("NBACCEL_REMOTE_PYTHON") or _default_python(),
         cwd=cwd or os.getcwd(),
+        cwd_required=cwd is not None,
         env=_env(env),
         ssh_args=_args("ssh_args", ssh_args),
         srun_args=_args("srun_args", srun_args),

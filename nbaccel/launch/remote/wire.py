@@ -36,11 +36,13 @@ class Kind(bytes, Enum):
     HELLO = b"hello"  # the host is ready: its address, a free port, environment, paths
     STARTED = b"started"  # {rank, pid}
     EXITED = b"exited"  # {rank, code, at, detail}
-    LOG = b"log"  # {text}: something the agent wants the notebook to see
+    LOG = b"log"  # {text}: something the agent wants the notebook to see (a notice)
     # kernel -> agent
-    WORK = b"work"  # {name} + the shared tensors' bytes: written once into the host's /dev/shm
+    WORK = b"work"  # {name} + the shared tensors' bytes: written once into the host's /dev/shm,
+    # always before the message (a spawn, a call on a tunnelled stream) that refers to it
     SPAWN = b"spawn"  # {rank} + the pickled WorkerSpec, handed to the fork server as is
     SIGNAL = b"signal"  # {rank, signal}
+    UNLINK = b"unlink"  # {names}: every rank mapped those shared tensors; remove the files
     QUIT = b"quit"  # stop every rank and exit
     # both ways
     OPEN = b"open"  # {sid}: a rank opened a connection to the notebook's channel

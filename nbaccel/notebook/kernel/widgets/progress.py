@@ -11,6 +11,7 @@ import html
 
 import ipywidgets as widgets
 
+from nbaccel.launch.labels import rank_label
 from nbaccel.notebook.events import ProgressUpdate
 
 __all__ = ["ProgressBoard"]
@@ -115,5 +116,6 @@ class ProgressBoard:
     def summary_lines(self) -> list[str]:
         """The final state of every bar, as tqdm prints it."""
         return [
-            f"[rank {rank}] {self.finals[rank, bar].meter()}" for rank, bar in sorted(self.finals)
+            f"[{rank_label(rank)}] {self.finals[rank, bar].meter()}"
+            for rank, bar in sorted(self.finals)
         ]
