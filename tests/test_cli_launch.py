@@ -130,3 +130,39 @@ def test_bad_arguments_fail_before_launching(tmp_path):
     )
     assert uneven.returncode != 0 and "must divide" in uneven.stderr
     assert "never runs" not in uneven.stdout
+
+
+def test_use_fsdp_on_the_command_line_shards_a_plain_accelerator(tmp_path):
+    """``accelerate launch --use_fsdp ...`` configures the script's plain ``Accelerator()``."""
+    _write(
+        tmp_path,
+        "fsdp.py",
+        """
+        import torch
+        from torch.distributed.tensor import DTensor
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        plugin = accelerator.state.fsdp_plugin
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        model = accelerator.prepare(model)
+        sharded = all(isinstance(p, DTensor) for p in model.parameters())
+        print(
+            f"type={accelerator.distributed_type.value} sharded={sharded} "
+            f"reshard={plugin.reshard_after_forward} dict={plugin.state_dict_type}"
+        )
+        """,
+    )
+    done = _launch(
+        tmp_path,
+        "--num_processes", "2", "--use_fsdp",  # no GPU here: CPU ranks (gloo)
+        "--fsdp_reshard_after_forward", "false",
+        "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+        "fsdp.py",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] type=FSDP sharded=True reshard=False dict=SHARDED_STATE_DICT"
+            in done.stdout
+        ), done.stdout

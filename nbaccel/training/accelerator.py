@@ -43,6 +43,7 @@ from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.scheduler import AcceleratedScheduler
+from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.strategies.wrappers import (
     extract_model_from_parallel,
@@ -140,6 +141,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin):
         group = self.handlers.get(InitProcessGroupKwargs)
         group_options = {} if group is None else group.to_kwargs()
         group_options.pop("init_method", None)
+        if fsdp_plugin is None:
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_environment()  # launch --use_fsdp
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,

@@ -195,6 +195,43 @@ class FullyShardedDataParallelPlugin:
                 {"param_dtype": dtype, "reduce_dtype": torch.float32}
             )
 
+    @classmethod
+    def from_environment(cls) -> FullyShardedDataParallelPlugin | None:
+        """The plugin a launcher asked for through the environment, or None.
+
+        ``nbaccel launch --use_fsdp --fsdp_...`` (and ``accelerate launch``) tell the ranks
+        ``ACCELERATE_USE_FSDP=true`` and ``FSDP_<OPTION>`` variables; a script that builds a
+        plain ``Accelerator()`` then shards its model as the command line said.
+        """
+        if not any(_env_flag(name) for name in ("ACCELERATE_USE_FSDP", "NBACCEL_USE_FSDP")):
+            return None
+        options: dict[str, Any] = {}
+        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD") or os.environ.get(
+            "FSDP_SHARDING_STRATEGY"
+        )
+        if reshard:
+            # FSDP1's strategy names map onto FSDP2's one switch
+            options["reshard_after_forward"] = reshard.strip().upper() not in (
+                "FALSE", "0", "NO", "SHARD_GRAD_OP", "2"
+            )  # fmt: skip
+        for field_name, env_name in (
+            ("cpu_offload", "FSDP_OFFLOAD_PARAMS"),
+            ("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"),
+        ):
+            flag = _env_flag(env_name)
+            if flag is not None:
+                options[field_name] = flag
+        for field_name, env_name in (
+            ("auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY"),
+            ("transformer_cls_names_to_wrap", "FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP"),
+            ("state_dict_type", "FSDP_STATE_DICT_TYPE"),
+        ):
+            if os.environ.get(env_name):
+                options[field_name] = os.environ[env_name]
+        if os.environ.get("FSDP_MIN_NUM_PARAMS"):
+            options["min_num_params"] = int(os.environ["FSDP_MIN_NUM_PARAMS"])
+        return cls(**options)
+
     @property
     def is_sharded_state_dict(self) -> bool:
         return self.state_dict_type == "SHARDED_STATE_DICT"
