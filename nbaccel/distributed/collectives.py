@@ -233,6 +233,10 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     return object_list
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` met a nested tensor: it cannot be padded, it is returned as is."""
+
+
 def pad_across_processes(
     tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
@@ -241,8 +245,6 @@ def pad_across_processes(
     A ``torch.nested`` tensor cannot be padded: it is returned as it is, with a
     :class:`CannotPadNestedTensorWarning`."""
     if isinstance(tensor, torch.Tensor) and tensor.is_nested:
-        from nbaccel.distributed.operation_checks import CannotPadNestedTensorWarning
-
         warnings.warn(
             "pad_across_processes got a nested tensor, which cannot be padded: it is returned "
             "unchanged. Pad its components yourself (or convert it with to_padded_tensor).",

@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from nbaccel.distributed.collectives import gather_object, recursively_apply, reduce
+from nbaccel.distributed.collectives import (
+    CannotPadNestedTensorWarning,
+    gather_object,
+    recursively_apply,
+    reduce,
+)
 from nbaccel.distributed.state import DistributedType, PartialState
 from nbaccel.distributed.structures import (
     TENSOR_INT_TO_DTYPE,
@@ -45,10 +50,6 @@ _MAX_DIMS = 64
 
 class DistributedOperationException(Exception):
     """A collective was called with inputs that cannot work across the ranks (shapes, device)."""
-
-
-class CannotPadNestedTensorWarning(UserWarning):
-    """``pad_across_processes`` met a nested tensor: it cannot be padded, it is returned as is."""
 
 
 def _debug_on(state: PartialState) -> bool:
