@@ -228,6 +228,18 @@ def _agent_pids(parent: int | None = None) -> list[psutil.Process]:
     return mine
 
 
+def _two_hosts_sleeping_while(action, tmp_path):
+    """Rank 0 on h1 and rank 1 on h2 sleep while ``action`` runs in a thread; the report."""
+    thread = threading.Thread(target=action)
+    thread.start()
+    try:
+        return run_function(
+            local_plan(["h1:1", "h2:1"]), _sleep_long, (str(tmp_path),), renderer=TextRenderer()
+        )
+    finally:
+        thread.join()
+
+
 def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
     def kill_second_agent():
         deadline = time.monotonic() + 90
@@ -236,14 +248,7 @@ def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
         rank = psutil.Process(int((tmp_path / "1").read_text()))
         rank.parent().parent().kill()  # rank 1 -> its host's fork server -> that host's agent
 
-    thread = threading.Thread(target=kill_second_agent)
-    thread.start()
-    try:
-        report = run_function(
-            local_plan(["h1:1", "h2:1"]), _sleep_long, (str(tmp_path),), renderer=TextRenderer()
-        )
-    finally:
-        thread.join()
+    report = _two_hosts_sleeping_while(kill_second_agent, tmp_path)
     with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: its agent"):
         report.values()
     assert not _agent_pids()
@@ -308,14 +313,7 @@ def test_a_silent_agent_is_named_lost_by_the_heartbeat(tmp_path):
         agent.suspend()
         stopped.append(agent)
 
-    thread = threading.Thread(target=freeze_second_agent)
-    thread.start()
-    try:
-        report = run_function(
-            local_plan(["h1:1", "h2:1"]), _sleep_long, (str(tmp_path),), renderer=TextRenderer()
-        )
-    finally:
-        thread.join()
+    report = _two_hosts_sleeping_while(freeze_second_agent, tmp_path)
     with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: no word from"):
         report.values()
     assert stopped and not stopped[0].is_running()  # the launch ended it (and its ranks)

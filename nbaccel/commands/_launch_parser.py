@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = ["launch_command_parser", "to_bool"]
 
 _DESCRIPTION = """Run a training script on N ranks on nbaccel's engine, as `accelerate launch` does.
@@ -175,10 +177,7 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
 def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``launch`` parser (added to ``subparsers`` when given, else standalone)."""
     options = {"description": _DESCRIPTION, "formatter_class": _Formatter, "allow_abbrev": False}
-    if subparsers is not None:
-        parser = subparsers.add_parser("launch", help="run a script on N ranks", **options)
-    else:
-        parser = argparse.ArgumentParser("nbaccel launch", **options)
+    parser = command_parser("launch", subparsers, help="run a script on N ranks", **options)
     _option(parser, "config_file", default=None, help="config file with the launch defaults")
     _option(parser, "quiet", "-q", action="store_true", help="no launcher messages")
     _option(parser, "debug", action="store_true", help="check collectives' shapes (slower)")

@@ -11,6 +11,8 @@ from importlib import metadata
 from shutil import which
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = ["collect", "env_command", "env_command_parser", "register", "render_text"]
 
 # Distribution names, in the order a reader wants them.
@@ -52,14 +54,12 @@ _GIB = 1024**3
 
 def env_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``env`` parser (added to ``subparsers`` when given, else standalone)."""
-    options = {
-        "help": "print versions, devices and the detected environment (paste it into bug reports)",
-        "description": __doc__,
-    }
-    if subparsers is not None:
-        parser = subparsers.add_parser("env", **options)
-    else:
-        parser = argparse.ArgumentParser("nbaccel env", description=__doc__)
+    parser = command_parser(
+        "env",
+        subparsers,
+        help="print versions, devices and the detected environment (paste it into bug reports)",
+        description=__doc__,
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument(
         "--config_file", default=None, help="a launch config file to include in the report"

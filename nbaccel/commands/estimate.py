@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = [
     "add_timm_hub_prefix",
     "create_empty_model",
@@ -37,10 +39,7 @@ LIBRARIES = ("transformers", "timm")
 def estimate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``estimate-memory`` parser (added to ``subparsers`` when given, else standalone)."""
     help_text = "memory a model needs per dtype (largest layer, total, training with Adam)"
-    if subparsers is not None:
-        parser = subparsers.add_parser("estimate-memory", help=help_text, description=__doc__)
-    else:
-        parser = argparse.ArgumentParser("nbaccel estimate-memory", description=__doc__)
+    parser = command_parser("estimate-memory", subparsers, help=help_text, description=__doc__)
     parser.add_argument(
         "model_name", metavar="model",
         help="MODULE:FUNCTION or FILE.py:FUNCTION returning a model, or a Hub model name",

@@ -9,17 +9,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = ["merge_command", "merge_command_parser", "register"]
 
 
 def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``merge-weights`` parser (added to ``subparsers`` when given, else standalone)."""
-    if subparsers is not None:
-        parser = subparsers.add_parser(
-            "merge-weights", help="merge a sharded FSDP checkpoint", description=__doc__
-        )
-    else:
-        parser = argparse.ArgumentParser("nbaccel merge-weights", description=__doc__)
+    parser = command_parser(
+        "merge-weights", subparsers, help="merge a sharded FSDP checkpoint", description=__doc__
+    )
     parser.add_argument("checkpoint_directory", help="the sharded checkpoint folder")
     parser.add_argument("output_path", help="folder (or .safetensors/.bin file) to write")
     parser.add_argument(

@@ -11,16 +11,16 @@ import subprocess
 import sys
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = ["register", "test_command", "test_command_parser"]
 
 
 def test_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``test`` parser (added to ``subparsers`` when given, else standalone)."""
-    if subparsers is not None:
-        parser = subparsers.add_parser("test", help="check that launches work here",
-                                       description=__doc__)  # fmt: skip
-    else:
-        parser = argparse.ArgumentParser("nbaccel test", description=__doc__)
+    parser = command_parser(
+        "test", subparsers, help="check that launches work here", description=__doc__
+    )
     parser.add_argument("--config_file", default=None, help="config file to launch with")
     parser.set_defaults(handler=_handler)
     return parser

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = ["convert_config_to_fsdp2", "load_config", "register", "to_fsdp2_command",
            "to_fsdp2_command_parser"]  # fmt: skip
 
@@ -29,11 +31,9 @@ _RESHARD = {
 
 def to_fsdp2_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``to-fsdp2`` parser (added to ``subparsers`` when given, else standalone)."""
-    if subparsers is not None:
-        parser = subparsers.add_parser("to-fsdp2", help="convert a config's FSDP1 options",
-                                       description=__doc__)  # fmt: skip
-    else:
-        parser = argparse.ArgumentParser("nbaccel to-fsdp2", description=__doc__)
+    parser = command_parser(
+        "to-fsdp2", subparsers, help="convert a config's FSDP1 options", description=__doc__
+    )
     parser.add_argument("--config_file", required=True, help="the config file to convert")
     parser.add_argument("--output_file", default=None, help="where to write the result")
     parser.add_argument("--overwrite", action="store_true", help="write over --config_file")

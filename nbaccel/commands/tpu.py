@@ -13,16 +13,16 @@ import os
 import subprocess
 from typing import Any
 
+from nbaccel.commands.parser import command_parser
+
 __all__ = ["register", "tpu_command_launcher", "tpu_command_parser"]
 
 
 def tpu_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The ``tpu-config`` parser (added to ``subparsers`` when given, else standalone)."""
-    if subparsers is not None:
-        parser = subparsers.add_parser("tpu-config", help="run commands on a TPU pod",
-                                       description=__doc__)  # fmt: skip
-    else:
-        parser = argparse.ArgumentParser("nbaccel tpu-config", description=__doc__)
+    parser = command_parser(
+        "tpu-config", subparsers, help="run commands on a TPU pod", description=__doc__
+    )
     config = parser.add_argument_group("Config", "Where the pod's settings come from.")
     config.add_argument("--config_file", default=None, help="config file with the pod's settings")
     config.add_argument("--tpu_name", default=None, help="the TPU's name (else the config's)")

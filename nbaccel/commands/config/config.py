@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.commands.config.config_args import ClusterConfig, default_config_file
+from nbaccel.commands.parser import command_parser
 
 __all__ = ["ask", "config_command", "config_command_parser", "get_user_input"]
 
@@ -101,10 +102,7 @@ def config_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     from nbaccel.commands.config.update import update_command_parser
 
     description = "Write a launch config file by answering a few questions."
-    if subparsers is not None:
-        parser = subparsers.add_parser("config", description=description, help=description)
-    else:
-        parser = argparse.ArgumentParser("nbaccel config", description=description)
+    parser = command_parser("config", subparsers, help=description, description=description)
     parser.add_argument(
         "--config_file", default=None,
         help=f"where to save it (default: {default_config_file})",

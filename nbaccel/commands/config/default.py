@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from nbaccel.commands.config.config_args import ClusterConfig, default_config_file
+from nbaccel.commands.parser import command_parser
 
 __all__ = ["default_command_parser", "default_config_command", "write_basic_config"]
 
@@ -56,12 +57,10 @@ def default_command_parser(
     """The parser of ``nbaccel config default`` (added under ``parser``'s subcommands when
     given)."""
     description = "Write a config file for this machine: every GPU, else one CPU process."
-    if parser is None:
-        parser = argparse.ArgumentParser("nbaccel config default", description=description)
-        target = parser
-    else:
-        target = parser.add_parser("default", parents=parents or [], description=description,
-                                   help=description)  # fmt: skip
+    target = command_parser(
+        "default", parser, prog="nbaccel config default", help=description,
+        description=description, parents=parents or [],
+    )  # fmt: skip
     target.add_argument(
         "--config_file", default=default_config_file,
         help=f"where to write it (default: {default_config_file})",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from nbaccel.commands.config.config_args import default_config_file, load_config_from_file
+from nbaccel.commands.parser import command_parser
 
 __all__ = ["update_command_parser", "update_config", "update_config_command"]
 
@@ -29,12 +30,10 @@ def update_command_parser(
 ) -> argparse.ArgumentParser:
     """The parser of ``nbaccel config update``."""
     description = "Rewrite a config file with the current fields (older files are upgraded)."
-    if parser is None:
-        parser = argparse.ArgumentParser("nbaccel config update", description=description)
-        target = parser
-    else:
-        target = parser.add_parser("update", parents=parents or [], description=description,
-                                   help=description)  # fmt: skip
+    target = command_parser(
+        "update", parser, prog="nbaccel config update", help=description,
+        description=description, parents=parents or [],
+    )  # fmt: skip
     target.add_argument(
         "--config_file", default=None,
         help=f"the file to update (default: {default_config_file})",
