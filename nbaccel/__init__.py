@@ -33,7 +33,7 @@ from nbaccel.distributed.collectives import (
 from nbaccel.distributed.environment import detect_launch_environment, detect_platform
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
+from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
 from nbaccel.launch.transport import UnpicklableError
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
@@ -99,6 +99,7 @@ __all__ = [
     "ProjectConfiguration",
     "RankCrashed",
     "RankError",
+    "ResultNotLoadable",
     "reduce",
     "send_to_device",
     "set_seed",

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, is_peer_loss, rebuild_exception
+from nbaccel.launch.errors import (
+    LaunchTimeout,
+    RankCrashed,
+    add_to_message,
+    is_peer_loss,
+    rebuild_exception,
+)
 from nbaccel.launch.group import Outcome, WorkerGroup
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
@@ -97,7 +103,13 @@ def _secondary(outcome: Outcome) -> bool:
 
 
 def _interrupted(outcome: Outcome) -> bool:
-    return outcome.kind == OutcomeKind.ERROR and outcome.value.get("name") == "KeyboardInterrupt"
+    """The rank was interrupted by SIGINT (the stop button, or the driver): not a failure of
+    its own. A ``KeyboardInterrupt`` its code raised is a failure like any other exception."""
+    return (
+        outcome.kind == OutcomeKind.ERROR
+        and outcome.value.get("name") == "KeyboardInterrupt"
+        and outcome.value.get("signalled", True)
+    )
 
 
 @dataclass
@@ -162,8 +174,8 @@ class CallReport:
             for r, o in self.outcomes.items()
             if r != rank and o.kind == OutcomeKind.ERROR and not _interrupted(o)
         )
-        if others and also and exc.args and isinstance(exc.args[0], str):
-            exc.args = (f"{exc.args[0]} (rank(s) {also} failed too)", *exc.args[1:])
+        if others and also:
+            add_to_message(exc, f" (rank(s) {also} failed too)")
         exc.rank_results = self.results()  # type: ignore[attr-defined]
         return exc
 

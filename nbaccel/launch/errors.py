@@ -10,20 +10,25 @@ from __future__ import annotations
 import linecache
 import os
 import pickle
+import re
 import time
 from typing import Any
 
 from nbaccel.launch.labels import rank_label
 
 __all__ = [
+    "add_to_message",
     "LaunchTimeout",
     "RankCrashed",
     "RankError",
     "RemoteTraceback",
+    "ResultNotLoadable",
     "describe_exception",
     "hide_frames_of",
     "is_peer_loss",
     "rebuild_exception",
+    "result_not_loadable",
+    "safe_message",
 ]
 
 # What a rank's error says when it is only the echo of a peer that died or failed first: its
@@ -65,6 +70,10 @@ class RankCrashed(RuntimeError):
         self.returncode = returncode
 
 
+class ResultNotLoadable(RuntimeError):
+    """A rank's function returned, but the notebook cannot unpickle its value."""
+
+
 class LaunchTimeout(TimeoutError):
     """The launch ran longer than its ``timeout``; every rank was stopped."""
 
@@ -100,6 +109,17 @@ def _user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
     return frames
 
 
+def safe_message(exc: BaseException) -> str:
+    """``str(exc)``, or what went wrong when its ``__str__`` raises (the type still counts)."""
+    try:
+        return str(exc)
+    except Exception as err:
+        try:
+            return f"<{type(exc).__name__}.__str__ failed: {type(err).__name__}: {err}>"
+        except Exception:
+            return f"<{type(exc).__name__}.__str__ failed>"
+
+
 def describe_exception(exc: BaseException) -> dict[str, Any]:
     """What a worker sends about an exception: type, message, frames, and the pickled object."""
     import cloudpickle
@@ -112,7 +132,7 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "name": type(exc).__name__,
-        "message": str(exc),
+        "message": safe_message(exc),
         "frames": _user_frames(exc.__traceback__),
         "pickled": pickled,
         "time": time.time(),
@@ -144,10 +164,10 @@ def format_frames(info: dict[str, Any], rank: int | None) -> str:
     return "\n".join(lines)
 
 
-def _same_type(info: dict[str, Any], rank: int) -> BaseException | None:
+def _same_type(info: dict[str, Any]) -> BaseException | None:
     """An instance of the rank's exception class when it is importable here, built without its
     constructor (which may need keyword arguments the message cannot give back): same type, so
-    ``except``/``isinstance`` work, with the rank's message."""
+    ``except``/``isinstance`` work, carrying the rank's message."""
     import importlib
 
     module, _, qualname = str(info.get("type", "")).rpartition(".")
@@ -160,33 +180,139 @@ def _same_type(info: dict[str, Any], rank: int) -> BaseException | None:
         if not (isinstance(target, type) and issubclass(target, BaseException)):
             return None
         exc = target.__new__(target)
-        BaseException.__init__(exc, f"[{rank_label(rank)}] {info['message']}")
-        str(exc)  # a __str__ that needs its missing attributes must not break the report
+        BaseException.__init__(exc, info["message"])
     except Exception:
         return None
     return exc
 
 
+_LABELLED: dict[type, type] = {}
+
+
+def _labelled_class(base: type) -> type:
+    """A subclass of ``base`` that shows a fixed text (``_nbaccel_text``) as its message, for
+    exceptions whose own ``__str__`` cannot carry the rank (``OSError``'s errno form, a custom
+    ``__str__``, non-string args such as ``ValueError(42)``). Same name, so the notebook shows
+    the original type; ``isinstance`` and ``except`` work; it pickles as ``base``."""
+    cls = _LABELLED.get(base)
+    if cls is None:
+
+        def __str__(self: BaseException) -> str:
+            return self.__dict__.get("_nbaccel_text", "")
+
+        def __reduce__(self: BaseException) -> Any:
+            reduced = base.__reduce__(self)
+            state = {k: v for k, v in (reduced[2] or {}).items() if k != "_nbaccel_text"}
+            return (base, *reduced[1:2], state or None, *reduced[3:])
+
+        cls = type(
+            base.__name__,
+            (base,),
+            {
+                "__str__": __str__,
+                "__reduce__": __reduce__,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+            },
+        )
+        _LABELLED[base] = cls
+    return cls
+
+
+def _labelled_copy(exc: BaseException, text: str) -> BaseException:
+    """``exc`` as an instance of :func:`_labelled_class`, its args and attributes kept."""
+    cls = _labelled_class(type(exc))
+    try:
+        copy = cls.__new__(cls, *exc.args)
+    except Exception:
+        copy = cls.__new__(cls)
+    copy.args = exc.args
+    copy.__dict__.update(vars(exc))
+    if isinstance(exc, OSError):
+        for name in ("errno", "strerror", "filename", "filename2"):
+            try:
+                setattr(copy, name, getattr(exc, name))
+            except (AttributeError, TypeError):
+                pass
+    copy.__dict__["_nbaccel_text"] = text
+    copy.__traceback__ = exc.__traceback__
+    return copy
+
+
+def _label(exc: BaseException, rank: int, message: str) -> BaseException:
+    """``exc`` showing ``[rank N] <the rank's message>``, of the same type.
+
+    The common case (a single string argument and ``BaseException``'s own ``__str__``) gets the
+    label in front of its argument; every other shape of args or ``__str__`` (``ValueError(42)``,
+    ``OSError(errno, text)``, ``KeyError``, a custom ``__str__``, even one that raises) gets a
+    labelled subclass of the same name, so no shape loses the label or the type.
+    """
+    text = f"[{rank_label(rank)}] {message}".rstrip()
+    plain_str = type(exc).__str__ is BaseException.__str__
+    if plain_str and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (text,)
+        return exc
+    return _labelled_copy(exc, text)
+
+
 def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
-    """The exception to raise in the notebook: original type when possible, naming the rank."""
+    """The exception to raise in the notebook for a rank's error (``describe_exception``'s
+    dict): the original type when it can be rebuilt here, its message prefixed with the rank,
+    and the rank's traceback as its cause. The one place a rank's exception becomes the
+    notebook's."""
     exc: BaseException | None = None
     if info.get("pickled") is not None:
         try:
             exc = pickle.loads(info["pickled"])
         except Exception:
             exc = None
+        if exc is not None and not isinstance(exc, BaseException):
+            exc = None
     if exc is None:
-        exc = _same_type(info, rank)
-        if exc is not None:
-            exc.rank = rank  # type: ignore[attr-defined]
-            exc.__cause__ = RemoteTraceback(format_frames(info, rank))
-            return exc
-    if exc is None:
-        exc = RankError(rank, info["name"], info["message"])
+        exc = _same_type(info)
+    labelled: BaseException | None = None
+    if exc is not None:
+        try:
+            labelled = _label(exc, rank, str(info.get("message", "")))
+            str(labelled)  # the report must never fail on the way to the notebook
+        except Exception:
+            labelled = None
+    if labelled is None:
+        labelled = RankError(rank, info["name"], info["message"])
+    labelled.rank = rank  # type: ignore[attr-defined]
+    labelled.__cause__ = RemoteTraceback(format_frames(info, rank))
+    return labelled
+
+
+def result_not_loadable(rank: int, exc: BaseException) -> dict[str, Any]:
+    """The error of a rank whose function returned, but whose value cannot be unpickled in the
+    notebook (its class lives in a module only the rank can import): ``describe_exception``'s
+    dict of a :class:`ResultNotLoadable` naming the missing module or class and the fix."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    if missing:
+        what = f"module {missing!r}, which the notebook cannot import"
+    else:
+        found = re.search(r"Can't get attribute '([^']+)' on <module '([^']+)'", str(exc))
+        what = (
+            f"class {found.group(2)}.{found.group(1)}, which the notebook does not define"
+            if found
+            else f"an object the notebook cannot rebuild ({type(exc).__name__}: {exc})"
+        )
+    error = ResultNotLoadable(
+        "the function succeeded, but its return value cannot be loaded "
+        f"in the notebook: it needs {what}. Return plain data (numbers, tensors, dicts, a "
+        "state_dict), or make that module importable in the notebook (same sys.path / package "
+        "installed)."
+    )
+    info = describe_exception(error)
+    info["frames"] = []
+    return info
+
+
+def add_to_message(exc: BaseException, extra: str) -> None:
+    """Append ``extra`` to the message ``exc`` shows, whatever shape :func:`_label` gave it."""
+    if "_nbaccel_text" in getattr(exc, "__dict__", {}):
+        exc.__dict__["_nbaccel_text"] += extra
     elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"[{rank_label(rank)}] {exc.args[0]}", *exc.args[1:])
-    elif not isinstance(exc, KeyboardInterrupt):
-        exc.args = (f"[{rank_label(rank)}]", *exc.args)
-    exc.rank = rank  # type: ignore[attr-defined]
-    exc.__cause__ = RemoteTraceback(format_frames(info, rank))
-    return exc
+        exc.args = (f"{exc.args[0]}{extra}", *exc.args[1:])

@@ -30,7 +30,7 @@ from nbaccel.launch.channel import (
     new_secret,
     readable,
 )
-from nbaccel.launch.errors import describe_exception
+from nbaccel.launch.errors import result_not_loadable
 from nbaccel.launch.labels import use_hosts
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.lines import Piece, StreamLines
@@ -39,7 +39,15 @@ from nbaccel.launch.protocol import Message, OutcomeKind, Stream
 from nbaccel.launch.rank_state import Outcome, RankState
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.spec import Mode, Work, WorkerSpec
-from nbaccel.launch.transport import SharedTensors, pack
+from nbaccel.launch.transport import (
+    Packed,
+    SharedTensors,
+    discard,
+    discard_prefixed,
+    pack,
+    result_prefix,
+    take,
+)
 
 __all__ = ["Outcome", "WorkerGroup"]
 
@@ -114,6 +122,11 @@ class WorkerGroup:
     @property
     def pids(self) -> dict[int, int]:
         return {r.rank: r.process.pid for r in self._ranks if r.process is not None}
+
+    def wake(self) -> None:
+        """Make the thread pumping this group return from its selector round now (another
+        thread needs the group: the pool's restart or shutdown)."""
+        self._wake()
 
     def _wake(self) -> None:
         try:
@@ -277,15 +290,23 @@ class WorkerGroup:
             _, call_id, value = message
             kind = OutcomeKind.RESULT if tag == Message.RESULT else OutcomeKind.ERROR
             if kind == OutcomeKind.RESULT:
-                try:
-                    value = pickle.loads(value)
-                except Exception as exc:
-                    kind, value = OutcomeKind.ERROR, describe_exception(exc)
+                value, kind = self._load_result(state, call_id, value)
             at = value.get("time", time.time()) if kind == OutcomeKind.ERROR else time.time()
             state.outcomes[call_id] = Outcome(kind, value, at)
             state.busy_since = None
         elif tag == Message.EVENT:
             self.renderer.event(state.rank, message[1], message[2])
+
+    def _load_result(self, state: RankState, call_id: int, packed: Packed) -> tuple[object, str]:
+        """A rank's return value (its tensors mapped from the shared file it wrote), or the
+        error saying the function succeeded but its value cannot be loaded here."""
+        if call_id != self._current_call or call_id in state.outcomes:
+            discard(packed)  # a late answer to a call already settled: nobody will read it
+            return None, OutcomeKind.RESULT
+        try:
+            return take(packed), OutcomeKind.RESULT
+        except Exception as exc:
+            return result_not_loadable(state.rank, exc), OutcomeKind.ERROR
 
     def _check_processes(self) -> None:
         for state in self._ranks:
@@ -377,6 +398,8 @@ class WorkerGroup:
     ) -> tuple[int, list[int]]:
         """Ask ``ranks`` (default all) of a serving group to run ``function(*args, **kwargs)``."""
         call_id = next(self._call_ids)
+        for state in self._ranks:  # earlier calls' outcomes (their values) are not kept
+            state.outcomes = {k: v for k, v in state.outcomes.items() if k == 0}
         packed, shared = pack(
             (function, tuple(args), dict(kwargs or {})),
             element_names=("function", "args", "kwargs"),
@@ -523,3 +546,4 @@ class WorkerGroup:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.release_shared()
+        discard_prefixed(result_prefix(self._launch_id))

@@ -27,7 +27,17 @@ from typing import Any
 import cloudpickle
 import torch
 
-__all__ = ["Packed", "SharedTensors", "UnpicklableError", "pack", "unpack"]
+__all__ = [
+    "Packed",
+    "SharedTensors",
+    "UnpicklableError",
+    "discard",
+    "discard_prefixed",
+    "pack",
+    "result_prefix",
+    "take",
+    "unpack",
+]
 
 _SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
 _ALIGN = 64
@@ -82,7 +92,7 @@ def _shm_dir() -> str:
 class SharedTensors:
     """Owner of one shared-memory file; ``release()`` unlinks it (mappings stay valid)."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], prefix: str = "nbaccel-") -> None:
         self.records: list[_TensorRecord] = []
         self.storages: list[_StorageRecord] = []
         bases: list[torch.Tensor] = []
@@ -117,7 +127,7 @@ class SharedTensors:
         self.path: str | None = None
         if offset == 0:
             return  # every storage is small: nothing to share
-        self.path = os.path.join(_shm_dir(), f"nbaccel-{secrets.token_hex(8)}")
+        self.path = os.path.join(_shm_dir(), f"{prefix}{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(offset, 1))
@@ -140,14 +150,16 @@ class SharedTensors:
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, buffer: io.BytesIO) -> None:
+    def __init__(self, buffer: io.BytesIO, share: bool = True) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.shared: list[torch.Tensor] = []
         self._ids: dict[int, int] = {}
+        self._share = share
 
     def persistent_id(self, obj: Any) -> Any:
         if (
-            type(obj) in (torch.Tensor, torch.nn.Parameter)
+            self._share
+            and type(obj) in (torch.Tensor, torch.nn.Parameter)
             and obj.device.type == "cpu"
             and obj.layout == torch.strided
             and not obj.is_quantized
@@ -200,15 +212,22 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Ex
 
 
 def pack(
-    obj: Any, name: str = "args", element_names: tuple[str, ...] | None = None
+    obj: Any,
+    name: str = "args",
+    element_names: tuple[str, ...] | None = None,
+    prefix: str = "nbaccel-",
+    share: bool = True,
 ) -> tuple[Packed, SharedTensors | None]:
     """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
 
     ``element_names`` names the items of a top-level tuple in error messages (for example
-    ``("function", "args", "kwargs")``), so the path printed is the one the user typed.
+    ``("function", "args", "kwargs")``), so the path printed is the one the user typed;
+    ``prefix`` starts the shared file's name (a rank's results carry their launch's id, so
+    the driver can reclaim what a dead rank left); ``share=False`` keeps every tensor inside
+    the pickle (a reader on another host cannot map this host's files).
     """
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer)
+    pickler = _Pickler(buffer, share)
     try:
         pickler.dump(obj)
     except Exception as exc:
@@ -223,7 +242,7 @@ def pack(
             f"{type(cause).__name__}: {cause}. Create it inside the launched function instead, "
             "or pass something picklable (a path, a config, a state_dict)."
         ) from exc
-    shared = SharedTensors(pickler.shared) if pickler.shared else None
+    shared = SharedTensors(pickler.shared, prefix) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)
     if shared:
         packed.records, packed.storages = shared.records, shared.storages
@@ -242,17 +261,27 @@ class _Unpickler(pickle.Unpickler):
         return self._tensors[index]
 
 
-def _map_segment(packed: Packed) -> list[torch.Tensor]:
+def _map_segment(packed: Packed, take: bool = False) -> list[torch.Tensor]:
     if not packed.records:
         return []
     flat = None
     if packed.segment is not None:
-        fd = os.open(packed.segment, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        if take:  # the only reader: map the pages themselves, then the name is not needed
+            fd = os.open(packed.segment, os.O_RDWR)
+            try:
+                os.unlink(packed.segment)
+                mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        else:
+            fd = os.open(packed.segment, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(
+                    fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+            finally:
+                os.close(fd)
         flat = torch.frombuffer(mm, dtype=torch.uint8)
     storages = [
         (torch.frombuffer(bytearray(rec.inline), dtype=torch.uint8) if rec.nbytes else _EMPTY)
@@ -276,3 +305,43 @@ def _map_segment(packed: Packed) -> list[torch.Tensor]:
 def unpack(packed: Packed) -> Any:
     """Rebuild the objects in a rank; shared tensors map the segment copy-on-write."""
     return _Unpickler(packed.data, _map_segment(packed)).load()
+
+
+def take(packed: Packed) -> Any:
+    """Rebuild a value sent to one reader (a rank's return value in the notebook): the shared
+    file is opened, unlinked and mapped shared, so its pages are the tensors' memory (no copy)
+    and nothing is left in ``/dev/shm`` once it is mapped, whether or not unpickling works."""
+    try:
+        tensors = _map_segment(packed, take=True)
+    finally:
+        discard(packed)
+    return _Unpickler(packed.data, tensors).load()
+
+
+def result_prefix(launch_id: str) -> str:
+    """How the shared files of one launch's results are named (the driver removes leftovers)."""
+    return f"nbaccel-{launch_id}-"
+
+
+def discard_prefixed(prefix: str) -> None:
+    """Remove every shared file whose name starts with ``prefix`` (what ranks of one launch
+    wrote and nobody took: a rank killed between writing its result and reporting it)."""
+    folder = _shm_dir()
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
+
+
+def discard(packed: Packed) -> None:
+    """Remove ``packed``'s shared file, if it is still there (a value nobody will read)."""
+    if packed.segment is not None:
+        try:
+            os.unlink(packed.segment)
+        except FileNotFoundError:
+            pass

@@ -14,18 +14,17 @@ import ctypes
 import io
 import os
 import queue
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-
 from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
-from nbaccel.launch.transport import unpack
+from nbaccel.launch.transport import UnpicklableError, pack, result_prefix, unpack
 
 __all__ = ["current_rank", "emit", "flush_output", "on_worker", "run_worker"]
 
@@ -33,6 +32,10 @@ _events: Connection | None = None
 _send_lock = threading.Lock()
 _rank: int | None = None
 _EXIT_DRIVER_GONE = 70
+_result_prefix = "nbaccel-"
+_shared_results = True  # the driver can map this host's shared files (same host)
+_result_files: list[str] = []  # shared files of results the driver may not have taken yet
+_sigint_at: float | None = None  # when SIGINT last arrived (None: not during this call)
 
 
 def on_worker() -> bool:
@@ -105,27 +108,71 @@ def _watch_driver(commands: queue.Queue) -> None:
             message = _events.recv()
         except (EOFError, OSError):
             _flush_all()
+            _drop_results()
             os._exit(_EXIT_DRIVER_GONE)
         commands.put(message)
 
 
+def _on_sigint(signum: int, frame: Any) -> None:
+    """The stop button (or the driver) interrupted this rank: remember that it was a signal, so
+    a ``KeyboardInterrupt`` raised by the rank's own code is not taken for the stop button."""
+    global _sigint_at
+    import time
+
+    _sigint_at = time.time()
+    raise KeyboardInterrupt
+
+
+def _drop_results() -> None:
+    """Remove the shared files of earlier results (taken by the driver, or never to be)."""
+    while _result_files:
+        try:
+            os.unlink(_result_files.pop())
+        except OSError:
+            pass
+
+
+def _report_error(call_id: int, exc: BaseException) -> None:
+    info = describe_exception(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        info["signalled"] = _sigint_at is not None
+    _send((Message.ERROR, call_id, info))
+
+
 def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bool:
+    global _sigint_at
+    _drop_results()
+    _sigint_at = None
     try:
         value = function(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):  # sys.exit(3): a failure with its code
+            _flush_all()
+            _report_error(call_id, exc)
+            return False
+        value = None  # sys.exit(0) / exit(): the function is done, successfully
     except BaseException as exc:
         _flush_all()
-        _send((Message.ERROR, call_id, describe_exception(exc)))
+        _report_error(call_id, exc)
         return False
     _flush_all()
+    return _send_result(call_id, value)
+
+
+def _send_result(call_id: int, value: Any) -> bool:
+    """Send the return value; large CPU tensors in it travel through a shared file that the
+    driver maps (``transport.take``), written once here, never copied through the socket."""
     try:
-        data = cloudpickle.dumps(value)
-    except Exception as exc:
-        error = TypeError(
-            f"the return value ({type(value).__name__}) cannot be sent back to the notebook: {exc}"
+        packed, shared = pack(
+            value, name="the return value", prefix=_result_prefix, share=_shared_results
         )
+    except UnpicklableError as exc:
+        error = TypeError(f"the function succeeded, but {exc}")
         _send((Message.ERROR, call_id, describe_exception(error)))
         return False
-    _send((Message.RESULT, call_id, data))
+    if shared is not None and shared.path is not None:
+        _result_files.append(shared.path)
+    _send((Message.RESULT, call_id, packed))
     return True
 
 
@@ -146,8 +193,8 @@ def _serve(commands: queue.Queue) -> int:
                 continue
             try:
                 _run_call(call_id, function, args, kwargs)
-            except KeyboardInterrupt:  # raised between the call and its report
-                _send((Message.ERROR, call_id, describe_exception(KeyboardInterrupt())))
+            except KeyboardInterrupt as exc:  # raised between the call and its report
+                _report_error(call_id, exc)
 
 
 def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
@@ -165,8 +212,12 @@ def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
 
 def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
-    global _events, _rank
+    global _events, _rank, _result_prefix, _shared_results
     _rank = spec.rank
+    _result_prefix = f"{result_prefix(spec.launch_id)}r{spec.rank}-"
+    _shared_results = spec.address.family == "unix"  # a TCP driver may be on another host
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
     _prepare_process(spec)
     header = {"rank": spec.rank, "launch": spec.launch_id}
     address, secret = spec.address, spec.secret
@@ -199,6 +250,7 @@ def run_worker(spec: WorkerSpec) -> int:
         _flush_all()
         _wait_for_release(commands)
     _flush_all()
+    _drop_results()
     return code
 
 

@@ -195,7 +195,10 @@ class DistributedMagics(Magics):
             if getattr(exc, "rank", None) is None and not isinstance(exc, LaunchTimeout):
                 raise
             raise exc.with_traceback(None) from exc.__cause__  # the pool's frames are noise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            if getattr(exc, "rank", None) is not None:  # raised by the rank's code: its error
+                _show_values(renderer, getattr(exc, "rank_results", {}))
+                raise exc.with_traceback(None) from exc.__cause__
             raise KeyboardInterrupt from None
         finally:
             renderer.finish(ok)

@@ -14,6 +14,7 @@ collective, a crash) gets the pool restarted, with a message saying that names w
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,13 +36,21 @@ from nbaccel.notebook.preload import WORKER_PRELOAD
 from nbaccel.notebook.rank import pool_worker
 from nbaccel.notebook.rank.instrumentation import worker_setup
 
-__all__ = ["Pool", "get_pool", "shutdown_pool", "start_pool"]
+__all__ = ["Pool", "PoolChangedError", "get_pool", "shutdown_pool", "start_pool"]
 
 _MPL_BACKEND = "module://nbaccel.notebook.rank.mpl_backend"
 
 
+class PoolChangedError(RuntimeError):
+    """The pool was restarted or shut down (from another thread) while this call ran on it."""
+
+
 class Pool:
     """``num_processes`` persistent ranks on this machine, one process group.
+
+    Thread-safe: one call runs at a time; ``restart``/``shutdown`` from another thread during a
+    call stop that call first (it raises :class:`PoolChangedError`), then change the pool, so
+    no group of ranks is ever left without its pool.
 
     Args:
         num_processes: number of ranks (default: ``LaunchPlan``'s pool default, one per GPU,
@@ -78,6 +87,12 @@ class Pool:
         self.group: WorkerGroup | None = None
         self.started_at: float | None = None
         self._interrupts = 0
+        # lifecycle transitions (start, shutdown, restart, a call's start and end) hold the lock;
+        # the thread running a call owns the group until the call ends
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._caller: int | None = None  # thread running a call
+        self._ended_by: str | None = None  # what another thread did to the pool meanwhile
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -99,6 +114,10 @@ class Pool:
 
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
         """Start the ranks and initialise their process group (once)."""
+        with self._lock:
+            self._start(renderer, timeout)
+
+    def _start(self, renderer: Renderer | None, timeout: float) -> None:
         if self.running:
             return
         port, n, plan = free_port(), self.num_processes, self.plan
@@ -129,25 +148,46 @@ class Pool:
                     + " (the ranks' output above says why)."
                 )
         except BaseException:
-            self.shutdown()
+            self._close_group()
             raise
         self.started_at = time.time()
 
-    def shutdown(self) -> None:
-        """Stop every rank (politely, then by signal) and free the pool's resources."""
+    def _close_group(self) -> None:
         group, self.group = self.group, None
         if group is not None:
             group.close()
 
+    def _take_over(self, what: str) -> None:
+        """Called with the lock held: when another thread runs a call, make it stop (it raises
+        :class:`PoolChangedError` naming ``what``) and wait until it has let go of the group."""
+        caller = self._caller
+        if caller is None or caller == threading.get_ident():
+            return
+        self._ended_by = what
+        group = self.group
+        if group is not None:
+            group.wake()
+        self._idle.wait_for(lambda: self._caller is None)
+
+    def shutdown(self) -> None:
+        """Stop every rank (politely, then by signal) and free the pool's resources."""
+        with self._lock:
+            self._take_over("shut down")
+            self._close_group()
+
     def restart(self, renderer: Renderer | None = None, reason: str = "") -> None:
         """Stop the ranks and start fresh ones; names defined on the workers are lost."""
-        renderer = renderer or (self.group.renderer if self.group else None)
-        if reason:
-            renderer.notice(f"{reason}: restarting the pool; names defined on the ranks are lost.")
-        if self.group is not None:
-            self.group.stop(1.0)
-        self.shutdown()
-        self.start(renderer)
+        with self._lock:
+            self._take_over("restarted")
+            renderer = renderer or (self.group.renderer if self.group else None)
+            if reason:
+                renderer.notice(
+                    f"{reason}: restarting the pool; names defined on the ranks are lost."
+                )
+            if self.group is not None:
+                self.group.stop(1.0)
+            self._close_group()
+            self._start(renderer, 180.0)
 
     def _wrap(self, renderer: Renderer | None) -> Renderer:
         if not isinstance(renderer, CellRenderer):
@@ -170,31 +210,62 @@ class Pool:
         The first failure is raised as the original exception type naming the rank.
         """
         __tracebackhide__ = True
-        if not self.running:
-            self.start(renderer)
-        group = self.group
-        assert group is not None
-        if renderer is not None:
-            group.renderer = self._wrap(renderer)
-        if not group.alive():
-            dead = [r for r in self.ranks if r not in _alive_ranks(group)]
-            self.restart(reason=f"rank(s) {dead} exited while idle")
-            group = self.group
-        targets = self.ranks if ranks is None else sorted(set(ranks))
-        with DeferredInterrupt() as interrupt:
-            call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
-            try:
-                report = run_call(
-                    group, call_id, targets, timeout, POOL, lambda: interrupt.count > 0
-                )
-            finally:
-                group.release_shared()
-        if report.state != CallState.DONE:
-            self._recover(report, group.renderer)
+        group = self._begin_call(renderer)
+        ended = None
+        try:
+            targets = self.ranks if ranks is None else sorted(set(ranks))
+            with DeferredInterrupt() as interrupt:
+                call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
+                try:
+                    report = run_call(
+                        group,
+                        call_id,
+                        targets,
+                        timeout,
+                        POOL,
+                        lambda: interrupt.count > 0 or self._ended_by is not None,
+                    )
+                finally:
+                    group.release_shared()
+            ended = self._ended_by
+            if report.state != CallState.DONE and ended is None:
+                self._recover(report, group.renderer)
+        finally:
+            with self._lock:
+                self._caller = None
+                self._ended_by = None
+                self._idle.notify_all()
+        if ended is not None:
+            raise PoolChangedError(
+                f"the pool was {ended} during this call (from another thread); the call did not "
+                f"finish on rank(s) {report.late or targets}, and names defined on the ranks are "
+                "lost."
+            )
         exc = report.exception("the cell", others=True)
         if exc is not None:
             raise exc  # the rank's own exception, re-raised in the notebook
         return report.results()
+
+    def _begin_call(self, renderer: Renderer | None) -> WorkerGroup:
+        """Take the pool for a call on this thread (starting it, or restarting dead ranks)."""
+        with self._lock:
+            if self._caller is not None and self._caller != threading.get_ident():
+                raise RuntimeError(
+                    "the pool is running a call from another thread; wait for it to finish."
+                )
+            if not self.running:
+                self._start(renderer, 180.0)
+            group = self.group
+            assert group is not None
+            if renderer is not None:
+                group.renderer = self._wrap(renderer)
+            if not group.alive():
+                dead = [r for r in self.ranks if r not in _alive_ranks(group)]
+                self.restart(reason=f"rank(s) {dead} exited while idle")
+                group = self.group
+            self._caller = threading.get_ident()
+            self._ended_by = None
+            return group
 
     def _recover(self, report: Any, renderer: Renderer) -> None:
         """After an unfinished call: restart the pool when ranks are stuck or gone."""
@@ -313,6 +384,7 @@ def _alive_ranks(group: WorkerGroup) -> list[int]:
 
 
 _pool: Pool | None = None
+_registry = threading.RLock()  # start_pool / shutdown_pool from several threads
 
 
 def get_pool() -> Pool | None:
@@ -331,30 +403,32 @@ def start_pool(
     else a new one (the old one is shut down). ``num_processes=None``: the running pool's, else
     the plan's default."""
     global _pool
-    current = get_pool()
-    if current is not None:
-        wanted = num_processes or current.num_processes
-        if (
-            current.num_processes == wanted
-            and current.backend == backend
-            and current.remote == remote
-        ):
-            return current
-        current.shutdown()
-    pool = Pool(num_processes, backend=backend, start_method=start_method, remote=remote)
-    if renderer is not None:
-        where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
-        renderer.start(pool.plan.announcement(where), pool.num_processes)
-    pool.start(renderer)
-    _pool = pool
-    return pool
+    with _registry:
+        current = get_pool()
+        if current is not None:
+            wanted = num_processes or current.num_processes
+            if (
+                current.num_processes == wanted
+                and current.backend == backend
+                and current.remote == remote
+            ):
+                return current
+            current.shutdown()
+        pool = Pool(num_processes, backend=backend, start_method=start_method, remote=remote)
+        if renderer is not None:
+            where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
+            renderer.start(pool.plan.announcement(where), pool.num_processes)
+        pool.start(renderer)
+        _pool = pool
+        return pool
 
 
 def shutdown_pool() -> bool:
     """Stop the pool; False when none was running."""
     global _pool
-    pool, _pool = _pool, None
-    if pool is None or not pool.running:
-        return False
-    pool.shutdown()
-    return True
+    with _registry:
+        pool, _pool = _pool, None
+        if pool is None or not pool.running:
+            return False
+        pool.shutdown()
+        return True

@@ -1,0 +1,163 @@
+"""How a rank's exception or exit reads in the notebook: one launch per shape of exception.
+
+Every case runs a real two-rank launch; rank 1 misbehaves. The rules (``launch/errors.py``):
+the original type, the message prefixed by ``[rank N]``, whatever the exception's args or
+``__str__`` look like; ``sys.exit(0)``/``exit()`` are success; a value the notebook cannot
+unpickle is named as such, not as the rank's import error.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+
+from nbaccel import ResultNotLoadable, notebook_launcher
+from nbaccel.launch.render import Renderer
+
+
+def _on_rank_1(exc: BaseException) -> None:
+    if os.environ["RANK"] == "1":
+        raise exc
+
+
+class _BrokenStr(Exception):
+    def __str__(self) -> str:
+        raise AttributeError("no message here")
+
+
+class _NeedsKeyword(Exception):
+    def __init__(self, *, code: int) -> None:
+        super().__init__(f"code {code}")
+        self.code = code
+
+
+def _raise(kind: str) -> None:
+    import errno
+
+    made = {
+        "value_int": lambda: ValueError(42),
+        "value_two_args": lambda: ValueError("bad", 7),
+        "os_error": lambda: FileNotFoundError(errno.ENOENT, "No such file", "/nope/x"),
+        "key_error": lambda: KeyError("weights"),
+        "broken_str": lambda: _BrokenStr("x"),
+        "keyword_only": lambda: _NeedsKeyword(code=3),
+        "keyboard_interrupt": lambda: KeyboardInterrupt("raised by the code"),
+    }[kind]()
+    _on_rank_1(made)
+
+
+CASES = {
+    # kind: (type, exact message)
+    "value_int": (ValueError, "[rank 1] 42"),
+    "value_two_args": (ValueError, "[rank 1] ('bad', 7)"),
+    "os_error": (FileNotFoundError, "[rank 1] [Errno 2] No such file: '/nope/x'"),
+    "key_error": (KeyError, "[rank 1] 'weights'"),
+    "broken_str": (
+        _BrokenStr,
+        "[rank 1] <_BrokenStr.__str__ failed: AttributeError: no message here>",
+    ),
+    "keyword_only": (_NeedsKeyword, "[rank 1] code 3"),
+    "keyboard_interrupt": (KeyboardInterrupt, "[rank 1] raised by the code"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_rank_exception_keeps_type_and_label(kind):
+    expected_type, message = CASES[kind]
+    with pytest.raises(BaseException) as info:
+        notebook_launcher(_raise, (kind,), num_processes=2, renderer=Renderer())
+    exc = info.value
+    assert isinstance(exc, expected_type) and type(exc).__name__ == expected_type.__name__
+    assert str(exc) == message
+    assert exc.rank == 1
+    if kind == "os_error":
+        assert (exc.errno, exc.filename) == (2, "/nope/x")
+    if kind in ("value_int", "value_two_args"):  # the args themselves are kept
+        assert exc.args == ((42,) if kind == "value_int" else ("bad", 7))
+        again = pickle.loads(pickle.dumps(exc))  # and it pickles as the plain type
+        assert type(again) is ValueError and again.args == exc.args
+
+
+def _exits(how: str) -> str:
+    if os.environ["RANK"] == "1":
+        if how == "sys.exit(0)":
+            sys.exit(0)
+        if how == "exit()":
+            exit()
+        sys.exit(5)
+    return "done"
+
+
+def test_sys_exit_zero_and_exit_are_success():
+    assert notebook_launcher(_exits, ("sys.exit(0)",), num_processes=2, renderer=Renderer()) == [
+        "done",
+        None,
+    ]
+    assert notebook_launcher(_exits, ("exit()",), num_processes=2, renderer=Renderer()) == [
+        "done",
+        None,
+    ]
+    with pytest.raises(Exception, match=r"rank 1 exited with code 5 \(sys.exit\)"):
+        notebook_launcher(_exits, ("sys.exit(5)",), num_processes=2, renderer=Renderer())
+
+
+def _rank_only_value(folder: str):
+    sys.path.insert(0, folder)
+    import nbaccel_rank_only_module
+
+    return nbaccel_rank_only_module.Thing()
+
+
+def test_result_the_notebook_cannot_load_is_named(tmp_path):
+    (tmp_path / "nbaccel_rank_only_module.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(ResultNotLoadable) as info:
+        notebook_launcher(_rank_only_value, (str(tmp_path),), num_processes=2, renderer=Renderer())
+    text = str(info.value)
+    assert "the function succeeded" in text
+    assert "'nbaccel_rank_only_module'" in text and "importable in the notebook" in text
+    assert not isinstance(info.value, ModuleNotFoundError)
+
+
+def _shm() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("nbaccel-")}
+
+
+def _returns_tensor(n: int):
+    rank = int(os.environ["RANK"])
+    whole = torch.arange(n, dtype=torch.float32) + rank
+    return {"whole": whole, "view": whole[1:3], "small": torch.ones(2) * rank}
+
+
+def _mapped_file(address: int) -> str:
+    """The file behind the memory at ``address`` in this process ('' for anonymous memory)."""
+    with open("/proc/self/maps") as handle:
+        for line in handle:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def test_large_result_arrives_through_shared_memory_and_leaves_nothing():
+    before = _shm()
+    n = 1 << 16  # 256 KiB: above the shared-memory threshold
+    results = notebook_launcher(_returns_tensor, (n,), num_processes=2, renderer=Renderer())
+    for rank, value in enumerate(results):
+        assert torch.equal(value["whole"], torch.arange(n, dtype=torch.float32) + rank)
+        assert torch.equal(value["small"], torch.ones(2) * rank)
+        # a view stays a view of the same storage, and that storage is writable here
+        assert (
+            value["view"].untyped_storage().data_ptr()
+            == value["whole"].untyped_storage().data_ptr()
+        )
+        value["whole"][1] = -1.0
+        assert float(value["view"][0]) == -1.0
+        # the kernel holds the pages the rank wrote (a shared file, already unlinked): no copy
+        where = _mapped_file(value["whole"].data_ptr())
+        assert where.startswith("/dev/shm/nbaccel-") and where.endswith("(deleted)"), where
+    assert _shm() - before == set()
