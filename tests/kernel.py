@@ -77,7 +77,9 @@ def run_notebook(
             resources={"metadata": {"path": cwd or os.getcwd()}},
         )
         kernel_env = {**os.environ, **(env or {})}
-        with client.setup_kernel(env=kernel_env):
+        # cleanup_kc: shut the kernel down gracefully at the end (its atexit hooks run), as
+        # Jupyter does; without it the kernel lingers until this process exits
+        with client.setup_kernel(env=kernel_env, cleanup_kc=True):
             for index, cell in enumerate(nb.cells):
                 done = threading.Event()
                 presser = None

@@ -28,7 +28,7 @@ def test_a_flood_is_bounded_and_the_log_holds_every_line(tmp_path):
     nb = run_notebook(
         ["%load_ext nbaccel", VOLUME, "%%distributed -n 2\nprint('after')"],
         timeout=300,
-        env={"NBACCEL_LOG_DIR": str(tmp_path)},
+        env={"NBACCEL_LOG_DIR": str(tmp_path), "NBACCEL_KEEP_LOGS": "1"},
     )
     assert not cell_errors(nb.cells[1])
     text = cell_text(nb.cells[1])

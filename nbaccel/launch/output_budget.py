@@ -5,34 +5,20 @@ A rank can print without limit (200k lines, a 50 MB line); a notebook cannot sho
 characters are shown, each line cut at ``max_line_chars``. Nothing is dropped silently: the first
 time anything is held back, every line of the call so far and from then on goes to a log file,
 and a notice names the file; the call ends with a notice of what was held back. A call that
-stays within the limits leaves no file behind. Lines longer than the group reads at once come in
-pieces; the log has one line per piece, marked ``(continued)``.
+stays within the limits leaves no file behind; how much disk the logs of a kernel take, and
+when they are removed, is ``nbaccel.launch.log_store``'s. Lines longer than the group reads at
+once come in pieces; the log has one line per piece, marked ``(continued)``.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
 from collections.abc import Callable
 from typing import IO
 
 from nbaccel.launch.labels import rank_label
+from nbaccel.launch.log_store import log_dir, store
 
 __all__ = ["OutputBudget", "log_dir"]
-
-LOG_DIR_VAR = "NBACCEL_LOG_DIR"
-
-
-def log_dir() -> str:
-    """Where full logs go: ``$NBACCEL_LOG_DIR``, else ``<tmp>/nbaccel-logs-<uid>`` (kept after
-    the kernel exits, so that the notice's path still opens)."""
-    chosen = os.environ.get(LOG_DIR_VAR)
-    if not chosen:
-        uid = os.getuid() if hasattr(os, "getuid") else "user"
-        chosen = os.path.join(tempfile.gettempdir(), f"nbaccel-logs-{uid}")
-    os.makedirs(chosen, mode=0o700, exist_ok=True)
-    return chosen
 
 
 class OutputBudget:
@@ -75,6 +61,7 @@ class OutputBudget:
         self._kept_chars = 0
         self._over = False  # the line/char budget of the call is spent
         self._cut: set[tuple[int, str]] = set()  # (rank, stream) whose current line was cut
+        self.dropped_lines = 0  # log lines past the disk budget of the kernel's logs
 
     def take(
         self, rank: int, stream: str, text: str, continues: bool, complete: bool
@@ -104,7 +91,7 @@ class OutputBudget:
                 self._open_log()
                 self.notice(
                     f"output limit reached ({self.shown_lines} lines shown); the rest of this "
-                    f"{self._label}'s output goes to {self.path}"
+                    f"{self._label}'s output goes to {self.path}{store.exit_note()}"
                 )
             if complete:
                 self.held_lines += 1
@@ -131,7 +118,17 @@ class OutputBudget:
                 parts.append(f"{self.held_lines} of {self.lines} lines not shown")
             if self.cut_lines:
                 parts.append(f"{self.cut_lines} long line(s) cut")
-            self.notice(f"{'; '.join(parts)}: the full output is in {self.path}")
+            where = f"the full output is in {self.path}{store.exit_note()}"
+            if self.dropped_lines:
+                mb = store.budget / 2**20
+                where = (
+                    f"the output is in {self.path}{store.exit_note()}, except its last "
+                    f"{self.dropped_lines} lines: the logs of this process are limited to "
+                    f"{mb:.0f} MB (NBACCEL_LOG_BUDGET_MB)"
+                )
+                if self._log is not None:  # a few bytes past the budget, to say where it ends
+                    self._log.write(f"[nbaccel] {self.dropped_lines} more lines past the budget\n")
+            self.notice(f"{'; '.join(parts)}: {where}")
         self.begin(self._label)
 
     def close(self) -> None:
@@ -140,31 +137,29 @@ class OutputBudget:
             self._log = None
 
     # ------------------------------------------------------------------ the log
+    def _write_log(self, text: str) -> None:
+        if self._log is None or self.path is None:
+            return
+        if self.dropped_lines or not store.reserve(self.path, len(text.encode("utf-8", "replace"))):
+            self.dropped_lines += 1
+            return
+        self._log.write(text)
+
     def _record(self, text: str) -> None:
         if self._log is not None:
-            self._log.write(text)
+            self._write_log(text)
         elif self._kept_chars + len(text) <= 4 * self.max_chars:
             self._kept.append(text)
             self._kept_chars += len(text)
         else:  # more than the budget keeps in memory: the log starts now, with all so far
             self._open_log()
-            self._log.write(text)
+            self._write_log(text)
 
     def _open_log(self) -> None:
         if self._log is not None:
             return
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open until the call ends
-            "w",
-            dir=log_dir(),
-            prefix=f"{stamp}-{os.getpid()}-{self._label.replace(' ', '-')}-",
-            suffix=".log",
-            delete=False,
-            encoding="utf-8",
-            errors="replace",
-        )
-        self.path = handle.name
-        self._log = handle
-        handle.writelines(self._kept)
+        self.path, self._log = store.open(self._label)
+        for text in self._kept:
+            self._write_log(text)
         self._kept = []
         self._kept_chars = 0

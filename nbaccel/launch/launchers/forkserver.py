@@ -118,6 +118,7 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    owner = os.getppid()  # the kernel: its logs go when it does (log_store.reclaim_after)
     children: set[int] = set()
     _write_frame(stdout, ("ready",))
 
@@ -160,6 +161,9 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        from nbaccel.launch.log_store import reclaim_after
+
+        reclaim_after(owner)
 
 
 # ----------------------------------------------------------------------------- driver side

@@ -9,7 +9,9 @@ The widget renderer keeps a text twin of everything: rank-labelled lines and the
 are printed as text exactly like the text renderer (up to the group's output limit,
 ``nbaccel.launch.output_budget``; the per-rank panel keeps a bounded tail of all of them, those
 beyond the limit included), and the end of a launch displays a static
-summary (final progress, peak memory per rank) as HTML and plain text.
+summary (final progress, peak memory per rank) as HTML and plain text. The few most recent
+views stay interactive; older ones become static snapshots and close their widgets
+(``nbaccel.notebook.kernel.widgets.view_lifetime``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
+from nbaccel.notebook.kernel.widgets import view_lifetime as lifetime
 
 __all__ = ["WidgetRenderer", "choose_renderer", "widgets_available"]
 
@@ -63,6 +66,8 @@ class WidgetRenderer(Renderer):
     def __init__(self) -> None:
         self.text = TextRenderer()
         self.root: Any = None
+        self._handle: Any = None
+        self._owned: set[str] = set()  # model ids of the widgets this view made
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, announcement: str, num_processes: int) -> None:
@@ -74,6 +79,7 @@ class WidgetRenderer(Renderer):
         from nbaccel.notebook.kernel.widgets.progress import ProgressBoard
 
         self.text.start(announcement, num_processes)
+        self._before = lifetime.widget_ids()
         self.announcement = announcement
         self.num_processes = num_processes
         self.started = time.monotonic()
@@ -108,6 +114,30 @@ class WidgetRenderer(Renderer):
             self._attach(live=False)
             for plot in self.metrics.values():
                 display(plot.bundle(), raw=True)
+        self._owned = lifetime.widget_ids() - self._before
+        lifetime.finished(self)
+
+    def freeze(self) -> None:
+        """Replace the live view by a static snapshot (status and the output panel's last
+        lines, as HTML and text) and close every widget it made: an old launch costs the
+        kernel no widgets."""
+        if self.root is None:
+            return
+        status = self.status.value
+        tail_html, tail_text = self.outputs.snapshot()
+        plain = f"nbaccel: {self.num_processes} ranks · {self.state}"
+        if tail_text:
+            plain += "\n" + tail_text
+        bundle = {
+            "text/plain": plain,
+            "text/html": f'<div class="nbaccel-launch nbaccel-frozen">{status}{tail_html}</div>',
+        }
+        if self._handle is not None:
+            self._handle.update(bundle, raw=True)
+        lifetime.close_widgets(self._owned | {self.root.model_id})
+        self._owned = set()
+        self.root = self.status = self.progress = self.memory = self.outputs = None
+        self.metrics = {}
 
     def summary(self, ok: bool, elapsed: float) -> tuple[str, str]:
         """The launch's end as (plain text, HTML): final bars and peak memory per rank."""
@@ -185,6 +215,7 @@ class WidgetRenderer(Renderer):
 
     def _set_status(self, state: str, ok: bool | None = None) -> None:
         self._status_at = time.monotonic()
+        self.state = state
         colour = {None: "#555", True: "#1e8449", False: "#c0392b"}[ok]
         self.status.value = (
             f'<span style="color:{colour}"><b>nbaccel</b> · {self.num_processes} ranks · '

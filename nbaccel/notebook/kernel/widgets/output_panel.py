@@ -8,6 +8,7 @@ panel is redrawn at most every ``interval`` seconds (and once more at the end).
 from __future__ import annotations
 
 import html
+import re
 import time
 from collections import deque
 
@@ -82,3 +83,18 @@ class OutputPanel:
     @property
     def lines(self) -> int:
         return self._merged.total
+
+    def snapshot(self, max_lines: int = 40) -> tuple[str, str]:
+        """The last ``max_lines`` of the merged pane as (HTML, text), for a frozen view."""
+        if not self._merged.total:
+            return "", ""
+        kept = list(self._merged.lines)[-max_lines:]
+        earlier = self._merged.total - len(kept)
+        head = f"<i>... {earlier} earlier lines ...</i>\n" if earlier else ""
+        body = "\n".join(kept)
+        rich = (
+            "<details><summary>Output by rank (last lines)</summary>"
+            f'<pre style="margin:0;font-size:12px">{head}{body}</pre></details>'
+        )
+        text = "\n".join(html.unescape(re.sub(r"<[^>]+>", "", line)) for line in kept)
+        return rich, text
