@@ -5,6 +5,12 @@ script``)::
 
     .venv/bin/python benchmarks/stress_launch.py --runs 1000 --killed 100
     .venv/bin/python benchmarks/stress_launch.py --where script --runs 200
+    .venv/bin/python benchmarks/stress_launch.py --day 1000     # a day in one kernel
+
+``--day N`` runs ``benchmarks/day_in_kernel.py``: N steps in one real kernel rotating through
+ok / raise / crash / timeout / children / large results / pushes / pool cells, counting wrong
+results, misnamed failures, hangs and every leak (processes, fds, shm, temp folders, logs,
+widgets, kernel RSS); the report goes under ``"day"`` in the results file.
 
 Workloads, each launched ``--runs`` times on 2 ranks (``--killed`` times for ``killed``):
 
@@ -164,9 +170,19 @@ def main() -> None:
     parser.add_argument("--failing", type=int, default=100)
     parser.add_argument("--killed", type=int, default=100)
     parser.add_argument("--output", default=str(ROOT / "benchmarks/results/stress_launch.json"))
+    parser.add_argument("--day", type=int, default=0, metavar="N", help="a day of N steps")
     args = parser.parse_args()
     plan = _plan(args)
     start = time.monotonic()
+    if args.day:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from day_in_kernel import run_day
+
+        report = run_day(args.day)
+        report.update(where="day", total_seconds=round(time.monotonic() - start, 1))
+        _save(args.output, "day", report)
+        print(json.dumps(report, indent=1))
+        return
     if args.where == "kernel":
         report = run_in_kernel(plan, timeout=max(600, 3 * sum(plan.values())))
     else:
@@ -174,12 +190,16 @@ def main() -> None:
     report.update(where=args.where, total_seconds=round(time.monotonic() - start, 1))
     report["leaks"] = {k: report["after"][k] - report["before"][k] for k in report["before"]}
     print(json.dumps(report, indent=1))
+    _save(args.output, args.where, report)
+
+
+def _save(path: str, key: str, report: dict) -> None:
     results = {}
-    if os.path.exists(args.output):
-        with open(args.output) as handle:
+    if os.path.exists(path):
+        with open(path) as handle:
             results = json.load(handle)
-    results[args.where] = report
-    with open(args.output, "w") as handle:
+    results[key] = report
+    with open(path, "w") as handle:
         json.dump(results, handle, indent=1)
         handle.write("\n")
 

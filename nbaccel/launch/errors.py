@@ -243,16 +243,21 @@ def _labelled_copy(exc: BaseException, text: str) -> BaseException:
 def _label(exc: BaseException, rank: int, message: str) -> BaseException:
     """``exc`` showing ``[rank N] <the rank's message>``, of the same type.
 
-    The common case (a single string argument and ``BaseException``'s own ``__str__``) gets the
-    label in front of its argument; every other shape of args or ``__str__`` (``ValueError(42)``,
+    The common case (a single string argument that ``__str__`` shows as it is) gets the label
+    in front of its argument; every other shape of args or ``__str__`` (``ValueError(42)``,
     ``OSError(errno, text)``, ``KeyError``, a custom ``__str__``, even one that raises) gets a
     labelled subclass of the same name, so no shape loses the label or the type.
     """
     text = f"[{rank_label(rank)}] {message}".rstrip()
-    plain_str = type(exc).__str__ is BaseException.__str__
-    if plain_str and len(exc.args) == 1 and isinstance(exc.args[0], str):
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        original = exc.args
         exc.args = (text,)
-        return exc
+        try:
+            if str(exc) == text:  # its __str__ shows its argument (NameError, ValueError...)
+                return exc
+        except Exception:
+            pass
+        exc.args = original
     return _labelled_copy(exc, text)
 
 

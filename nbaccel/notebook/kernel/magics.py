@@ -23,7 +23,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
-from nbaccel.launch.errors import LaunchTimeout
+from nbaccel.launch.errors import LaunchTimeout, add_to_message
 from nbaccel.launch.launchers.forkserver import warm_up
 from nbaccel.launch.remote.options import RemoteOptions, remote_options
 from nbaccel.notebook.kernel import pool as pool_module
@@ -267,12 +267,12 @@ class DistributedMagics(Magics):
 
     def _hint_push(self, exc: NameError) -> None:
         match = _NAME_ERROR.search(str(exc))
-        if match and match.group(1) in self.shell.user_ns and exc.args:
+        if match and match.group(1) in self.shell.user_ns:
             name = match.group(1)
-            exc.args = (
-                f"{exc.args[0]}. It exists in the notebook: send it to the ranks with "
-                f"%dist_push {name} (or --push {name} on this cell).",
-                *exc.args[1:],
+            add_to_message(
+                exc,
+                f". It exists in the notebook: send it to the ranks with %dist_push {name} (or "
+                f"--push {name} on this cell).",
             )
 
     # ------------------------------------------------------------------ names

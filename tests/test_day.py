@@ -1,0 +1,24 @@
+"""A short day in one real kernel (``benchmarks/day_in_kernel.py``, 18 steps): every kind of
+launch and pool cell, nothing wrong, misnamed or hung, nothing leaked. The long day (1,000
+steps) is ``benchmarks/stress_launch.py --day 1000``; this keeps it from rotting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from day_in_kernel import KINDS, run_day
+
+
+def test_a_short_day_in_one_kernel(tmp_path):
+    report = run_day(
+        2 * len(KINDS), chunk=len(KINDS), timeout=300, env={"NBACCEL_LOG_DIR": str(tmp_path)}
+    )
+    assert report.get("error") is None, report
+    assert report["results"] == {"ok": 2 * len(KINDS)}, report["problems"]
+    growth = report["growth"]
+    for leak in ("procs", "fds", "shm", "tmp", "logs"):
+        assert growth[leak] <= 0, (leak, report)
+    assert growth["widgets"] <= 3 * 60, report  # at most the few live views
