@@ -136,6 +136,10 @@ def _lasting_shm():
     return len(lasting)
 
 
+def _rss_mb():
+    return psutil.Process().memory_info().rss / 2**20
+
+
 def resources():
     gc.collect()
     me = psutil.Process()
@@ -217,15 +221,17 @@ step("ok")
 time.sleep(0.5)
 DAY = {"shm_before": _shm()}
 DAY.update({"before": resources(), "counts": collections.Counter(), "bad": collections.Counter(),
-       "slowest": 0.0, "steps": 0, "kinds": collections.Counter(), "started": time.time()})
+       "slowest": 0.0, "steps": 0, "kinds": collections.Counter(), "started": time.time(),
+            "rss_by_kind": collections.Counter()})
 
 
 def run(kinds, first, count):
     for i in range(first, first + count):
         kind = kinds[i % len(kinds)]
-        start = time.monotonic()
+        start, rss = time.monotonic(), _rss_mb()
         verdict = step(kind)
         took = time.monotonic() - start
+        DAY["rss_by_kind"][kind] += _rss_mb() - rss
         DAY["slowest"] = max(DAY["slowest"], took)
         if took > 60:
             verdict = f"hung: {kind} took {took:.0f} s"
@@ -253,6 +259,7 @@ def report():
         "results": dict(DAY["counts"]),
         "problems": dict(DAY["bad"].most_common(10)),
         "slowest_step_s": round(DAY["slowest"], 2),
+        "rss_mb_by_kind": {k: round(v, 1) for k, v in DAY["rss_by_kind"].items()},
         "seconds": round(time.time() - DAY["started"], 1),
         "before": before,
         "after": after,
