@@ -234,31 +234,13 @@ class DistributedMagics(Magics):
         renderer: CellRenderer,
         remote: RemoteOptions | None = None,
     ) -> pool_module.Pool:
-        pool = pool_module.get_pool()
-        if remote is not None:
-            num_processes = remote.layout.num_processes
-        if pool is not None:
-            wanted = num_processes or pool.num_processes
-            wanted_backend = backend if backend is not None else pool.backend
-            wanted_remote = remote if remote is not None else pool.remote
-            if (
-                wanted == pool.num_processes
-                and wanted_backend == pool.backend
-                and wanted_remote == pool.remote
-            ):
-                renderer.start("", pool.num_processes)
-                return pool
-            where = f" on {wanted_remote.layout.describe()}" if wanted_remote is not None else ""
-            renderer.notice(
-                f"restarting the pool ({pool.num_processes} -> {wanted} processes{where}, "
-                f"backend {pool.backend or 'default'} -> {wanted_backend or 'default'}); names "
-                "defined on the ranks are lost."
-            )
-            num_processes, backend, remote = wanted, wanted_backend, wanted_remote
+        """The running pool when it serves this cell (``pool_module.start_pool`` decides), else
+        a fresh one, timed."""
+        running = pool_module.get_pool()
         started = time.perf_counter()
         with _bad_input_is_usage():
             pool = pool_module.start_pool(num_processes, backend, renderer, remote=remote)
-        if not renderer.quiet:
+        if pool is not running and not renderer.quiet:
             renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
         return pool
 

@@ -97,6 +97,29 @@ class Pool:
             return f"{self.plan.describe()} on {self.remote.layout.describe()}"
         return self.plan.describe()
 
+    @property
+    def effective_backend(self) -> str | None:
+        """The process group's backend as the ranks reported it (None before they did)."""
+        return self.backend or self.info.get(0, {}).get("backend")
+
+    def serves(
+        self,
+        num_processes: int | None = None,
+        backend: str | None = None,
+        remote: RemoteOptions | None = None,
+    ) -> bool:
+        """Whether this running pool can run what asks for these settings, so that it is kept.
+
+        The one place that decides reuse: ``None`` means "whatever the pool has"; a named
+        backend matches the one the ranks use (``gloo`` is what a default CPU pool runs).
+        """
+        return (
+            self.running
+            and num_processes in (None, self.num_processes)
+            and backend in (None, self.backend, self.effective_backend)
+            and remote in (None, self.remote)
+        )
+
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
         """Start the ranks and initialise their process group (once)."""
         if self.running:
@@ -327,21 +350,30 @@ def start_pool(
     start_method: str = "auto",
     remote: RemoteOptions | None = None,
 ) -> Pool:
-    """The running pool when it matches ``num_processes``/``backend`` (and ``remote``'s hosts),
-    else a new one (the old one is shut down). ``num_processes=None``: the running pool's, else
-    the plan's default."""
+    """The running pool when it can serve these settings (:meth:`Pool.serves`), else a new one
+    (the old one is shut down, with a notice on ``renderer``). ``None`` keeps the running pool's
+    value (``num_processes``, ``backend``, ``remote``), else takes the plan's default."""
     global _pool
     current = get_pool()
-    if current is not None:
-        wanted = num_processes or current.num_processes
-        if (
-            current.num_processes == wanted
-            and current.backend == backend
-            and current.remote == remote
-        ):
-            return current
-        current.shutdown()
+    if current is not None and current.serves(num_processes, backend, remote):
+        if renderer is not None:
+            renderer.start("", current.num_processes)
+        return current
+    if current is not None:  # what is not asked for stays as it is
+        if remote is None:  # new hosts bring their own number of ranks
+            num_processes = num_processes or current.num_processes
+        backend = backend if backend is not None else current.backend
+        remote = remote if remote is not None else current.remote
     pool = Pool(num_processes, backend=backend, start_method=start_method, remote=remote)
+    if current is not None:  # the new settings are valid: only now stop the running pool
+        if renderer is not None:
+            where = f" on {remote.layout.describe()}" if remote is not None else ""
+            renderer.notice(
+                f"restarting the pool ({current.num_processes} -> {pool.num_processes} "
+                f"processes{where}, backend {current.effective_backend or 'default'} -> "
+                f"{backend or 'default'}); names defined on the ranks are lost."
+            )
+        current.shutdown()
     if renderer is not None:
         where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
         renderer.start(pool.plan.announcement(where), pool.num_processes)
