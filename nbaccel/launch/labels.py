@@ -1,25 +1,34 @@
 """How a rank is named in output and errors: ``rank 5``, or ``rank 5 @ node2`` across hosts.
 
-The worker group running a call says which host each of its ranks is on (:func:`use_hosts`,
-empty for ranks on this machine); renderers and errors ask :func:`rank_label`.
+Each :class:`~nbaccel.launch.group.WorkerGroup` owns the :class:`RankLabels` of its ranks (from
+its launcher's ``hosts_by_rank``) and hands them to its renderer, its output budget and the
+reports of its calls, so that a pool on other hosts and a launch on this machine, in one kernel,
+each name their own ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
-__all__ = ["rank_label", "use_hosts"]
-
-_hosts: dict[int, str] = {}
-
-
-def use_hosts(hosts: Mapping[int, str]) -> None:
-    """From now on, name ranks with these hosts (rank -> host); ``{}`` for a local launch."""
-    global _hosts
-    _hosts = dict(hosts)
+__all__ = ["LOCAL_LABELS", "RankLabels"]
 
 
-def rank_label(rank: int) -> str:
-    """``rank 5 @ node2`` when rank 5 runs on another host, else ``rank 5``."""
-    host = _hosts.get(rank)
-    return f"rank {rank} @ {host}" if host else f"rank {rank}"
+@dataclass(frozen=True)
+class RankLabels:
+    """The names of one worker group's ranks: rank -> host, empty for ranks on this machine."""
+
+    hosts: Mapping[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hosts", MappingProxyType(dict(self.hosts)))
+
+    def label(self, rank: int) -> str:
+        """``rank 5 @ node2`` when rank 5 runs on another host, else ``rank 5``."""
+        host = self.hosts.get(rank)
+        return f"rank {rank} @ {host}" if host else f"rank {rank}"
+
+
+#: the labels of ranks on this machine (``rank 5``)
+LOCAL_LABELS = RankLabels()

@@ -10,13 +10,24 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 
 __all__ = ["Renderer", "TextRenderer"]
 
 
 class Renderer:
     """Receives everything a launch shows. Subclasses override what they display."""
+
+    #: how the ranks of the launch being shown are named (set by its worker group)
+    labels: RankLabels = LOCAL_LABELS
+
+    def use_labels(self, labels: RankLabels) -> None:
+        """Name ranks with ``labels`` from now on (the worker group whose output this shows)."""
+        self.labels = labels
+
+    def rank_label(self, rank: int) -> str:
+        """``rank 5``, or ``rank 5 @ node2`` for a rank on another host."""
+        return self.labels.label(rank)
 
     def start(self, announcement: str, num_processes: int) -> None:
         """The launch begins: ``announcement`` says what runs where."""
@@ -51,7 +62,7 @@ class TextRenderer(Renderer):
 
     def line(self, rank: int, stream: str, text: str) -> None:
         target = sys.stderr if stream == "stderr" else sys.stdout
-        prefix = f"[{rank_label(rank)}] " if self.label else ""
+        prefix = f"[{self.rank_label(rank)}] " if self.label else ""
         target.write(f"{prefix}{text}\n")
         target.flush()
 

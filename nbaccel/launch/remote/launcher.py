@@ -75,9 +75,6 @@ class RemoteLauncher(ProcessLauncher):
             raise ValueError(f"the {self.name} launcher needs the hosts (RemoteOptions).")
         self.options = remote
         self.layout = remote.layout
-        self.hosts_by_rank = {
-            r: self.layout.host_of(r).name for r in range(self.layout.num_processes)
-        }
         self.channel_address = remote.channel_address or self.find_channel_address()
         self.hub: Hub | None = None
         self.agents: list[AgentProcess] = []
@@ -101,6 +98,10 @@ class RemoteLauncher(ProcessLauncher):
         """Start the agents, one per node, each with ``configs[node]`` (kept off argv)."""
 
     # ------------------------------------------------------------------ the interface
+    @property
+    def hosts_by_rank(self) -> dict[int, str]:
+        return {r: self.layout.host_of(r).name for r in range(self.layout.num_processes)}
+
     def describe(self) -> str:
         return (
             f" on {_hosts(len(self.layout.hosts))} ({self.layout.describe()}) over "

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.protocol import EventKind
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.kernel.renderers import choose_renderer
@@ -51,6 +51,10 @@ class CellRenderer(Renderer):
         self._rich = None if inner is not None else (rich or choose_renderer)
         self._started: tuple[str, int] = ("", 0)
 
+    def use_labels(self, labels: RankLabels) -> None:
+        self.labels = labels
+        self.inner.use_labels(labels)
+
     def start(self, announcement: str, num_processes: int) -> None:
         self._started = ("" if self.quiet else announcement, num_processes)
         self.inner.start(*self._started)
@@ -75,6 +79,7 @@ class CellRenderer(Renderer):
             return
         rich = factory()
         if not isinstance(rich, TextRenderer):
+            rich.use_labels(self.labels)
             rich.start("", self._started[1])
             self.inner = rich
 
@@ -110,7 +115,7 @@ class CellRenderer(Renderer):
         if get_ipython is None or get_ipython() is None:
             self.inner.line(rank, "stdout", str(data.get("text/plain", sorted(data))))
             return
-        sys.stdout.write(f"[{rank_label(rank)}]\n")
+        sys.stdout.write(f"[{self.rank_label(rank)}]\n")
         sys.stdout.flush()
         display(data, metadata=metadata, raw=True)
 

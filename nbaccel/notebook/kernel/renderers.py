@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any
 
+from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
 
@@ -64,6 +65,10 @@ class WidgetRenderer(Renderer):
         self.text = TextRenderer()
         self.root: Any = None
 
+    def use_labels(self, labels: RankLabels) -> None:
+        self.labels = labels
+        self.text.use_labels(labels)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self, announcement: str, num_processes: int) -> None:
         import ipywidgets as widgets
@@ -80,9 +85,9 @@ class WidgetRenderer(Renderer):
         self._status_at = 0.0
         self.status = widgets.HTML()
         self.status.add_class("nbaccel-status")
-        self.progress = ProgressBoard()
+        self.progress = ProgressBoard(label=self.rank_label)
         self.memory = MemoryMonitor()
-        self.outputs = OutputPanel()
+        self.outputs = OutputPanel(label=self.rank_label)
         self._parts = {"progress": False, "memory": False, "outputs": False}
         self.metrics: dict[str, Any] = {}
         self.root = widgets.VBox([self.status])
