@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import IO
 
 from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.protocol import Stream
 
 __all__ = ["OutputBudget", "log_dir"]
 
@@ -88,7 +89,7 @@ class OutputBudget:
         longer than the group reads at once); ``complete``: ``text`` ends its line.
         """
         # one log line per piece, so that ranks writing long lines at once do not interleave
-        where = f"[{self.labels.label(rank)}]{' (stderr)' if stream == 'stderr' else ''}"
+        where = f"[{self.labels.label(rank)}]{' (stderr)' if stream == Stream.STDERR else ''}"
         self._record(f"{where}{' (continued)' if continues else ''} {text}\n")
         if complete:
             self.lines += 1

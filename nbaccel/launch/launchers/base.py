@@ -23,7 +23,7 @@ __all__ = ["ProcessLauncher"]
 class ProcessLauncher(ABC):
     """One way of starting rank processes."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # its LaunchKind (a str enum); tests register their own kinds
     #: True when the work travels pickled; False when children inherit it (``fork``-based).
     pickles_work: ClassVar[bool] = True
     #: The host the driver's listener binds for this launcher's ranks: None is a private Unix

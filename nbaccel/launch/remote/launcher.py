@@ -270,7 +270,7 @@ class RemoteLauncher(ProcessLauncher):
                     )
             elif kind == Kind.LOG:
                 self._notices.append(f"{self.layout.hosts[node].name}: {header.get('text', '')}")
-            elif kind == "lost":
+            elif kind == Kind.LOST:
                 self._lost[node] = header["why"]
                 for rank, process in self._processes.items():
                     if self.layout.place(rank)[0] == node:

@@ -27,6 +27,7 @@ from nbaccel.launch.plan import Front, LaunchPlan, free_port
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.render import Renderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Mode
 from nbaccel.launch.transport import UnpicklableError, pack
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
@@ -48,7 +49,7 @@ class Pool:
             else 2).
         backend: process-group backend (default: nccl on GPUs, gloo on CPU).
         start_method: "auto" (fork server with torch preloaded), "spawn" or "fork".
-        cpu: CPU ranks even when GPUs are present (default: CPU when there is no GPU).
+        cpu: CPU ranks even when GPUs are present (without GPUs, a pool runs CPU ranks).
         remote: ranks on other hosts (``nbaccel.launch.remote.options.remote_options``): one
             agent per host stays up with the pool.
     """
@@ -58,17 +59,14 @@ class Pool:
         num_processes: int | None = None,
         backend: str | None = None,
         start_method: str = "auto",
-        cpu: bool | None = None,
+        cpu: bool = False,
         remote: RemoteOptions | None = None,
     ) -> None:
+        request = LaunchRequest(
+            num_processes=num_processes, start_method=start_method, cpu=cpu, backend=backend
+        )
         self.plan = LaunchPlan.create(
-            Front.POOL,
-            num_processes,
-            start_method=start_method,
-            cpu=cpu,
-            backend=backend,
-            extra_env={"MPLBACKEND": _MPL_BACKEND},
-            remote=remote,
+            Front.POOL, request, extra_env={"MPLBACKEND": _MPL_BACKEND}, remote=remote
         )
         self.remote = remote
         self.num_processes = self.plan.num_processes
@@ -107,17 +105,20 @@ class Pool:
         num_processes: int | None = None,
         backend: str | None = None,
         remote: RemoteOptions | None = None,
+        cpu: bool = False,
     ) -> bool:
         """Whether this running pool can run what asks for these settings, so that it is kept.
 
-        The one place that decides reuse: ``None`` means "whatever the pool has"; a named
-        backend matches the one the ranks use (``gloo`` is what a default CPU pool runs).
+        The one place that decides reuse: ``None`` (``cpu=False``) means "whatever the pool
+        has"; a named backend matches the one the ranks use (``gloo`` is what a default CPU pool
+        runs). How the ranks were started does not matter to a cell.
         """
         return (
             self.running
             and num_processes in (None, self.num_processes)
             and backend in (None, self.backend, self.effective_backend)
             and remote in (None, self.remote)
+            and (self.cpu or not cpu)
         )
 
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
@@ -349,13 +350,14 @@ def start_pool(
     renderer: Renderer | None = None,
     start_method: str = "auto",
     remote: RemoteOptions | None = None,
+    cpu: bool = False,
 ) -> Pool:
     """The running pool when it can serve these settings (:meth:`Pool.serves`), else a new one
     (the old one is shut down, with a notice on ``renderer``). ``None`` keeps the running pool's
     value (``num_processes``, ``backend``, ``remote``), else takes the plan's default."""
     global _pool
     current = get_pool()
-    if current is not None and current.serves(num_processes, backend, remote):
+    if current is not None and current.serves(num_processes, backend, remote, cpu):
         if renderer is not None:
             renderer.start("", current.num_processes)
         return current
@@ -364,7 +366,8 @@ def start_pool(
             num_processes = num_processes or current.num_processes
         backend = backend if backend is not None else current.backend
         remote = remote if remote is not None else current.remote
-    pool = Pool(num_processes, backend=backend, start_method=start_method, remote=remote)
+        cpu = cpu or current.cpu
+    pool = Pool(num_processes, backend, start_method, cpu, remote)
     if current is not None:  # the new settings are valid: only now stop the running pool
         if renderer is not None:
             where = f" on {remote.layout.describe()}" if remote is not None else ""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launch.labels import RankLabels
-from nbaccel.launch.protocol import EventKind
+from nbaccel.launch.protocol import EventKind, Stream
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.kernel.renderers import choose_renderer
 
@@ -59,12 +59,12 @@ class CellRenderer(Renderer):
         self._started = ("" if self.quiet else announcement, num_processes)
         self.inner.start(*self._started)
 
-    def line(self, rank: int, stream: str, text: str) -> None:
-        if not (self.quiet and stream == "stdout"):
+    def line(self, rank: int, stream: Stream, text: str) -> None:
+        if not (self.quiet and stream == Stream.STDOUT):
             self.inner.line(rank, stream, text)
 
-    def overflow(self, rank: int, stream: str, text: str) -> None:
-        if not (self.quiet and stream == "stdout"):
+    def overflow(self, rank: int, stream: Stream, text: str) -> None:
+        if not (self.quiet and stream == Stream.STDOUT):
             self.inner.overflow(rank, stream, text)
 
     def notice(self, text: str) -> None:
@@ -83,7 +83,7 @@ class CellRenderer(Renderer):
             rich.start("", self._started[1])
             self.inner = rich
 
-    def event(self, rank: int, kind: str, payload: Any) -> None:
+    def event(self, rank: int, kind: EventKind, payload: Any) -> None:
         if kind == EventKind.POOL_INFO:
             if self.on_info is not None:
                 self.on_info(rank, payload)
@@ -105,7 +105,7 @@ class CellRenderer(Renderer):
             return
         if set(data) <= {"text/plain"}:
             for text in str(data.get("text/plain", "")).splitlines() or [""]:
-                self.inner.line(rank, "stdout", text)
+                self.inner.line(rank, Stream.STDOUT, text)
             return
         try:
             from IPython import get_ipython
@@ -113,7 +113,7 @@ class CellRenderer(Renderer):
         except ImportError:  # pragma: no cover - IPython is a dependency
             get_ipython = None
         if get_ipython is None or get_ipython() is None:
-            self.inner.line(rank, "stdout", str(data.get("text/plain", sorted(data))))
+            self.inner.line(rank, Stream.STDOUT, str(data.get("text/plain", sorted(data))))
             return
         sys.stdout.write(f"[{self.rank_label(rank)}]\n")
         sys.stdout.flush()

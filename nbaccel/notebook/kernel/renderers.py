@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from nbaccel.launch.labels import RankLabels
+from nbaccel.launch.protocol import EventKind, Stream
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
 
@@ -131,17 +132,17 @@ class WidgetRenderer(Renderer):
         return text, rich
 
     # ------------------------------------------------------------------ events
-    def line(self, rank: int, stream: str, text: str) -> None:
+    def line(self, rank: int, stream: Stream, text: str) -> None:
         self.text.line(rank, stream, text)
         self.overflow(rank, stream, text)
 
-    def overflow(self, rank: int, stream: str, text: str) -> None:
+    def overflow(self, rank: int, stream: Stream, text: str) -> None:
         # beyond the output limit, the 'Output by rank' panel still shows each rank's tail
         self._attach("outputs")
         self.outputs.add(rank, stream, text[:_PANEL_LINE_CHARS])
         self._tick()
 
-    def event(self, rank: int, kind: str, payload: Any) -> None:
+    def event(self, rank: int, kind: EventKind, payload: Any) -> None:
         if kind == PROGRESS:
             self._attach("progress")
             self.progress.update(rank, payload)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import ipywidgets as widgets
 
 from nbaccel.launch.labels import LOCAL_LABELS
+from nbaccel.launch.protocol import Stream
 
 __all__ = ["OutputPanel"]
 
@@ -71,7 +72,7 @@ class OutputPanel:
             self.tabs.children = (self._merged.widget, *(self._ranks[r].widget for r in ranks))
             self.tabs.titles = ("all ranks", *(f"rank {r}" for r in ranks))
         line = html.escape(text)
-        if stream == "stderr":
+        if stream == Stream.STDERR:
             line = _STDERR.format(line)
         pane.add(line)
         self._merged.add(f"<b>[{html.escape(self.label(rank))}]</b> {line}")
