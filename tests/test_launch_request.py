@@ -94,9 +94,9 @@ def test_remote_options_are_derived_from_the_request():
 
 
 def test_mixed_precision_is_checked_once_for_every_front():
-    with pytest.raises(ValueError, match="mixed_precision must be one of no, fp16, bf16"):
+    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp12'; choose one of no, fp16"):
         LaunchRequest(mixed_precision="fp12")
-    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+    with pytest.raises(ValueError, match="Unknown mixed_precision"):
         LaunchRequest(mixed_precision="fp12", hosts="a:1")  # over hosts too
     plan = LaunchPlan.create(Front.NOTEBOOK, LaunchRequest(mixed_precision="BF16", cpu=True))
     assert plan.mixed_precision == "bf16"
@@ -141,3 +141,20 @@ def test_adding_an_option_is_one_edit():
     assert _WithOneMore.create(log_every=5).log_every == 5
     with pytest.raises(ValueError, match="log_every must be a positive number"):
         _WithOneMore.create(log_every=0)
+
+
+def _hello():
+    print("hello")
+
+
+def test_log_line_prefix_template_prefixes_each_line(capsys):
+    from nbaccel.launch.render import TextRenderer
+
+    template = "<${role_name} ${rank}> "
+    notebook_launcher(
+        _hello, num_processes=2, log_line_prefix_template=template, renderer=TextRenderer()
+    )
+    out = capsys.readouterr().out
+    assert "<default 0> hello" in out and "<default 1> hello" in out
+    with pytest.raises(ValueError, match=r"may use \$\{rank\}, \$\{local_rank\}"):
+        notebook_launcher(_hello, log_line_prefix_template="${host}")

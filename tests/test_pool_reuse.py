@@ -40,3 +40,15 @@ def test_bad_settings_leave_the_running_pool_alone(no_pool):
     with pytest.raises(ValueError, match="start_method"):
         start_pool(1, start_method="thread")
     assert get_pool() is pool and pool.running
+
+
+def test_status_says_why_the_ranks_did_not_report(no_pool):
+    from nbaccel.notebook.kernel.rank_output import status_bundle
+
+    pool = start_pool(2)
+    pool.run_cell("globals()[0] = 'a name that is not a string'")  # breaks the names listing
+    rows = pool.status()
+    assert [row["state"] for row in rows] == ["idle", "idle"]
+    assert "AttributeError" in rows[0]["problem"]
+    text = status_bundle(rows, "Pool")["text/plain"]
+    assert "did not report their details: AttributeError" in text

@@ -64,6 +64,7 @@ class WorkerGroup:
         local_rendezvous: all ranks are on this machine: initialise their process group through
             a private file store rather than a TCP listener.
         output: the limits of what each call shows (the rest goes to a log file, with a notice).
+        line_prefix: a template for the prefix of each output line (``RankLabels``).
     """
 
     def __init__(
@@ -79,12 +80,15 @@ class WorkerGroup:
         setup: Iterable[Callable[[], None]] = (),
         local_rendezvous: bool = False,
         output: OutputBudget | None = None,
+        line_prefix: str | None = None,
     ) -> None:
         self.num_processes = num_processes
         self.mode = mode
         self.launcher = launcher
         #: how this group's ranks are named in its output and errors (``rank 5 @ node2``)
-        self.labels = RankLabels(launcher.hosts_by_rank)
+        self.labels = RankLabels(
+            launcher.hosts_by_rank, line_prefix, {global_rank(i): i for i in range(num_processes)}
+        )
         self.renderer = renderer
         self.output = output or OutputBudget()
         self.output.notice = lambda text: self.renderer.notice(text)
@@ -453,10 +457,6 @@ class WorkerGroup:
             shared.release()
         self._shared.clear()
         self.launcher.release_work()
-
-    def adopt_shared(self, shared: SharedTensors | None) -> None:
-        if shared is not None:
-            self._shared.append(shared)
 
     # ------------------------------------------------------------------ stopping
     def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:

@@ -149,6 +149,7 @@ class LaunchPlan:
     xla: bool = False  # ranks are torch-xla processes (one per chip, threads per device)
     defaulted: bool = False  # num_processes was not given
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    line_prefix: str | None = None  # template of each output line's prefix (RankLabels)
     #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
     remote: RemoteOptions | None = None
 
@@ -207,6 +208,7 @@ class LaunchPlan:
             xla=xla,
             defaulted=defaulted,
             extra_env=dict(extra_env or {}),
+            line_prefix=request.log_line_prefix_template,
         )
 
     @classmethod
@@ -240,6 +242,7 @@ class LaunchPlan:
             backend=request.backend,
             extra_env=dict(extra_env or {}),
             remote=remote,
+            line_prefix=request.log_line_prefix_template,
         )
 
     def launcher_options(self) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class TextRenderer(Renderer):
 
     def line(self, rank: int, stream: Stream, text: str) -> None:
         target = sys.stderr if stream == Stream.STDERR else sys.stdout
-        prefix = f"[{self.rank_label(rank)}] " if self.label else ""
+        prefix = self.labels.prefix(rank) if self.label else ""
         target.write(f"{prefix}{text}\n")
         target.flush()
 

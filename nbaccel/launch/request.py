@@ -30,6 +30,7 @@ from enum import Flag, auto
 from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+from nbaccel.launch.labels import check_line_prefix
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 
 __all__ = ["START_METHODS", "Fronts", "LaunchRequest", "Option", "option"]
@@ -142,7 +143,7 @@ def _choice(name: str, choices: Sequence[str], lower: bool = False) -> Callable[
     def check(value: Any) -> Any:
         text = str(value).lower() if lower else value
         if text not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}.")
+            raise ValueError(f"Unknown {name} {value!r}; choose one of {', '.join(choices)}.")
         return text
 
     return check
@@ -269,7 +270,7 @@ class LaunchRequest:
     log_line_prefix_template: str | None = option(
         None, "prefix of each output line; ${rank}, ${local_rank} and ${role_name} are "
         "replaced (default: [rank N])", Fronts.LAUNCHER,
-        check=_text("log_line_prefix_template"),
+        check=check_line_prefix,
     )  # fmt: skip
     start_method: str = option(
         "auto", "how ranks start: auto (fork server with torch preloaded), spawn or fork",

@@ -78,6 +78,7 @@ def run_function(
                 global_rank=plan.global_rank,
                 setup=setup,
                 local_rendezvous=plan.local_rendezvous,
+                line_prefix=plan.line_prefix,
             )
             report = run_once(group, timeout, policy, interval)
             ok = report.state == CallState.DONE

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from nbaccel.launch.driver import POOL, CallState, run_call
+from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.group import WorkerGroup
 from nbaccel.launch.launchers import make_launcher
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
@@ -291,15 +292,21 @@ class Pool:
         return self.call(pool_worker.pull_name, name, ranks=ranks, renderer=renderer)
 
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """One row per rank: pid, device, memory, state (idle/busy/exited), uptime."""
+        """One row per rank: pid, device, memory, state (idle/busy/exited), uptime.
+
+        Ranks still busy after ``timeout`` seconds show what this kernel knows of them; when
+        the ranks could not answer for another reason, each row says why (``problem``)."""
         group = self.group
         rows = []
         details: dict[int, Any] = {}
+        problem = None
         if group is not None and group.alive():
             try:
                 details = self.call(pool_worker.worker_status, timeout=timeout)
-            except Exception:
-                details = {}
+            except LaunchTimeout:
+                pass  # busy ranks: their rows say so
+            except Exception as exc:  # shown in the table, not swallowed
+                problem = f"{type(exc).__name__}: {exc}"
         for rank in self.ranks:
             pid = self.pids.get(rank)
             row: dict[str, Any] = {"rank": rank, "pid": pid, **self.info.get(rank, {})}
@@ -319,6 +326,8 @@ class Pool:
                     running = False
             busy = group is not None and group.busy(rank)
             row["state"] = "exited" if not running else ("busy" if busy else "idle")
+            if problem is not None:
+                row["problem"] = problem
             rows.append(row)
         return rows
 

@@ -157,6 +157,9 @@ def status_bundle(rows: list[dict[str, Any]], header: str) -> dict[str, str]:
         ]
         for row in rows
     ]
+    problems = sorted({row["problem"] for row in rows if row.get("problem")})
+    if problems:  # the ranks could not say more: why
+        header = f"{header} (the ranks did not report their details: {'; '.join(problems)})"
     widths = [max(len(c[i]) for c in [list(_COLUMNS), *cells]) for i in range(len(_COLUMNS))]
     lines = [header, "  ".join(h.ljust(w) for h, w in zip(_COLUMNS, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)) for cell in cells]
