@@ -117,6 +117,25 @@ def _processes():
     return stray, children
 
 
+def _shm():
+    from nbaccel.launch.transport import shm_dir
+
+    return {f for f in os.listdir(shm_dir()) if f.startswith("nbaccel")}
+
+
+def _new_shm():
+    return len(_shm() - DAY["shm_before"]) if "DAY" in globals() else 0
+
+
+def _lasting_shm():
+    # segments of this kernel still there after 2 s (other programs' come and go meanwhile)
+    lasting = _shm() - DAY["shm_before"]
+    for _ in range(4):
+        time.sleep(0.5)
+        lasting &= _shm()
+    return len(lasting)
+
+
 def resources():
     gc.collect()
     me = psutil.Process()
@@ -128,7 +147,7 @@ def resources():
         "procs": len(stray),
         "child_procs": len(children),
         "fds": me.num_fds(),
-        "shm": len([f for f in os.listdir("/dev/shm") if f.startswith("nbaccel")]),
+        "shm": _new_shm(),
         "tmp": len([f for f in os.listdir(tempfile.gettempdir())
                     if f.startswith(f"nbaccel-{me.pid}-")]),
         "logs": len(logs),
@@ -196,8 +215,9 @@ def step(kind):
 _ip.run_cell_magic("distributed", "-n 2", _RANK)
 step("ok")
 time.sleep(0.5)
-DAY = {"before": resources(), "counts": collections.Counter(), "bad": collections.Counter(),
-       "slowest": 0.0, "steps": 0, "kinds": collections.Counter(), "started": time.time()}
+DAY = {"shm_before": _shm()}
+DAY.update({"before": resources(), "counts": collections.Counter(), "bad": collections.Counter(),
+       "slowest": 0.0, "steps": 0, "kinds": collections.Counter(), "started": time.time()})
 
 
 def run(kinds, first, count):
@@ -219,9 +239,14 @@ def run(kinds, first, count):
 
 
 def report():
-    time.sleep(2.0)  # children of 'children' steps: their launch is over; give exits a moment
-    after = resources()
     before = DAY["before"]
+    after = resources()
+    deadline = time.monotonic() + 10  # processes still exiting, fds still closing: settle first
+    leaks = ("procs", "child_procs", "fds", "shm", "tmp", "logs")
+    while any(after[k] > before[k] for k in leaks) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = resources()
+    after["shm"] = _lasting_shm()
     return {
         "steps": DAY["steps"],
         "kinds": dict(DAY["kinds"]),

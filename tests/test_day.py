@@ -4,7 +4,9 @@ steps) is ``benchmarks/stress_launch.py --day 1000``; this keeps it from rotting
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -13,9 +15,12 @@ from day_in_kernel import KINDS, run_day
 
 
 def test_a_short_day_in_one_kernel(tmp_path):
-    report = run_day(
-        2 * len(KINDS), chunk=len(KINDS), timeout=300, env={"NBACCEL_LOG_DIR": str(tmp_path)}
-    )
+    shm = tempfile.mkdtemp(prefix="nbaccel-test-", dir="/dev/shm")  # this day's own segments
+    env = {"NBACCEL_LOG_DIR": str(tmp_path), "NBACCEL_SHM_DIR": shm}
+    try:
+        report = run_day(2 * len(KINDS), chunk=len(KINDS), timeout=300, env=env)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     assert report.get("error") is None, report
     assert report["results"] == {"ok": 2 * len(KINDS)}, report["problems"]
     growth = report["growth"]

@@ -35,6 +35,7 @@ __all__ = [
     "discard_prefixed",
     "pack",
     "result_prefix",
+    "shm_dir",
     "take",
     "unpack",
 ]
@@ -81,7 +82,12 @@ class Packed:
     storages: list[_StorageRecord] = field(default_factory=list)
 
 
-def _shm_dir() -> str:
+def shm_dir() -> str:
+    """Where shared tensor files go: ``$NBACCEL_SHM_DIR`` (a folder on a tmpfs), else
+    ``/dev/shm``, else the temp folder."""
+    chosen = os.environ.get("NBACCEL_SHM_DIR")
+    if chosen:
+        return chosen
     return (
         "/dev/shm"
         if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
@@ -127,7 +133,7 @@ class SharedTensors:
         self.path: str | None = None
         if offset == 0:
             return  # every storage is small: nothing to share
-        self.path = os.path.join(_shm_dir(), f"{prefix}{secrets.token_hex(8)}")
+        self.path = os.path.join(shm_dir(), f"{prefix}{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(offset, 1))
@@ -326,7 +332,7 @@ def result_prefix(launch_id: str) -> str:
 def discard_prefixed(prefix: str) -> None:
     """Remove every shared file whose name starts with ``prefix`` (what ranks of one launch
     wrote and nobody took: a rank killed between writing its result and reporting it)."""
-    folder = _shm_dir()
+    folder = shm_dir()
     try:
         names = [name for name in os.listdir(folder) if name.startswith(prefix)]
     except OSError:
