@@ -14,7 +14,7 @@ import re
 import time
 from typing import Any
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 
 __all__ = [
     "add_to_message",
@@ -54,8 +54,10 @@ def hide_frames_of(path: str) -> None:
 class RankError(RuntimeError):
     """A rank raised an exception that could not be rebuilt in the notebook."""
 
-    def __init__(self, rank: int, type_name: str, message: str) -> None:
-        super().__init__(f"[{rank_label(rank)}] {type_name}: {message}")
+    def __init__(
+        self, rank: int, type_name: str, message: str, labels: RankLabels = LOCAL_LABELS
+    ) -> None:
+        super().__init__(f"[{labels.label(rank)}] {type_name}: {message}")
         self.rank = rank
         self.type_name = type_name
         self.remote_message = message
@@ -64,8 +66,10 @@ class RankError(RuntimeError):
 class RankCrashed(RuntimeError):
     """A rank ended without returning or raising: a non-zero exit code or a signal."""
 
-    def __init__(self, rank: int, returncode: int, description: str) -> None:
-        super().__init__(f"{rank_label(rank)} {description}")
+    def __init__(
+        self, rank: int, returncode: int, description: str, labels: RankLabels = LOCAL_LABELS
+    ) -> None:
+        super().__init__(f"{labels.label(rank)} {description}")
         self.rank = rank
         self.returncode = returncode
 
@@ -240,15 +244,14 @@ def _labelled_copy(exc: BaseException, text: str) -> BaseException:
     return copy
 
 
-def _label(exc: BaseException, rank: int, message: str) -> BaseException:
-    """``exc`` showing ``[rank N] <the rank's message>``, of the same type.
+def _label(exc: BaseException, text: str) -> BaseException:
+    """``exc`` showing ``text`` (``[rank N] <the rank's message>``), of the same type.
 
     The common case (a single string argument that ``__str__`` shows as it is) gets the label
     in front of its argument; every other shape of args or ``__str__`` (``ValueError(42)``,
     ``OSError(errno, text)``, ``KeyError``, a custom ``__str__``, even one that raises) gets a
     labelled subclass of the same name, so no shape loses the label or the type.
     """
-    text = f"[{rank_label(rank)}] {message}".rstrip()
     if len(exc.args) == 1 and isinstance(exc.args[0], str):
         original = exc.args
         exc.args = (text,)
@@ -261,11 +264,13 @@ def _label(exc: BaseException, rank: int, message: str) -> BaseException:
     return _labelled_copy(exc, text)
 
 
-def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
+def rebuild_exception(
+    info: dict[str, Any], rank: int, labels: RankLabels = LOCAL_LABELS
+) -> BaseException:
     """The exception to raise in the notebook for a rank's error (``describe_exception``'s
-    dict): the original type when it can be rebuilt here, its message prefixed with the rank,
-    and the rank's traceback as its cause. The one place a rank's exception becomes the
-    notebook's."""
+    dict): the original type when it can be rebuilt here, its message prefixed with the rank
+    as ``labels`` (its worker group's) name it, and the rank's traceback as its cause. The one
+    place a rank's exception becomes the notebook's."""
     exc: BaseException | None = None
     if info.get("pickled") is not None:
         try:
@@ -279,12 +284,13 @@ def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
     labelled: BaseException | None = None
     if exc is not None:
         try:
-            labelled = _label(exc, rank, str(info.get("message", "")))
+            text = f"[{labels.label(rank)}] {info.get('message', '')}".rstrip()
+            labelled = _label(exc, text)
             str(labelled)  # the report must never fail on the way to the notebook
         except Exception:
             labelled = None
     if labelled is None:
-        labelled = RankError(rank, info["name"], info["message"])
+        labelled = RankError(rank, info["name"], info["message"], labels)
     labelled.rank = rank  # type: ignore[attr-defined]
     labelled.__cause__ = RemoteTraceback(format_frames(info, rank))
     return labelled
