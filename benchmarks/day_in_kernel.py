@@ -15,6 +15,9 @@ suite). Steps rotate through :data:`KINDS`:
 - ``pool_raise``: a ``%%distributed`` cell whose rank 1 raises ``KeyError``.
 - ``pool_ok``: a ``%%distributed`` cell that prints and returns its rank.
 
+Kernel RSS is reported as measured and after ``malloc_trim`` (what glibc keeps cached for the
+next allocation is handed back, so the second figure is what the kernel really holds).
+
 Counted: *wrong* (a step that should succeed returned something else), *misnamed* (a failure of
 the wrong type, or without its rank), *hung* (a step over 60 s, or a cell that timed out), and
 leaks at the end against the start: processes (the kernel's descendants other than the fork
@@ -158,7 +161,19 @@ def resources():
         "log_mb": round(sum(os.path.getsize(p) for p in logs if os.path.exists(p)) / 2**20, 2),
         "widgets": len(_widget._instances),
         "rss_mb": round(me.memory_info().rss / 2**20, 1),
+        # what the C allocator keeps cached, handed back: the rest is what is really held
+        "rss_trimmed_mb": round(_trimmed_rss() / 2**20, 1),
     }
+
+
+def _trimmed_rss():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return psutil.Process().memory_info().rss
 
 
 def _expect_failure(call, kind, expected, text):

@@ -543,6 +543,12 @@ class WorkerGroup:
             self._teardown()
 
     def _teardown(self) -> None:
+        # the values the ranks returned belong to the caller's report now: a closed group must
+        # not keep them (a kernel launching all day would hold every result until a GC pass)
+        for state in self._ranks:
+            state.outcomes = {
+                k: o for k, o in state.outcomes.items() if o.kind != OutcomeKind.RESULT
+            }
         self.launcher.remove_wakeup(self._wake)
         self.launcher.close()
         for key in list(self._selector.get_map().values()):
