@@ -10,6 +10,11 @@ fork-based launchers refuse to start after a notebook touched the GPU).
 Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
   driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
   server -> driver: ("ready",) | ("started", request_id, pid) | ("exited", pid, returncode)
+                    | ("refused", request_id, reason)
+A module whose import initialises CUDA (a library doing ``torch.cuda.init()`` at import, or one
+that torch's backend autoload pulls in) would leave every forked rank unable to use the GPU
+("Cannot re-initialize CUDA in forked subprocess"): the server notices it after each import and
+refuses to fork, naming the module and the fix (:class:`CudaInitializedInServer`).
 The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
 its stdin closes because the kernel died, kills its workers and exits.
 """
@@ -36,6 +41,7 @@ from nbaccel.launch.spec import WorkerSpec
 
 __all__ = [
     "ENGINE_PRELOAD",
+    "CudaInitializedInServer",
     "ForkServer",
     "ForkedServerProcess",
     "ForkServerLauncher",
@@ -94,7 +100,32 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
         os._exit(code)
 
 
+class CudaInitializedInServer(RuntimeError):
+    """The fork server's process initialised CUDA (a preloaded module did it at import), so
+    ranks forked from it could not use the GPU; raised before any rank starts."""
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def cuda_refusal(module: str) -> str:
+    """Why the server refuses to fork once ``module``'s import initialised CUDA, and the fix."""
+    return (
+        f"importing {module!r} in nbaccel's fork server initialised CUDA, so ranks forked from "
+        "it could not use the GPU (CUDA cannot be re-initialised in a forked child). Make that "
+        "library initialise CUDA lazily (or import it inside the launched function, not at "
+        "the top of a preloaded module), or pass start_method='spawn' to start each rank "
+        "fresh."
+    )
+
+
+_cuda_culprit: str | None = None  # server side: the first module whose import initialised CUDA
+
+
 def _preload(modules: Iterable[str], strict: bool) -> None:
+    global _cuda_culprit
     for module in modules:
         try:
             __import__(module)
@@ -103,6 +134,8 @@ def _preload(modules: Iterable[str], strict: bool) -> None:
                 raise
             # Preloading only saves time: the worker imports the module itself and fails there.
             print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
+        if _cuda_culprit is None and _cuda_initialized():
+            _cuda_culprit = module
 
 
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
@@ -147,6 +180,9 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                     _preload(request[1], strict=False)
                     continue
                 _, request_id, spec_bytes = request
+                if _cuda_culprit is not None:
+                    _write_frame(stdout, ("refused", request_id, cuda_refusal(_cuda_culprit)))
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     _child_main(spec_bytes, (wake_r, wake_w, stdout))
@@ -244,7 +280,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
-        self._started: dict[int, int] = {}
+        self._started: dict[int, int | str] = {}  # request id -> pid, or the refusal
         self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
@@ -268,7 +304,7 @@ class ForkServer:
             with self._cond:
                 if message[0] == "ready":
                     self._ready = True
-                elif message[0] == "started":
+                elif message[0] in ("started", "refused"):
                     self._started[message[1]] = message[2]
                 elif message[0] == "exited":
                     self._exits[message[1]] = (message[2], message[3])
@@ -320,7 +356,9 @@ class ForkServer:
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
-        """Fork one worker running ``spec``; return its pid."""
+        """Fork one worker running ``spec``; return its pid.
+
+        Raises :class:`CudaInitializedInServer` when a preloaded module initialised CUDA."""
         self.wait_ready()
         with self._lock:
             request_id = self._next_id
@@ -331,7 +369,10 @@ class ForkServer:
                 if not self.alive():
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
                 self._cond.wait(0.1)
-            return self._started.pop(request_id)
+            started = self._started.pop(request_id)
+        if isinstance(started, str):
+            raise CudaInitializedInServer(started)
+        return started
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
@@ -436,7 +477,13 @@ class ForkServerLauncher(ProcessLauncher):
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         server = self._current()
-        return WorkerProcess(server.spawn(pickle.dumps(spec)), self.name, server=server)
+        try:
+            pid = server.spawn(pickle.dumps(spec))
+        except CudaInitializedInServer:
+            shutdown_forkserver()  # unusable for GPUs: the next launch starts a fresh server
+            self._server = None
+            raise
+        return WorkerProcess(pid, self.name, server=server)
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._current().add_wakeup(callback)
