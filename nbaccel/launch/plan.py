@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_DEFAULT_NUM_PROCESSES",
     "START_METHODS",
-    "XLA_DEFAULT_NUM_PROCESSES",
     "Front",
     "LaunchPlan",
     "check_call",
@@ -52,15 +51,17 @@ class Front(str, Enum):
 # with GPUs (and not ``cpu``), one rank per GPU; on CPU, the number below (the launcher runs the
 # function once, as Accelerate's does; the pool and the test harness want a real world of 2).
 CPU_DEFAULT_NUM_PROCESSES = {Front.NOTEBOOK: 1, Front.POOL: 2, Front.TESTING: 2}
-# On XLA devices, Accelerate's TPU default; torch-xla itself always uses every device it sees
-# (a different count is run anyway, with a warning naming both).
-XLA_DEFAULT_NUM_PROCESSES = 8
+# On XLA devices: every local device (one per TPU chip, CPU_NUM_DEVICES on the CPU), read without
+# starting the XLA runtime; torch-xla itself always uses every device it sees (a different count
+# is run anyway, with a warning naming both).
 
 
 def default_num_processes(front: Front, cpu: bool = False, xla: bool = False) -> int:
     """How many ranks ``front`` starts when ``num_processes`` is not given."""
     if xla:
-        return XLA_DEFAULT_NUM_PROCESSES
+        from nbaccel.launch.launchers.xla import local_device_count
+
+        return local_device_count()
     gpus = 0 if cpu else torch.cuda.device_count()
     return gpus or CPU_DEFAULT_NUM_PROCESSES[Front(front)]
 

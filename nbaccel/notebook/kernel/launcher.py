@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
-from nbaccel.launch.plan import Front, LaunchPlan, check_call, default_num_processes
+from nbaccel.launch.plan import Front, LaunchPlan, check_call
 from nbaccel.launch.remote.options import remote_options
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.run import launch_xla, run_function
@@ -73,9 +73,10 @@ def notebook_launcher(
     first failing rank's exception is raised here with its original type, naming the rank; the
     other ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
     ranks become live progress; ``memory=False`` turns off the per-rank memory monitor.
-    ``num_processes`` defaults to one rank per GPU, else 1 (8 on TPUs; see
-    ``nbaccel.launch.plan``). ``rdzv_conf`` and ``rdzv_id`` are refused unless left at their
-    defaults: the world is formed through ``master_addr``/``use_port`` (or ``rdzv_endpoint``).
+    ``num_processes`` defaults to one rank per GPU, else 1 (on TPUs one per local chip; with a
+    single chip the function runs in the kernel; see ``nbaccel.launch.run.launch_xla``).
+    ``rdzv_conf`` and ``rdzv_id`` are refused unless left at their defaults: the world is
+    formed through ``master_addr``/``use_port`` (or ``rdzv_endpoint``).
     On a TPU host the ranks are torch-xla's processes, forked so that they share the arguments.
 
     Many hosts: ``hosts=["node1:4", "node2:4"]`` runs the ranks there through ssh (one agent per
@@ -115,7 +116,7 @@ def notebook_launcher(
         return launch_xla(
             function,
             args,
-            num_processes or default_num_processes(Front.NOTEBOOK, xla=True),
+            num_processes,  # default: every local XLA device
             "fork",
             renderer=renderer,
             mixed_precision=mixed_precision,
