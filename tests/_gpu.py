@@ -52,12 +52,19 @@ def gpu_processes() -> dict[int, int] | None:
     return found
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def holders(pids: list[int], wait: float = 15.0) -> list[str]:
     """Which of ``pids`` still run or still hold GPU memory, after at most ``wait`` seconds
     (the driver frees a context shortly after its process ends); empty when none."""
     deadline = time.monotonic() + wait
     while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        alive = [p for p in pids if _running(p)]
         listed = gpu_processes() or {}
         holding = [p for p in pids if p in listed]
         if not alive and not holding:
