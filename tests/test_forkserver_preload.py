@@ -36,6 +36,7 @@ def cuda_library(tmp_path, monkeypatch):
 
 def test_a_preloaded_module_that_initialises_cuda_is_refused_before_any_rank(cuda_library):
     plan = LaunchPlan.create(Front.TESTING, 2, cpu=True)
+    shutdown_forkserver()  # a fresh server, started with this sys.path (the module's folder)
     with pytest.raises(CudaInitializedInServer) as info:
         run_function(plan, _pid, renderer=TextRenderer(quiet=True), preload=(cuda_library,))
     message = str(info.value)

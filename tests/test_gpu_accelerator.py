@@ -79,7 +79,7 @@ def _losses(mixed_precision: str, steps: int = 8) -> tuple[list[float], dict]:
     GradientState._reset_state()
     acc = Accelerator(mixed_precision=mixed_precision)
     model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # updates follow the gradients' size
     loader = DataLoader(_data(), batch_size=8)
     model, opt, loader = acc.prepare(model, opt, loader)
     losses = _train(acc, model, opt, loader, steps)

@@ -25,10 +25,19 @@ from nbaccel import notebook_launcher
 N = {n}
 print("KERNEL", json.dumps([torch.cuda.is_initialized(), float(warm.sum())]))"""
 
+# nbaccel starts no process group for a world of one (a one-GPU machine): the cells make one,
+# so that NCCL's all_reduce runs on every machine.
+WORLD_OF_ONE = """if not dist.is_initialized():
+    dist.init_process_group("nccl", init_method=os.environ.get("NBACCEL_INIT_METHOD", "env://"),
+                            rank=0, world_size=1, device_id=state.device)"""
+
 WHERE = """def where():
     import os, torch, torch.distributed as dist
     from nbaccel import PartialState
     state = PartialState()
+    if not dist.is_initialized():  # a world of one
+        dist.init_process_group("nccl", init_method=os.environ.get("NBACCEL_INIT_METHOD", "env://"),
+                                rank=0, world_size=1, device_id=state.device)
     t = torch.full((4,), float(state.process_index + 1), device=state.device)
     dist.all_reduce(t)
     return {"rank": state.process_index, "local_rank": int(os.environ["LOCAL_RANK"]),
@@ -66,14 +75,19 @@ FORK = """try:
 except RuntimeError as exc:
     print("FORK", json.dumps(str(exc)))"""
 
-MAGIC = """%%distributed -n {n}
-import os, torch, torch.distributed as dist
+MAGIC = (
+    """%%distributed -n {n}
+import json, os, torch, torch.distributed as dist
 from nbaccel import PartialState
-s = PartialState()
+s = state = PartialState()
+"""
+    + WORLD_OF_ONE
+    + """
 x = torch.full((3,), float(s.process_index + 1), device=s.device)
 dist.all_reduce(x)
 print("POOL", json.dumps([s.process_index, str(s.device), str(x.device), x.tolist(),
                           dist.get_backend(), os.getpid()]))"""
+)
 
 MEMORY = """def hold(mib):
     import time, torch
@@ -238,6 +252,7 @@ def test_preloaded_library_initialising_cuda_is_refused(tmp_path, monkeypatch):
     (tmp_path / "gpu_lib_at_import.py").write_text(CUDA_AT_IMPORT)
     monkeypatch.syspath_prepend(str(tmp_path))
     plan = LaunchPlan.create(Front.TESTING, 1)
+    shutdown_forkserver()  # a fresh server, started with this sys.path (the module's folder)
     try:
         with pytest.raises(CudaInitializedInServer, match="'gpu_lib_at_import'.*initialised CUDA"):
             run_function(
