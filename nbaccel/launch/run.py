@@ -25,7 +25,9 @@ from nbaccel.launch.launchers.xla import (
     use_compile_cache,
 )
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Inline, Mode
 from nbaccel.launch.transport import pack
 
@@ -82,6 +84,7 @@ def run_function(
                 global_rank=plan.global_rank,
                 setup=setup,
                 local_rendezvous=plan.local_rendezvous,
+                line_prefix=plan.line_prefix,
             )
             report = run_once(group, timeout, policy, interval)
             ok = report.state == CallState.DONE
@@ -128,13 +131,10 @@ def launch_xla(
     need more host RAM than is available.
     """
     __tracebackhide__ = True
-    plan = LaunchPlan.create(
-        front,
-        num_processes,
-        start_method=start_method,
-        xla=True,
-        mixed_precision=mixed_precision,
+    request = LaunchRequest(
+        num_processes=num_processes, start_method=start_method, mixed_precision=mixed_precision
     )
+    plan = LaunchPlan.create(front, request, xla=True)
     renderer = renderer or TextRenderer()
     processes, per_process = local_layout()  # ImportError naming torch-xla when it is absent
     from torch_xla import runtime as xr
@@ -147,7 +147,7 @@ def launch_xla(
     )
     if plan.defaulted and devices == 1:
         return [_run_in_this_process(function, args, renderer)]
-    if plan.kind == "xla":
+    if plan.kind == LaunchKind.XLA:
         XlaLauncher().prepare()  # refuse an initialised runtime before asking torch-xla anything
     report = run_function(
         dataclasses.replace(plan, num_processes=1 if single else processes),

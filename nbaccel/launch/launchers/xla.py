@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launch.launchers.fork import ForkLauncher
+from nbaccel.launch.protocol import LaunchKind
 
 __all__ = [
     "XLA_CACHE_VAR",
@@ -127,7 +128,7 @@ def use_compile_cache(local_index: int) -> str | None:
 class XlaLauncher(ForkLauncher):
     """Fork torch-xla's processes from the driver; they inherit the work (no pickling)."""
 
-    name = "xla"
+    name = LaunchKind.XLA
     pickles_work = False
 
     def prepare(self) -> None:
