@@ -13,6 +13,7 @@ import pytest
 from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
 from nbaccel.launch.plan import Front, LaunchPlan
 from nbaccel.launch.render import TextRenderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.run import run_function
 
 CUDA_AT_IMPORT = "import torch\ntorch.cuda._initialized = True  # as torch.cuda.init() leaves it\n"
@@ -35,7 +36,7 @@ def cuda_library(tmp_path, monkeypatch):
 
 
 def test_a_preloaded_module_that_initialises_cuda_is_refused_before_any_rank(cuda_library):
-    plan = LaunchPlan.create(Front.TESTING, 2, cpu=True)
+    plan = LaunchPlan.create(Front.TESTING, LaunchRequest(num_processes=2, cpu=True))
     shutdown_forkserver()  # a fresh server, started with this sys.path (the module's folder)
     with pytest.raises(CudaInitializedInServer) as info:
         run_function(plan, _pid, renderer=TextRenderer(quiet=True), preload=(cuda_library,))
@@ -48,6 +49,8 @@ def test_a_preloaded_module_that_initialises_cuda_is_refused_before_any_rank(cud
 
 
 def test_spawn_start_method_is_not_affected(cuda_library):
-    plan = LaunchPlan.create(Front.TESTING, 1, cpu=True, start_method="spawn")
+    plan = LaunchPlan.create(
+        Front.TESTING, LaunchRequest(num_processes=1, cpu=True, start_method="spawn")
+    )
     report = run_function(plan, _pid, renderer=TextRenderer(quiet=True), preload=(cuda_library,))
     assert len(report.values()) == 1

@@ -247,11 +247,12 @@ def test_preloaded_library_initialising_cuda_is_refused(tmp_path, monkeypatch):
     from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
     from nbaccel.launch.plan import Front, LaunchPlan
     from nbaccel.launch.render import TextRenderer
+    from nbaccel.launch.request import LaunchRequest
     from nbaccel.launch.run import run_function
 
     (tmp_path / "gpu_lib_at_import.py").write_text(CUDA_AT_IMPORT)
     monkeypatch.syspath_prepend(str(tmp_path))
-    plan = LaunchPlan.create(Front.TESTING, 1)
+    plan = LaunchPlan.create(Front.TESTING, LaunchRequest(num_processes=1))
     shutdown_forkserver()  # a fresh server, started with this sys.path (the module's folder)
     try:
         with pytest.raises(CudaInitializedInServer, match="'gpu_lib_at_import'.*initialised CUDA"):
