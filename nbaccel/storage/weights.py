@@ -28,6 +28,7 @@ import torch
 
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover
 from nbaccel.storage.safetensors_file import SafetensorsFile
+from nbaccel.values.sizes import parse_size
 
 __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -40,7 +41,6 @@ __all__ = [
     "load_model_weights",
     "model_tie_groups",
     "open_weights",
-    "parse_size",
     "read_weights",
     "save_model_weights",
     "shard_state_dict",
@@ -57,20 +57,6 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(
     r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$"
 )
-_UNITS = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}  # fmt: skip
-
-
-def parse_size(size: int | str) -> int:
-    """``"10GB"`` -> 10_000_000_000, ``"5MiB"`` -> 5_242_880; ints pass through."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if not match:
-        raise ValueError(f"Cannot read size {size!r}: use an int or e.g. '10GB', '500MB', '2GiB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -112,7 +98,7 @@ def drop_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, dic
 
 def shard_state_dict(state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str) -> list:
     """Split into shards of at most ``max_shard_size`` bytes (a bigger tensor gets its own)."""
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, "max_shard_size")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state_dict.items():

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from nbaccel.notebook.events import human_bytes
+from nbaccel.values.byte_text import byte_unit, human_bytes
 
 __all__ = ["DeviceMapView", "show_device_map"]
 
@@ -222,11 +222,7 @@ class DeviceMapView:
         ax = fig.add_subplot()
         caps = {d: c for d, c in self.capacity.items() if c and d != "disk"}
         top = max([self.used(d) for d in self.devices] + list(caps.values()) + [1])
-        unit, scale = next(
-            (u, s)
-            for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-            if top >= s
-        )
+        unit, scale = byte_unit(top)
         for row, device in enumerate(self.devices):
             left = 0.0
             for i, (_name, size) in enumerate(self.entries[device]):
