@@ -27,7 +27,8 @@ from nbaccel.bigmodel.offload import save_offload_index
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.tied_parameters import find_tied_parameters
 from nbaccel.storage.safetensors_file import SafetensorsFile
-from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record, tied_twins
+from nbaccel.storage.ties import tied_twins
+from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record
 
 __all__ = ["CheckpointMismatchError", "load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 
