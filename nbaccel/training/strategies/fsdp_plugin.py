@@ -189,13 +189,22 @@ class FullyShardedDataParallelPlugin:
         )
 
     # -- helpers used by shard_model ------------------------------------------------------------
-    def set_mixed_precision(self, mixed_precision: str) -> None:
-        """Fill the policy from ``Accelerator(mixed_precision=...)`` when none was given."""
-        if self.mixed_precision_policy is None and mixed_precision in ("bf16", "fp16"):
-            dtype = _DTYPES[mixed_precision]
-            self.mixed_precision_policy = self._check_mixed_precision(
-                {"param_dtype": dtype, "reduce_dtype": torch.float32}
-            )
+    def set_mixed_precision(
+        self,
+        mixed_precision: str | torch.dtype,
+        buffer_autocast: bool = False,
+        override: bool = False,
+    ) -> None:
+        """Set ``mixed_precision_policy`` from ``Accelerator(mixed_precision=...)`` (the FSDP
+        strategy calls it): parameters are gathered in that dtype for forward and backward,
+        gradients reduced in float32. A policy the plugin already has is kept unless
+        ``override``; ``"no"`` sets none. ``buffer_autocast`` is FSDP1's and has no effect."""
+        if self.mixed_precision_policy is not None and not override:
+            return
+        dtype = _to_dtype(mixed_precision, "mixed_precision") if mixed_precision != "no" else None
+        self.mixed_precision_policy = self._check_mixed_precision(
+            None if dtype is None else {"param_dtype": dtype, "reduce_dtype": torch.float32}
+        )
 
     @classmethod
     def from_environment(cls) -> FullyShardedDataParallelPlugin | None:
