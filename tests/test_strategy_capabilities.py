@@ -89,3 +89,28 @@ def test_mixed_precision_no_sets_no_policy_and_a_given_policy_is_kept():
     assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="mixed_precision='fp64' is not a dtype"):
         plugin.set_mixed_precision("fp64", override=True)
+
+
+def _policy_under_launch():
+    from nbaccel.training.accelerator import Accelerator
+    from nbaccel.training.strategies.fsdp import FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+    policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+    model = accelerator.prepare(Net())
+    seen = []
+    model.inp.register_forward_pre_hook(lambda m, args: seen.append(str(m.weight.dtype)))
+    model(torch.randn(2, 8))
+    return accelerator.mixed_precision, str(policy.param_dtype), seen
+
+
+def test_notebook_launcher_mixed_precision_reaches_the_fsdp_policy():
+    # the walk: notebook_launcher(mixed_precision=) -> the ranks' environment -> AcceleratorState
+    # -> FSDPStrategy -> plugin.mixed_precision_policy -> fully_shard(mp_policy=)
+    from nbaccel import notebook_launcher
+    from nbaccel.launch.render import TextRenderer
+
+    results = notebook_launcher(
+        _policy_under_launch, num_processes=2, mixed_precision="bf16", renderer=TextRenderer()
+    )
+    assert results == [("bf16", "torch.bfloat16", ["torch.bfloat16"])] * 2
