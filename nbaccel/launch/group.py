@@ -44,6 +44,9 @@ from nbaccel.launch.transport import SharedTensors, pack
 __all__ = ["Outcome", "WorkerGroup"]
 
 _DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
+# at most this long after its death is seen, a dead rank's output is waited for: a process it
+# started may hold its stdout open and keep writing (its death comes from its exit status)
+_DRAIN_MAX = 1.5
 # what a ready selector key is (the key's data is (source, rank, stream))
 _LISTENER, _WAKE, _EVENTS, _OUTPUT, _HANDSHAKE = range(5)
 
@@ -312,19 +315,27 @@ class WorkerGroup:
 
     def _drained(self, state: RankState) -> bool:
         """True once a dead process's streams were read to the end, or stayed silent for
-        ``_DRAIN_IDLE`` seconds with nothing waiting (a child of the rank may hold them open).
-        Each read moves the deadline, so a slow renderer still gets every message (the result
-        included) that the rank sent before it ended."""
+        ``_DRAIN_IDLE`` seconds with nothing waiting. Each read moves that deadline, so a slow
+        renderer still gets every message (the result included) that the rank sent before it
+        ended; but output from a process the rank started, holding its stdout open, is waited
+        for at most ``_DRAIN_MAX`` seconds: the rank's death is known from its exit status."""
+        now = time.monotonic()
         if state.drain_deadline is None:
-            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
+            state.drain_deadline = now + _DRAIN_IDLE
+            state.drain_limit = now + _DRAIN_MAX
             return False
-        if time.monotonic() <= state.drain_deadline:
+        if state.finished_io:
+            return True
+        if now <= state.drain_deadline and now <= state.drain_limit:
             return False
         # a slow renderer may have kept the loop from reading: data waiting is not drained
+        # (past the limit, only the rank's own event stream counts; a child may write forever)
+        late = now > state.drain_limit
+        kinds = (_EVENTS,) if late else (_EVENTS, _OUTPUT)
         waiting = [
             key.fileobj
             for key in self._selector.get_map().values()
-            if key.data[0] in (_EVENTS, _OUTPUT) and key.data[1] == state.rank
+            if key.data[0] in kinds and key.data[1] == state.rank
         ]
         if readable(waiting):
             self._still_draining(state)

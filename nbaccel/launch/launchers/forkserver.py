@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.processes import WorkerProcess, describe_exit
 from nbaccel.launch.spec import WorkerSpec
 
@@ -81,6 +82,7 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    become_subreaper()  # what this rank starts stays below it (see launchers.reaper)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
@@ -118,23 +120,19 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    children: set[int] = set()
+    reaper = Reaper()
     _write_frame(stdout, ("ready",))
 
     def reap() -> None:
-        for pid in list(children):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            if done:
-                children.discard(pid)
-                code = os.waitstatus_to_exitcode(status)
-                _write_frame(stdout, ("exited", pid, code, time.time()))
+        for pid, code in reaper.reap():
+            _write_frame(stdout, ("exited", pid, code, time.time()))
+        reaper.end_orphans()  # after the report: a rank's death is never held up by its orphans
 
     try:
         while True:
-            ready, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            due = reaper.next_due()
+            wait = 1.0 if due is None else min(1.0, due + 0.01)
+            ready, _, _ = select.select([stdin, wake_r], [], [], wait)
             if wake_r in ready:
                 os.read(wake_r, 4096)
             reap()
@@ -150,16 +148,12 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child_main(spec_bytes, (wake_r, wake_w, stdout))
-                children.add(pid)
+                reaper.ranks.add(pid)
                 _write_frame(stdout, ("started", request_id, pid))
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        reaper.kill_all()
 
 
 # ----------------------------------------------------------------------------- driver side
