@@ -56,10 +56,15 @@ def _start_children(folder: str) -> None:
     sleeper = subprocess.Popen(["sleep", "600"])
     marker = os.path.join(folder, "daemon")
     subprocess.run([sys.executable, "-c", _DAEMON, marker], check=True)
-    while not os.path.exists(marker) or not open(marker).read():
+    while not os.path.exists(marker) or not _read(marker):
         time.sleep(0.01)
     with open(os.path.join(folder, "pids"), "w") as handle:
-        handle.write(f"{chatty.pid} {sleeper.pid} {open(marker).read()}")
+        handle.write(f"{chatty.pid} {sleeper.pid} {_read(marker)}")
+
+
+def _read(path: str) -> str:
+    with open(path) as handle:
+        return handle.read()
 
 
 def _children_then(folder: str, end: str) -> str:
