@@ -39,7 +39,7 @@ from nbaccel.launch.protocol import Message, OutcomeKind, Stream
 from nbaccel.launch.rank_state import Outcome, RankState
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.spec import Mode, Work, WorkerSpec
-from nbaccel.launch.transport import SharedTensors, pack
+from nbaccel.launch.transport import SharedTensors, pack, sweep_segments
 
 __all__ = ["Outcome", "WorkerGroup"]
 
@@ -126,6 +126,7 @@ class WorkerGroup:
 
     def start(self, timeout: float = 180.0) -> None:
         """Start every worker and wait until each has connected and loaded its work."""
+        sweep_segments()  # shared memory left by a kernel that died mid-launch
         self._listener = Listener(
             self._secret, self.launcher.channel_host, backlog=3 * self.num_processes + 16
         )

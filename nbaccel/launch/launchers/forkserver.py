@@ -34,6 +34,7 @@ from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.processes import WorkerProcess, describe_exit
 from nbaccel.launch.spec import WorkerSpec
+from nbaccel.launch.transport import sweep_segments
 
 __all__ = [
     "ENGINE_PRELOAD",
@@ -385,6 +386,7 @@ def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
         if _server is None or not _server.alive():
             if _server is not None:
                 _server.close()  # reap the dead one, close its pipes
+            sweep_segments()  # a new kernel: reclaim the shared memory of dead ones
             _server = ForkServer(preload)
         else:
             _server.preload(preload)
