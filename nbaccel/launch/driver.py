@@ -266,7 +266,7 @@ def run_once(
     group.expect_call(0)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        group.start()
+        group.start(180.0 if deadline is None else max(0.0, deadline - time.monotonic()))
         return run_call(
             group, 0, group.ranks, timeout, policy, interval=interval, deadline=deadline
         )

@@ -135,7 +135,10 @@ class WorkerGroup:
         use_hosts(self.launcher.hosts_by_rank)
         self.launcher.prepare()
         self.launcher.add_wakeup(self._wake)
+        deadline = time.monotonic() + timeout
         for index, state in enumerate(self._ranks):
+            if time.monotonic() > deadline:
+                break  # timeout= bounds the start too: the ranks not started count as late
             env = self._env_for_rank(index)
             if self._local_rendezvous:
                 # One machine: the process group meets in a file inside the listener's private
@@ -158,7 +161,10 @@ class WorkerGroup:
             )
             state.process = self.launcher.start(spec)
             self.pump(0)  # authenticate the ranks already up while the others start
-        self.pump_until(lambda: all(r.ready or r.outcomes for r in self._ranks), timeout)
+        self.pump_until(
+            lambda: all(r.ready or r.outcomes for r in self._ranks),
+            max(0.0, deadline - time.monotonic()),
+        )
         self.release_shared()
 
     # ------------------------------------------------------------------ pumping

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+from nbaccel.launch.capacity import check_capacity
 
 if TYPE_CHECKING:
     from nbaccel.launch.remote.options import RemoteOptions
@@ -30,6 +31,7 @@ __all__ = [
     "Front",
     "LaunchPlan",
     "check_call",
+    "check_cwd",
     "check_port",
     "parse_port",
     "default_num_processes",
@@ -124,6 +126,22 @@ def check_call(
             f"max_restarts must be a non-negative integer (0: no restart), got {max_restarts!r}."
         )
     return tuple(args)
+
+
+def check_cwd() -> str:
+    """The working directory the ranks start in; a clear error when it was deleted."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        try:
+            where = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
+        except OSError:
+            where = "(unknown)"
+        raise FileNotFoundError(
+            f"this kernel's working directory {where} was deleted, and the ranks start in it. "
+            "Change to an existing directory first, e.g. os.chdir(os.path.expanduser('~')), "
+            "or recreate it."
+        ) from None
 
 
 def _refuse_nested_launch() -> None:
@@ -257,6 +275,8 @@ class LaunchPlan:
                 f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
             )
         kind = resolve_kind(start_method, xla)
+        check_capacity(num_processes, forked=kind != "spawn")
+        check_cwd()
         if xla and num_nodes > 1:
             raise ValueError("an XLA launch runs on this host only; leave num_nodes=1.")
         if num_nodes > 1 and use_port is None and not rdzv_endpoint:

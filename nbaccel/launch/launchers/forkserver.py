@@ -9,7 +9,8 @@ fork-based launchers refuse to start after a notebook touched the GPU).
 
 Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
   driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
-  server -> driver: ("ready",) | ("started", request_id, pid) | ("exited", pid, returncode)
+  server -> driver: ("ready",) | ("started", request_id, pid) | ("failed", request_id, why)
+                    | ("exited", pid, returncode, when)
 The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
 its stdin closes because the kernel died, kills its workers and exits.
 """
@@ -40,6 +41,7 @@ __all__ = [
     "ENGINE_PRELOAD",
     "ForkServer",
     "ForkedServerProcess",
+    "ProcessStartError",
     "ForkServerLauncher",
     "get_forkserver",
     "shutdown_forkserver",
@@ -48,6 +50,12 @@ __all__ = [
 ]
 
 _HEADER = struct.Struct("!I")
+
+
+class ProcessStartError(RuntimeError):
+    """The system refused to create a rank's process (process limit, memory)."""
+
+
 #: What every server imports: torch and the rank side of the engine. Fronts add their own.
 ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
 
@@ -146,7 +154,11 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                     _preload(request[1], strict=False)
                     continue
                 _, request_id, spec_bytes = request
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as exc:  # the process limit, or no memory for a new process
+                    _write_frame(stdout, ("failed", request_id, f"{type(exc).__name__}: {exc}"))
+                    continue
                 if pid == 0:
                     _child_main(spec_bytes, (wake_r, wake_w, stdout))
                 reaper.ranks.add(pid)
@@ -239,7 +251,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
-        self._started: dict[int, int] = {}
+        self._started: dict[int, int | str] = {}  # request -> pid, or why the fork failed
         self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
@@ -263,7 +275,7 @@ class ForkServer:
             with self._cond:
                 if message[0] == "ready":
                     self._ready = True
-                elif message[0] == "started":
+                elif message[0] in ("started", "failed"):
                     self._started[message[1]] = message[2]
                 elif message[0] == "exited":
                     self._exits[message[1]] = (message[2], message[3])
@@ -326,7 +338,14 @@ class ForkServer:
                 if not self.alive():
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
                 self._cond.wait(0.1)
-            return self._started.pop(request_id)
+            pid = self._started.pop(request_id)
+        if isinstance(pid, str):
+            raise ProcessStartError(
+                f"the system refused a new rank process ({pid}): the process limit (ulimit -u, "
+                "kernel.pid_max) or the memory is exhausted. Use fewer processes, or end "
+                "processes that are no longer needed."
+            )
+        return pid
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
