@@ -69,7 +69,11 @@ class Settle:
 
 
 ONE_SHOT = Settle()
-POOL = Settle(disposable=False)
+#: seconds a one-shot rank gets to end after the stop button, per signal (SIGINT, then SIGTERM)
+STOP_GRACE = 0.6
+# A pool rank that has not reported its interrupt within half a second is SIGINTed once more and
+# given a second to come back (a long native op ends); after that the pool restarts it.
+POOL = Settle(disposable=False, interrupt_grace=0.5, recover=1.0)
 
 
 def outcome_exception(rank: int, outcome: Outcome) -> BaseException:
@@ -272,7 +276,8 @@ def run_once(
         )
     except KeyboardInterrupt:
         group.renderer.notice("interrupted: stopping every rank")
-        group.stop(1.5, first=signal.SIGINT)
+        group.release()  # ranks that already reported (their KeyboardInterrupt) may exit now
+        group.stop(STOP_GRACE, first=signal.SIGINT)
         raise
     finally:
         group.close()

@@ -127,9 +127,17 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     reaper = Reaper()
+
+    def terminate(*_: Any) -> None:
+        # SIGTERM (Jupyter shutting the kernel down signals its process group, then polls until
+        # no child is left): end the workers and exit at once, without the interpreter's slow
+        # teardown of torch, so the kernel's shutdown does not wait on this process.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        reaper.kill_all()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
     _write_frame(stdout, ("ready",))
 
     def reap() -> None:
@@ -227,7 +235,8 @@ class ForkServer:
     """
 
     def __init__(self, preload: Iterable[str] = (), fork: bool = False) -> None:
-        bootstrap = (
+        bootstrap = (  # the stop button (SIGINT to the process group) must not hit the imports
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
             "from nbaccel.launch.launchers.forkserver import serve; "
             "serve(json.loads(sys.argv[2]))"
