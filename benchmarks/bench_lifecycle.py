@@ -39,10 +39,7 @@ BUSY = {
         "    while True:\n        time.sleep(0.01)\n"
     ),
 }
-_WORK = (
-    "def work():\n    import os\n"
-    "    open(MARKER + '-' + os.environ['RANK'], 'w').close()\n"
-)
+_WORK = "def work():\n    import os\n    open(MARKER + '-' + os.environ['RANK'], 'w').close()\n"
 
 
 async def _kernel(cells_then, spec_root):
@@ -75,7 +72,10 @@ async def _stop_seconds(busy: str, front: str) -> float:
             reply = await client.execute_interactive(source, timeout=120)
             assert reply["content"]["status"] == "ok", reply
         msg_id = client.execute(cell)
+        waited = time.monotonic() + 120
         while not all(os.path.exists(f"{marker}-{rank}") for rank in (0, 1)):
+            if time.monotonic() > waited:
+                raise RuntimeError(f"the ranks of {front}/{busy} never got busy")
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)  # busy for a moment
         for rank in (0, 1):
