@@ -129,6 +129,15 @@ class CallReport:
     def failures(self) -> dict[int, Outcome]:
         return {r: o for r, o in sorted(self.outcomes.items()) if o.kind != OutcomeKind.RESULT}
 
+    def causes(self) -> list[int]:
+        """The ranks whose failure was their own: not stopped by the driver, not a peer's
+        broken collective, not the stop button."""
+        return sorted(
+            r
+            for r, o in self.outcomes.items()
+            if o.kind != OutcomeKind.RESULT and not _secondary(o) and not _interrupted(o)
+        )
+
     def first_failure(self) -> tuple[int, Outcome] | None:
         """The earliest failure (by when it happened), not the lowest rank: a peer's error is
         often the consequence of the first one (a collective broken by the failed rank)."""

@@ -138,17 +138,20 @@ def notebook_launcher(
         rdzv_id=rdzv_id,
         remote=remote,
     )
-    report = run_function(
-        plan,
-        function,
-        args,
-        renderer=renderer,
-        setup=hooks,
-        preload=WORKER_PRELOAD,
-        timeout=timeout,
-        max_restarts=max_restarts,
-        interval=monitor_interval,
-    )
+    try:
+        report = run_function(
+            plan,
+            function,
+            args,
+            renderer=renderer,
+            setup=hooks,
+            preload=WORKER_PRELOAD,
+            timeout=timeout,
+            max_restarts=max_restarts,
+            interval=monitor_interval,
+        )
+    except KeyboardInterrupt:  # the stop button: the engine's frames (selectors...) are noise
+        raise KeyboardInterrupt from None
     failure = report.exception()
     if failure is not None:
         raise failure  # the rank's own exception, re-raised in the notebook
