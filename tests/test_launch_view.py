@@ -7,6 +7,9 @@ selectors).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from kernel import cell_errors, cell_text, run_notebook
 
 _FUNCTIONS = """
@@ -44,3 +47,26 @@ def test_failure_summary_counts_the_failed_rank_and_no_engine_frame_shows():
         assert error["ename"] == name
         traceback = "\n".join(error["traceback"])
         assert not [f for f in _ENGINE if f in traceback], traceback
+
+
+_EARLY_STOP = """
+import os, signal, sys, time
+from nbaccel.launch.launchers.forkserver import ForkServer
+server = ForkServer()
+time.sleep(0.3)  # it is importing torch now
+os.kill(server.pid, signal.SIGINT)  # what the stop button's SIGINT to the process group does
+server.wait_ready(120)
+print("ready", flush=True)
+server.close()
+"""
+
+
+def test_the_stop_button_during_the_fork_servers_imports_shows_no_traceback():
+    """The fork server starts importing torch when nbaccel is imported in a kernel; the stop
+    button pressed then must neither dump its imports' traceback (into the cell, or the
+    terminal at shutdown) nor kill it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EARLY_STOP], capture_output=True, text=True, timeout=180
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "ready"
