@@ -258,6 +258,8 @@ def run_call(
     state = _wait(group, call_id, targets, deadline, interrupted, max(0.01, min(interval, 0.2)))
     got = group.outcomes(call_id, targets)
     late = [r for r in targets if r not in got]
+    if state == CallState.INTERRUPTED and interrupted() and late:
+        group.signal_all(signal.SIGINT, late)  # the stop button, passed on to the busy ranks
     stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
     group.end_call()
     outcomes = group.outcomes(call_id, targets)

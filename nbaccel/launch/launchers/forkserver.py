@@ -11,8 +11,9 @@ Protocol on the server's stdin/stdout pipes (private to the kernel): length-pref
   driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
   server -> driver: ("ready",) | ("started", request_id, pid) | ("failed", request_id, why)
                     | ("exited", pid, returncode, when)
-The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
-its stdin closes because the kernel died, kills its workers and exits.
+The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
+the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
+workers and exits at once; SIGTERM does the same.
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         reaper.kill_all()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown of torch: the kernel may be waiting on this exit
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -256,6 +259,11 @@ class ForkServer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,
+                # A session of its own: the stop button (SIGINT to the kernel's process group)
+                # reaches the ranks through the driver, never the server's imports; and the
+                # kernel's shutdown, which signals and then waits on its process group, does
+                # not wait on the server and its ranks (they end when the kernel's pipe closes).
+                start_new_session=True,
             )
         self._lock = threading.Lock()
         self._cond = threading.Condition()
