@@ -7,10 +7,11 @@ before the next fork. Because the server never
 touches CUDA, forking it is safe even when the kernel has already initialised CUDA (the reason
 fork-based launchers refuse to start after a notebook touched the GPU).
 
-Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
-  driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
-  server -> driver: ("ready",) | ("started", request_id, pid) | ("failed", request_id, why)
-                    | ("exited", pid, returncode, when)
+Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
+tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
+  driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
+  server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
+                    | (EXITED, pid, returncode, at)
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
 the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
 workers and exits at once; SIGTERM does the same.
@@ -35,6 +36,7 @@ from typing import Any
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.processes import WorkerProcess, describe_exit
+from nbaccel.launch.protocol import LaunchKind, ServerMessage
 from nbaccel.launch.spec import WorkerSpec
 from nbaccel.launch.transport import sweep_segments
 
@@ -117,6 +119,21 @@ def _preload(modules: Iterable[str], strict: bool) -> None:
             print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
 
 
+def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> None:
+    """Fork the rank a SPAWN request asks for and say so (or why the system refused)."""
+    _, request_id, spec_bytes = request
+    try:
+        pid = os.fork()
+    except OSError as exc:  # the process limit, or no memory for a new process
+        why = f"{type(exc).__name__}: {exc}"
+        _write_frame(stdout, (ServerMessage.FAILED, request_id, why))
+        return
+    if pid == 0:
+        _child_main(spec_bytes, server_fds)
+    reaper.ranks.add(pid)
+    _write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
+
+
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -139,11 +156,11 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, terminate)
-    _write_frame(stdout, ("ready",))
+    _write_frame(stdout, (ServerMessage.READY,))
 
     def reap() -> None:
         for pid, code in reaper.reap():
-            _write_frame(stdout, ("exited", pid, code, time.time()))
+            _write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
         reaper.end_orphans()  # after the report: a rank's death is never held up by its orphans
 
     try:
@@ -159,19 +176,10 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                     request = _read_frame(stdin)
                 except EOFError:
                     break
-                if request[0] == "preload":
+                if request[0] == ServerMessage.PRELOAD:
                     _preload(request[1], strict=False)
                     continue
-                _, request_id, spec_bytes = request
-                try:
-                    pid = os.fork()
-                except OSError as exc:  # the process limit, or no memory for a new process
-                    _write_frame(stdout, ("failed", request_id, f"{type(exc).__name__}: {exc}"))
-                    continue
-                if pid == 0:
-                    _child_main(spec_bytes, (wake_r, wake_w, stdout))
-                reaper.ranks.add(pid)
-                _write_frame(stdout, ("started", request_id, pid))
+                _fork_rank(request, stdout, (wake_r, wake_w, stdout), reaper)
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -290,11 +298,11 @@ class ForkServer:
             except (EOFError, OSError):
                 break
             with self._cond:
-                if message[0] == "ready":
+                if message[0] == ServerMessage.READY:
                     self._ready = True
-                elif message[0] in ("started", "failed"):
+                elif message[0] in (ServerMessage.STARTED, ServerMessage.FAILED):
                     self._started[message[1]] = message[2]
-                elif message[0] == "exited":
+                elif message[0] == ServerMessage.EXITED:
                     self._exits[message[1]] = (message[2], message[3])
                 self._cond.notify_all()
             self._wake_all()
@@ -340,7 +348,7 @@ class ForkServer:
         missing = sorted(set(modules) - self.preloaded)
         if missing:
             with self._lock:
-                _write_frame(self._proc.stdin.fileno(), ("preload", missing))
+                _write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
@@ -349,7 +357,7 @@ class ForkServer:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            _write_frame(self._proc.stdin.fileno(), ("spawn", request_id, spec_bytes))
+            _write_frame(self._proc.stdin.fileno(), (ServerMessage.SPAWN, request_id, spec_bytes))
         with self._cond:
             while request_id not in self._started:
                 if not self.alive():
@@ -452,7 +460,7 @@ def warm_up_if_in_kernel(preload: Iterable[str] = ()) -> None:
 class ForkServerLauncher(ProcessLauncher):
     """Fork each rank from the process-wide server (torch and ``preload`` already imported)."""
 
-    name = "forkserver"
+    name = LaunchKind.FORKSERVER
 
     def __init__(self, preload: Iterable[str] = ()) -> None:
         super().__init__(preload)
