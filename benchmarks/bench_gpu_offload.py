@@ -33,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -241,13 +242,29 @@ def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, sync) -> t
     return ids[0, PROMPT:].tolist(), seconds
 
 
-def run_library(lib: str, c, p, dmap, main, resident, cpu_state, folder, prompt, tokens) -> dict:
+@dataclass
+class Prepared:
+    """What both libraries run on: the model's shape, its device map and its weights."""
+
+    config: dict
+    dmap: dict
+    main: torch.device
+    resident: dict  # tensors on the main device
+    cpu_state: dict  # pinned CPU tensors (cuda) of the "cpu" blocks
+    folder: Path  # the disk blocks (.dat files + index.json)
+    prompt: torch.Tensor
+
+
+def run_library(lib: str, prepared: Prepared, tokens: int) -> dict:
+    """Dispatch a fresh meta model with ``lib`` and time greedy generation."""
+    c, dmap, main, folder = prepared.config, prepared.dmap, prepared.main, prepared.folder
+    cpu_state, prompt = prepared.cpu_state, prepared.prompt
     if lib == "nbaccel":
         from nbaccel.bigmodel import dispatch_model
     else:
         from accelerate import dispatch_model
     model = meta_model(c)
-    model.load_state_dict(resident, strict=False, assign=True)
+    model.load_state_dict(prepared.resident, strict=False, assign=True)
     drop_page_cache(folder)
     start = time.perf_counter()
     model = dispatch_model(
@@ -332,11 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
             0, config["vocab"], (1, PROMPT), generator=torch.Generator().manual_seed(1)
         )
         bandwidth = pinned_bandwidth(main_device)
-        common = (config, p, dmap, main_device, resident, cpu_state, folder, prompt)
-        ours = run_library("nbaccel", *common, args.new_tokens)
+        common = Prepared(config, dmap, main_device, resident, cpu_state, folder, prompt)
+        ours = run_library("nbaccel", common, args.new_tokens)
         version = _peer_version()
         peer = (
-            run_library("accelerate", *common, args.new_tokens)
+            run_library("accelerate", common, args.new_tokens)
             if version
             else {"absent": "accelerate is not installed (pip install accelerate)"}
         )
