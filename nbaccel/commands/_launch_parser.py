@@ -13,6 +13,7 @@ from typing import Any
 
 from nbaccel.commands.parser import command_parser
 from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.values.booleans import parse_bool
 
 __all__ = ["launch_command_parser", "to_bool"]
 
@@ -27,14 +28,10 @@ Output comes back as rank-labelled lines; the exit code is the script's.
 
 def to_bool(value: Any) -> bool:
     """``"true"``/``"1"``/``"yes"`` -> True, ``"false"``/``"0"``/``"no"`` -> False."""
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).strip().lower()
-    if lowered in ("true", "1", "yes", "y"):
-        return True
-    if lowered in ("false", "0", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}") from None
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):

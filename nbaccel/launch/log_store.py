@@ -146,10 +146,11 @@ def _keep_marker(pid: int) -> str:
     return os.path.join(log_dir(), f".keep-{pid}")
 
 
-def reclaim_after(owner: int, wait: float = 5.0) -> None:
-    """Remove the logs of process ``owner`` once it has died (called by a helper process that
-    outlives it, the fork server): a kernel killed, or stopped without running its ``atexit``
-    hooks, leaves no logs behind either, unless they were to be kept."""
+def reclaim_after(owner: int, wait: float = 0.0) -> None:
+    """Remove the logs of process ``owner`` if it has died (within ``wait`` seconds): called by
+    a helper process that outlives it (the fork server, as it exits), so that a kernel killed
+    without running its ``atexit`` hooks leaves no logs behind either, unless they were to be
+    kept. A living owner removes its own logs when it exits."""
     deadline = time.monotonic() + wait
     while _alive(owner):
         if time.monotonic() >= deadline:

@@ -10,14 +10,21 @@ Tensors travel as views of their storages, as torch's own multiprocessing does: 
 arrive as a tensor and a view of it, and a transposed tensor keeps its strides. The price is the
 same as torch's: a small slice of a large tensor carries the whole storage (``.clone()`` it first
 to send only the slice).
+
+A segment outlives nobody: its owner (the kernel) holds a shared ``flock`` on it from creation
+until it unlinks it, and every launch and every new fork server sweeps the segments whose lock
+is free, i.e. whose owner died (SIGKILL, OOM) before it could unlink them. Segments are named
+``nbaccel-<owner pid>-<random>``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import io
 import mmap
 import os
 import pickle
+import re
 import secrets
 import tempfile
 from collections.abc import Iterator
@@ -32,10 +39,9 @@ __all__ = [
     "SharedTensors",
     "UnpicklableError",
     "discard",
-    "discard_prefixed",
     "pack",
-    "result_prefix",
     "shm_dir",
+    "sweep_segments",
     "take",
     "unpack",
 ]
@@ -43,6 +49,7 @@ __all__ = [
 _SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
 _ALIGN = 64
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_SEGMENT_NAME = re.compile(r"nbaccel-\d+-[0-9a-f]{16}")  # nbaccel-<owner pid>-<random>
 
 
 class UnpicklableError(TypeError):
@@ -95,10 +102,46 @@ def shm_dir() -> str:
     )
 
 
+def sweep_segments() -> list[str]:
+    """Unlink the shared tensor files whose owner died before unlinking them; their paths."""
+    folder = shm_dir()
+    try:
+        names = [n for n in os.listdir(folder) if _SEGMENT_NAME.fullmatch(n)]
+    except OSError:
+        return []
+    swept = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if not _is_segment(fd):
+                continue
+            try:  # the owner holds a shared lock for as long as the file is its to remove
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue
+            os.unlink(path)
+            swept.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return swept
+
+
+def _is_segment(fd: int) -> bool:
+    """A regular file of this user (never another user's, nor a folder such as a channel's)."""
+    info = os.fstat(fd)
+    return info.st_uid == os.getuid() and (info.st_mode & 0o170000) == 0o100000
+
+
 class SharedTensors:
     """Owner of one shared-memory file; ``release()`` unlinks it (mappings stay valid)."""
 
-    def __init__(self, tensors: list[torch.Tensor], prefix: str = "nbaccel-") -> None:
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.records: list[_TensorRecord] = []
         self.storages: list[_StorageRecord] = []
         bases: list[torch.Tensor] = []
@@ -131,10 +174,14 @@ class SharedTensors:
                 )
             )
         self.path: str | None = None
+        self._lock_fd: int | None = None
         if offset == 0:
             return  # every storage is small: nothing to share
-        self.path = os.path.join(shm_dir(), f"{prefix}{secrets.token_hex(8)}")
+        sweep_segments()
+        self.path = os.path.join(shm_dir(), f"nbaccel-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held until release(): a sweep leaves the file alone
+        self._lock_fd = fd
         try:
             os.ftruncate(fd, max(offset, 1))
             with mmap.mmap(fd, max(offset, 1)) as mm:
@@ -143,8 +190,9 @@ class SharedTensors:
                     if base is not None and rec.nbytes:
                         flat[rec.offset : rec.offset + rec.nbytes].copy_(base)
                 del flat
-        finally:
-            os.close(fd)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         if self.path is not None:
@@ -153,6 +201,13 @@ class SharedTensors:
             except FileNotFoundError:
                 pass
             self.path = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_lock_fd"):
+            self.release()
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -221,16 +276,14 @@ def pack(
     obj: Any,
     name: str = "args",
     element_names: tuple[str, ...] | None = None,
-    prefix: str = "nbaccel-",
     share: bool = True,
 ) -> tuple[Packed, SharedTensors | None]:
     """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
 
     ``element_names`` names the items of a top-level tuple in error messages (for example
     ``("function", "args", "kwargs")``), so the path printed is the one the user typed;
-    ``prefix`` starts the shared file's name (a rank's results carry their launch's id, so
-    the driver can reclaim what a dead rank left); ``share=False`` keeps every tensor inside
-    the pickle (a reader on another host cannot map this host's files).
+    ``share=False`` keeps every tensor inside the pickle (a reader on another host cannot map
+    this host's files).
     """
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, share)
@@ -248,7 +301,7 @@ def pack(
             f"{type(cause).__name__}: {cause}. Create it inside the launched function instead, "
             "or pass something picklable (a path, a config, a state_dict)."
         ) from exc
-    shared = SharedTensors(pickler.shared, prefix) if pickler.shared else None
+    shared = SharedTensors(pickler.shared) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)
     if shared:
         packed.records, packed.storages = shared.records, shared.storages
@@ -316,32 +369,13 @@ def unpack(packed: Packed) -> Any:
 def take(packed: Packed) -> Any:
     """Rebuild a value sent to one reader (a rank's return value in the notebook): the shared
     file is opened, unlinked and mapped shared, so its pages are the tensors' memory (no copy)
-    and nothing is left in ``/dev/shm`` once it is mapped, whether or not unpickling works."""
+    and nothing is left in the shared-memory folder once it is mapped, whether or not
+    unpickling works. (The rank that wrote it holds its lock until its next call or exit.)"""
     try:
         tensors = _map_segment(packed, take=True)
     finally:
         discard(packed)
     return _Unpickler(packed.data, tensors).load()
-
-
-def result_prefix(launch_id: str) -> str:
-    """How the shared files of one launch's results are named (the driver removes leftovers)."""
-    return f"nbaccel-{launch_id}-"
-
-
-def discard_prefixed(prefix: str) -> None:
-    """Remove every shared file whose name starts with ``prefix`` (what ranks of one launch
-    wrote and nobody took: a rank killed between writing its result and reporting it)."""
-    folder = shm_dir()
-    try:
-        names = [name for name in os.listdir(folder) if name.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        try:
-            os.unlink(os.path.join(folder, name))
-        except OSError:
-            pass
 
 
 def discard(packed: Packed) -> None:

@@ -24,7 +24,7 @@ from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
-from nbaccel.launch.transport import UnpicklableError, pack, result_prefix, unpack
+from nbaccel.launch.transport import SharedTensors, UnpicklableError, pack, unpack
 
 __all__ = ["current_rank", "emit", "flush_output", "on_worker", "run_worker"]
 
@@ -32,9 +32,10 @@ _events: Connection | None = None
 _send_lock = threading.Lock()
 _rank: int | None = None
 _EXIT_DRIVER_GONE = 70
-_result_prefix = "nbaccel-"
 _shared_results = True  # the driver can map this host's shared files (same host)
-_result_files: list[str] = []  # shared files of results the driver may not have taken yet
+# shared files of results the driver may not have taken yet: this rank holds their lock (a sweep
+# reclaims them if it dies) until its next call or its exit
+_result_files: list[SharedTensors] = []
 _sigint_at: float | None = None  # when SIGINT last arrived (None: not during this call)
 
 
@@ -126,10 +127,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
 def _drop_results() -> None:
     """Remove the shared files of earlier results (taken by the driver, or never to be)."""
     while _result_files:
-        try:
-            os.unlink(_result_files.pop())
-        except OSError:
-            pass
+        _result_files.pop().release()
 
 
 def _report_error(call_id: int, exc: BaseException) -> None:
@@ -163,15 +161,13 @@ def _send_result(call_id: int, value: Any) -> bool:
     """Send the return value; large CPU tensors in it travel through a shared file that the
     driver maps (``transport.take``), written once here, never copied through the socket."""
     try:
-        packed, shared = pack(
-            value, name="the return value", prefix=_result_prefix, share=_shared_results
-        )
+        packed, shared = pack(value, name="the return value", share=_shared_results)
     except UnpicklableError as exc:
         error = TypeError(f"the function succeeded, but {exc}")
         _send((Message.ERROR, call_id, describe_exception(error)))
         return False
     if shared is not None and shared.path is not None:
-        _result_files.append(shared.path)
+        _result_files.append(shared)
     _send((Message.RESULT, call_id, packed))
     return True
 
@@ -212,9 +208,8 @@ def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
 
 def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
-    global _events, _rank, _result_prefix, _shared_results
+    global _events, _rank, _shared_results
     _rank = spec.rank
-    _result_prefix = f"{result_prefix(spec.launch_id)}r{spec.rank}-"
     _shared_results = spec.address.family == "unix"  # a TCP driver may be on another host
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)

@@ -19,8 +19,9 @@ from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.protocol import EventKind, Stream
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.kernel.renderers import choose_renderer
+from nbaccel.values.byte_text import human_bytes
 
-__all__ = ["CellRenderer", "format_bytes", "status_bundle"]
+__all__ = ["CellRenderer", "status_bundle"]
 
 
 class CellRenderer(Renderer):
@@ -70,8 +71,8 @@ class CellRenderer(Renderer):
     def notice(self, text: str) -> None:
         self.inner.notice(text)
 
-    def finish(self, ok: bool) -> None:
-        self.inner.finish(ok)
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
+        self.inner.finish(ok, failed)
 
     def _upgrade(self) -> None:
         factory, self._rich = self._rich, None
@@ -120,17 +121,6 @@ class CellRenderer(Renderer):
         display(data, metadata=metadata, raw=True)
 
 
-def format_bytes(size: float | None) -> str:
-    """``1.5 GiB`` style sizes; ``-`` for unknown."""
-    if size is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"  # pragma: no cover
-
-
 _COLUMNS = ("rank", "pid", "device", "memory", "device memory", "state", "uptime", "names")
 
 
@@ -149,8 +139,8 @@ def status_bundle(rows: list[dict[str, Any]], header: str) -> dict[str, str]:
             str(row["rank"]),
             str(row.get("pid", "-")),
             str(row.get("device", "-")),
-            format_bytes(row.get("rss")),
-            format_bytes(row.get("device_memory")) if row.get("device_memory") is not None else "-",
+            human_bytes(row.get("rss")),
+            human_bytes(row.get("device_memory")) if row.get("device_memory") is not None else "-",
             row.get("state", "-"),
             _uptime(row.get("uptime")),
             str(row.get("names", "-")),
