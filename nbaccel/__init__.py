@@ -34,6 +34,7 @@ from nbaccel.distributed.environment import detect_launch_environment, detect_pl
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
+from nbaccel.launch.log_store import keep_logs
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.transport import UnpicklableError
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
@@ -88,6 +89,7 @@ __all__ = [
     "infer_auto_device_map",
     "init_empty_weights",
     "init_on_device",
+    "keep_logs",
     "InitProcessGroupKwargs",
     "LaunchRequest",
     "LaunchTimeout",
