@@ -25,6 +25,7 @@ from nbaccel.launch.errors import RankCrashed
 from nbaccel.launch.remote.hosts import parse_hosts, slurm_layout
 from nbaccel.launch.remote.hub import Hub
 from nbaccel.launch.remote.options import remote_options
+from nbaccel.launch.remote.warm import live_agents, shutdown_agents
 from nbaccel.launch.remote.wire import Kind, encode, new_keys
 from nbaccel.launch.render import TextRenderer
 from nbaccel.launch.run import run_function
@@ -32,6 +33,14 @@ from nbaccel.launch.run import run_function
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from remote_agents import local_plan  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_agents_after():
+    """Agents stay warm between this module's launches, and end with it."""
+    yield
+    shutdown_agents()
+
 
 # ----------------------------------------------------------------------------- hosts, options
 
@@ -96,11 +105,11 @@ def test_notebook_launcher_refuses_bad_hosts_before_starting():
 # ----------------------------------------------------------------------------- the hub
 
 
-def test_hub_admits_only_this_launchs_keys():
+def test_hub_admits_only_the_keys_it_made():
     """A client with the server's public key but a key pair of its own is refused by ZAP
-    before any message reaches the hub; the launch's own key gets through."""
+    before any message reaches the hub; a key the hub made for an agent gets through."""
     heard = []
-    hub = Hub("127.0.0.1", 1, lambda node, kind, header: heard.append((node, kind, header)))
+    hub = Hub("127.0.0.1", lambda agent, kind, header: heard.append((agent, kind, header)))
     context = zmq.Context()
     try:
 
@@ -114,13 +123,15 @@ def test_hub_admits_only_this_launchs_keys():
 
         stranger = client(*new_keys())
         stranger.send_multipart(encode(Kind.LOG, {"text": "let me in"}))
-        member = client(*hub.agent_keys[0])
-        member.send_multipart(encode(Kind.LOG, {"text": "node 0 here"}))
+        hub.admit()
+        agent, public, secret = hub.admit()
+        member = client(public, secret)
+        member.send_multipart(encode(Kind.LOG, {"text": "agent 1 here"}))
         deadline = time.monotonic() + 10
         while not heard and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the stranger's message, were it admitted, would be here by now
-        assert heard == [(0, Kind.LOG, {"text": "node 0 here"})]
+        assert heard == [(1, Kind.LOG, {"text": "agent 1 here"})] and agent == 1
         stranger.close()
         member.close()
     finally:
@@ -129,7 +140,7 @@ def test_hub_admits_only_this_launchs_keys():
 
 
 def test_hub_binds_only_the_address_it_was_given():
-    hub = Hub("127.0.0.1", 1, lambda *a: None)
+    hub = Hub("127.0.0.1", lambda *a: None)
     try:
         listening = [
             c.laddr
@@ -165,6 +176,7 @@ def _where(big):
 
 
 def test_agents_run_ranks_host_by_host(capsys):
+    shutdown_agents()
     big = torch.arange(100_000, dtype=torch.float64)  # large: through the hosts' shared memory
     before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. the fork server
     report = run_function(local_plan(["h1:2", "h2:1"]), _where, (big,), renderer=TextRenderer())
@@ -178,9 +190,46 @@ def test_agents_run_ranks_host_by_host(capsys):
     out = capsys.readouterr()
     assert "[rank 2 @ h2] on h2 as 0" in out.out
     assert "on 2 hosts (h1:2, h2:1)" in out.out and "CURVE" in out.out
+    # the ranks are gone; each host's agent and its fork server stay warm for the next launch
+    agents = _agent_pids(os.getpid())  # the agents (their fork servers share the command line)
+    assert len(agents) == 2
+    warm = {a.pid for a in agents} | {c.pid for a in agents for c in a.children()}
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not _agent_pids()  # every agent (and with it its fork server and ranks) ended
+    alive = {p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+    assert alive == warm and len(warm) == 4
+    shutdown_agents()  # what the kernel's exit does
+    assert not _agent_pids()
+    gone, still = psutil.wait_procs([psutil.Process(p) for p in warm if psutil.pid_exists(p)], 10)
+    assert not still
+
+
+def _lineage():
+    import os
+
+    import psutil
+
+    server = os.getppid()  # the rank's parent: its host's fork server, a child of the agent
+    return server, psutil.Process(server).ppid()
+
+
+def test_later_launches_reuse_the_agents_and_a_dead_one_is_restarted_with_a_notice(capsys):
+    first = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    first = first.values()
+    second = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    # the same agent and fork server on each host: no new process, no new import of torch
+    assert second.values() == first
+    assert {h.pid for h in live_agents()} >= {first[0][1], first[1][1]}
+    agent = psutil.Process(first[1][1])
+    agent.kill()  # h2's agent dies between launches; its fork server follows it
+    deadline = time.monotonic() + 10
+    while agent.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)  # dead, not reaped: the launcher's handle on it learns how it ended
+    capsys.readouterr()
+    third = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    third = third.values()
+    assert third[0] == first[0] and third[1][1] != first[1][1]
+    err = capsys.readouterr().err
+    assert "h2: its agent ended (agent h2 exited with code -9); starting a new agent" in err
 
 
 def _raise_on_last():
