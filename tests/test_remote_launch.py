@@ -222,8 +222,8 @@ def test_later_launches_reuse_the_agents_and_a_dead_one_is_restarted_with_a_noti
     agent = psutil.Process(first[1][1])
     agent.kill()  # h2's agent dies between launches; its fork server follows it
     deadline = time.monotonic() + 10
-    while agent.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.01)  # dead, not reaped: the launcher's handle on it learns how it ended
+    while agent.pid in {h.pid for h in live_agents()} and time.monotonic() < deadline:
+        time.sleep(0.01)  # the kernel notices (a launch that begins sooner may see it lost)
     capsys.readouterr()
     third = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
     third = third.values()
@@ -300,7 +300,7 @@ def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
     report = _two_hosts_sleeping_while(kill_second_agent, tmp_path)
     with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: its agent"):
         report.values()
-    assert not _agent_pids()
+    assert len(_agent_pids(os.getpid())) == 1  # h2's is gone; h1's stays warm
 
 
 _KERNEL = textwrap.dedent(

@@ -48,9 +48,24 @@ class AgentProcess:
     popen: subprocess.Popen
     what: str  # "ssh nbh1", "srun on node3"
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def poll(self) -> int | None:
+        """Its exit code, or None while it runs. Serialised: ``Popen.poll`` answers None, not
+        the truth, while another thread is polling the same process."""
+        with self._lock:
+            return self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL it now, and reap it."""
+        with self._lock:
+            if self.popen.poll() is None:
+                self.popen.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(2.0)
 
     def why_ended(self) -> str:
-        code = self.popen.poll()
+        code = self.poll()
         said = " | ".join(line for line in self.tail if line.strip())
         return f"{self.what} exited with code {code}" + (f": {said}" if said else "")
 
@@ -116,7 +131,7 @@ class WarmAgents:
             if self._closed:
                 raise RuntimeError("nbaccel's agents were shut down (the kernel is ending)")
             handle = self._agents.get(key)
-            if handle is not None and not handle.lost and handle.process.popen.poll() is not None:
+            if handle is not None and not handle.lost and handle.process.poll() is not None:
                 # ended since the watcher last looked: count it lost now, not mid-launch
                 handle.lost = f"its agent ended ({handle.process.why_ended()})"
                 self.hub.lose(handle.id, handle.lost)
@@ -152,7 +167,7 @@ class WarmAgents:
             if not waiting:
                 return
             for handle in waiting:
-                if handle.process.popen.poll() is not None:
+                if handle.process.poll() is not None:
                     time.sleep(0.2)  # let the reader thread catch the last words
                     raise RuntimeError(
                         f"could not start nbaccel's agent on {handle.name}: "
@@ -202,11 +217,7 @@ class WarmAgents:
             handle.lost = handle.lost or header["why"]
             # SIGKILL at once: an agent that is frozen or cut off ends now, not at the kernel's
             # exit (it ends its ranks itself when it hears nothing; ssh's end tells it, too)
-            popen = handle.process.popen
-            if popen.poll() is None:
-                popen.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    popen.wait(2.0)
+            handle.process.kill()
             with self._lock:
                 callbacks = list(self._sessions.values())
         else:
@@ -221,9 +232,7 @@ class WarmAgents:
         while not self._closed:
             with self._lock:
                 ended = [
-                    h
-                    for h in self._by_id.values()
-                    if not h.lost and h.process.popen.poll() is not None
+                    h for h in self._by_id.values() if not h.lost and h.process.poll() is not None
                 ]
             for handle in ended:
                 time.sleep(0.1)  # the agent's last words reach its tail first
