@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import cell_errors, cell_text, run_notebook
+from kernel import cell_errors, cell_text
+from kernel import run_notebook as _run_notebook
 
 pytestmark = pytest.mark.slurm
+
+
+def run_notebook(cells, **options):
+    """A fresh kernel, shut down at the end as Jupyter does: its agents end with it."""
+    return _run_notebook(cells, shutdown=True, **options)
 
 
 @pytest.fixture
