@@ -104,44 +104,63 @@ class RemoteLauncher(ProcessLauncher):
         self.lid, self.agents = secrets.token_hex(6), []
         self._ready.clear()
         self._lost.clear()
-        fleet = self.fleet = warm_agents(self.channel_address)
-        fleet.open_session(self.lid, self._on_event)
+        self.fleet = warm_agents(self.channel_address)
+        self.fleet.open_session(self.lid, self._on_event)
         try:
-            for host in self.layout.hosts:
-                handle, notice = fleet.acquire(
-                    self.agent_key(host),
-                    host.name,
-                    lambda config, host=host: self.start_agent(host, config),
-                    self.preload,
-                )
-                if notice:
-                    self._notices.append(f"{host.name}: {notice}")
-                self.agents.append(handle)
-            with self._lock:
-                self._node_of = {h.id: node for node, h in enumerate(self.agents)}
-            fleet.wait_ready(self.agents, _START_TIMEOUT)
-            for handle in self.agents:
-                fleet.hub.send(
-                    handle.id,
-                    Kind.BEGIN,
-                    {
-                        "lid": self.lid,
-                        "cwd": self.options.cwd,
-                        "cwd_required": self.options.cwd_required,
-                        "preload": sorted(set(self.preload)),
-                    },
-                )
-            self._wait_for_launch()
+            self._take_agents(range(len(self.layout.hosts)))
+            lost = self._wait_for_launch(retry=True)
+            if lost:  # warm agents that died before this kernel noticed: new ones, once
+                self._take_agents(lost)
+                self._wait_for_launch(retry=False)
         except BaseException:
             self.close()
             raise
 
-    def _wait_for_launch(self) -> None:
-        """Every agent began the launch (READY); RuntimeError naming a host that cannot."""
+    def _take_agents(self, nodes: Iterable[int]) -> None:
+        """Take (or start) the agents of ``nodes``, wait for them, begin the launch on each."""
+        assert self.fleet is not None
+        nodes = list(nodes)
+        for node in nodes:
+            host = self.layout.hosts[node]
+            handle, notice = self.fleet.acquire(
+                self.agent_key(host),
+                host.name,
+                lambda config, host=host: self.start_agent(host, config),
+                self.preload,
+            )
+            if notice:
+                self._notices.append(f"{host.name}: {notice}")
+            if node < len(self.agents):
+                self.agents[node] = handle
+            else:
+                self.agents.append(handle)
+        with self._lock:
+            for node in nodes:
+                self._ready.pop(node, None)
+                self._lost.pop(node, None)
+            self._node_of = {h.id: node for node, h in enumerate(self.agents)}
+        self.fleet.wait_ready([self.agents[n] for n in nodes], _START_TIMEOUT)
+        for node in nodes:
+            self.fleet.hub.send(
+                self.agents[node].id,
+                Kind.BEGIN,
+                {
+                    "lid": self.lid,
+                    "cwd": self.options.cwd,
+                    "cwd_required": self.options.cwd_required,
+                    "preload": sorted(set(self.preload)),
+                },
+            )
+
+    def _wait_for_launch(self, retry: bool) -> list[int]:
+        """Every agent began the launch (READY); RuntimeError naming a host that cannot. With
+        ``retry``, the nodes whose agent was lost come back instead (to be replaced)."""
         deadline = time.monotonic() + _START_TIMEOUT
         while True:
             with self._lock:
                 ready, lost = dict(self._ready), dict(self._lost)
+            if lost and retry:
+                return sorted(lost)
             for node, why in lost.items():
                 raise RuntimeError(
                     f"could not start the ranks on {self.layout.hosts[node].name}: its agent "
@@ -154,7 +173,7 @@ class RemoteLauncher(ProcessLauncher):
                         f"{header['error']}"
                     )
             if len(ready) == len(self.layout.hosts):
-                return
+                return []
             if time.monotonic() > deadline:
                 names = [h.name for n, h in enumerate(self.layout.hosts) if n not in ready]
                 raise RuntimeError(
