@@ -46,11 +46,35 @@ def allocation(slurm_cluster):
         "NBACCEL_NO_WARMUP": "1",
         "NBACCEL_RENDERER": "text",
     }
+    left = _agents_of(job, wait=15)  # ended with their kernel (as they end), before scancel
     subprocess.run(["scancel", job], timeout=30)
-    leftover = subprocess.run(
-        ["pgrep", "-f", "nbaccel[.]launch[.]remote[.]agent"], capture_output=True, text=True
-    ).stdout
-    assert not leftover.strip(), f"agents left after the test: {leftover}"
+    assert not left, f"agents left after the test: {left}"
+
+
+def _agents_of(job: str, wait: float) -> list[str]:
+    """The agents (and their fork servers, ranks) of SLURM job ``job`` still running after
+    ``wait`` seconds at most (other sessions' agents on this machine are not counted)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            try:
+                if "nbaccel.launch.remote.agent" not in " ".join(p.info["cmdline"] or []):
+                    continue
+                if (
+                    p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.environ().get("SLURM_JOB_ID") == job
+                ):
+                    left.append(f"{p.pid} {' '.join(p.info['cmdline'])}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 _LAUNCH = textwrap.dedent(
