@@ -48,9 +48,9 @@ notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())  # st
 first_s = time.perf_counter() - t0
 """
 
-LAUNCH = f"""
+LAUNCH = """
 remote_s, local_s = [], []
-for _ in range({REPEATS}):
+for _ in range({repeats}):
     t0 = time.perf_counter()
     notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())
     remote_s.append(time.perf_counter() - t0)
@@ -59,7 +59,7 @@ for _ in range({REPEATS}):
 print(json.dumps(dict(first_launch_s=first_s, warm_launch_s=statistics.median(remote_s),
                       one_host_s=statistics.median(local_s), warm_all=remote_s,
                       one_host_all=local_s)))
-"""
+"""  # .format(repeats=...)
 
 POOL = f"""
 %load_ext nbaccel
@@ -116,7 +116,8 @@ print(json.dumps(dict(
     first_launch_s=first_s, remote_launch_s=statistics.median(remote_s),
     local_launch_s=statistics.median(local_s), remote_all=remote_s, local_all=local_s,
     pool_start_s=pool_start_s, warm_cell_ms=1000 * statistics.median(cell_s),
-    interrupt_to_return_s=interrupt_s, python_left_on_hosts=left,
+    interrupt_to_return_s=interrupt_s,
+    python_on_hosts_after_interrupt=left,  # 2 each: the warm agent and its fork server
     killed_host_reported_s=lost_s, killed_host_error=lost_error[:300],
 )))
 """
@@ -145,18 +146,19 @@ def _run(sources: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure_cross_host() -> dict:
+def measure_cross_host(repeats: int = REPEATS) -> dict:
     """First and warm launch of a no-op on 2 hosts x 2 ranks vs the same 4 ranks on this
     machine, in one fresh kernel: ``{first_launch_s, warm_launch_s, one_host_s,
-    ratio_warm_to_one_host, ...}``. Needs the hosts lane (:func:`hosts_lane_up`)."""
-    result = _run([SETUP, FIRST, LAUNCH])
+    ratio_warm_to_one_host, ...}`` (warm and one host: medians of ``repeats``, alternated).
+    Needs the hosts lane (:func:`hosts_lane_up`)."""
+    result = _run([SETUP, FIRST, LAUNCH.format(repeats=repeats)])
     result["ratio_warm_to_one_host"] = result["warm_launch_s"] / result["one_host_s"]
     result["ratio_first_to_one_host"] = result["first_launch_s"] / result["one_host_s"]
     return result
 
 
 def main() -> int:
-    result = _run([SETUP, FIRST, LAUNCH, POOL, FAULTS])
+    result = _run([SETUP, FIRST, LAUNCH.format(repeats=REPEATS), POOL, FAULTS])
     result["ratio_remote_to_local"] = result["remote_launch_s"] / result["local_launch_s"]
     result["machine"] = f"{os.cpu_count()} cores; hosts are network namespaces on this machine"
     path = ROOT / "benchmarks" / "results" / "hosts.json"
