@@ -18,6 +18,7 @@ from nbaccel.launch.plan import Front, LaunchPlan, check_call, free_port
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
 from nbaccel.launch.render import TextRenderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.run import run_function
 
 __all__ = ["RankFailures", "free_port", "run_on_ranks"]
@@ -56,11 +57,10 @@ def run_on_ranks(
     travel by value, as in a notebook). ``env`` adds variables to every rank's environment.
     Raises :class:`RankFailures` naming every failing rank.
     """
-    args = check_call(args, timeout=timeout)
+    args = check_call(args)
     plan = LaunchPlan.create(
         Front.TESTING,
-        num_processes,
-        cpu=True,
+        LaunchRequest(num_processes=num_processes, cpu=True, timeout=timeout),
         extra_env={"OMP_NUM_THREADS": "1", **(env or {})},
     )
     report = run_function(

@@ -20,6 +20,7 @@ from nbaccel.launch.remote.hosts import parse_hosts
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.remote.warm import AgentProcess
+from nbaccel.launch.request import LaunchRequest
 
 KIND = "local-agents"
 
@@ -53,4 +54,5 @@ def local_plan(hosts: list[str], front: Front = Front.NOTEBOOK) -> LaunchPlan:
     """A plan whose "hosts" are agents on this machine."""
     layout = parse_hosts(hosts, None)
     remote = RemoteOptions(kind=KIND, layout=layout, python=sys.executable, cwd="/")
-    return LaunchPlan.create(front, layout.num_processes, remote=remote, cpu=True)
+    request = LaunchRequest(num_processes=layout.num_processes, cpu=True)
+    return LaunchPlan.create(front, request, remote=remote)

@@ -196,7 +196,7 @@ def test_status_table(nb):
 
 def test_bad_options_are_usage_errors(nb):
     for name, words in [
-        ("bad_n", "-n must be at least 1"),
+        ("bad_n", "num_processes must be a positive integer, got 0"),
         ("bad_ranks", "not in the pool"),
         ("bad_option", "unrecognized arguments: --bogus"),
     ]:

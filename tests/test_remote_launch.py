@@ -219,11 +219,8 @@ def test_later_launches_reuse_the_agents_and_a_dead_one_is_restarted_with_a_noti
     # the same agent and fork server on each host: no new process, no new import of torch
     assert second.values() == first
     assert {h.pid for h in live_agents()} >= {first[0][1], first[1][1]}
-    agent = psutil.Process(first[1][1])
-    agent.kill()  # h2's agent dies between launches; its fork server follows it
-    deadline = time.monotonic() + 10
-    while agent.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.01)  # dead (the kernel may not know yet: the launch finds out, once)
+    os.kill(first[1][1], signal.SIGKILL)  # h2's agent dies between launches (its fork server
+    # follows it); the next launch may begin before the kernel knows: it finds out, once
     capsys.readouterr()
     third = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
     third = third.values()
@@ -244,6 +241,19 @@ def test_first_failure_keeps_its_type_and_names_rank_and_host():
     report = run_function(local_plan(["h1:1", "h2:1"]), _raise_on_last, renderer=TextRenderer())
     with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] missing on the second host"):
         report.values()
+
+
+def test_a_pool_and_a_launch_in_one_kernel_name_their_own_ranks(capsys):
+    from nbaccel.notebook.kernel.pool import shutdown_pool, start_pool
+
+    report = run_function(local_plan(["h1:1", "h2:1"]), _raise_on_last, renderer=TextRenderer())
+    try:  # a pool on this machine runs a cell before the launch's failure is raised
+        start_pool(2).run_cell("print('here')", renderer=TextRenderer())
+    finally:
+        shutdown_pool()
+    assert "[rank 1] here" in capsys.readouterr().out  # the pool's ranks: no host
+    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] missing on the second host"):
+        report.values()  # the launch's ranks keep their hosts
 
 
 def _sleep_long(folder):

@@ -22,6 +22,7 @@ from typing import Any
 
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, is_peer_loss, rebuild_exception
 from nbaccel.launch.group import Outcome, WorkerGroup
+from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
 
@@ -72,20 +73,23 @@ ONE_SHOT = Settle()
 POOL = Settle(disposable=False)
 
 
-def outcome_exception(rank: int, outcome: Outcome) -> BaseException:
-    """The exception for one failed rank: its original type naming the rank, or RankCrashed."""
+def outcome_exception(
+    rank: int, outcome: Outcome, labels: RankLabels = LOCAL_LABELS
+) -> BaseException:
+    """The exception for one failed rank: its original type naming the rank (as ``labels``, its
+    worker group's, do), or RankCrashed."""
     if outcome.kind == OutcomeKind.CRASH:
         if outcome.lost:
-            return RankCrashed(rank, outcome.value, f"was lost: {outcome.detail}")
+            return RankCrashed(rank, outcome.value, f"was lost: {outcome.detail}", labels)
         text = describe_exit(outcome.value)
         if outcome.detail:
             text = f"{text}; {outcome.detail}"
-        return RankCrashed(rank, outcome.value, text)
+        return RankCrashed(rank, outcome.value, text, labels)
     exit_code = outcome.value.get("exit_code")
     if exit_code is not None:  # sys.exit(n) in the function: the rank exited, say so
-        return RankCrashed(rank, exit_code, f"exited with code {exit_code} (sys.exit)")
+        return RankCrashed(rank, exit_code, f"exited with code {exit_code} (sys.exit)", labels)
     named = outcome.value.get("rank")
-    return rebuild_exception(outcome.value, rank if named is None else named)
+    return rebuild_exception(outcome.value, rank if named is None else named, labels)
 
 
 def _secondary(outcome: Outcome) -> bool:
@@ -112,6 +116,7 @@ class CallReport:
     late: list[int] = field(default_factory=list)  # no outcome when the state was decided
     stuck: list[int] = field(default_factory=list)  # still no outcome after settling
     policy: Settle = ONE_SHOT
+    labels: RankLabels = LOCAL_LABELS  # how its worker group names the ranks
 
     @property
     def crashed(self) -> list[int]:
@@ -156,7 +161,7 @@ class CallReport:
         if failure is None:
             return None
         rank, outcome = failure
-        exc = outcome_exception(rank, outcome)
+        exc = outcome_exception(rank, outcome, self.labels)
         also = sorted(
             r
             for r, o in self.outcomes.items()
@@ -248,7 +253,7 @@ def run_call(
     stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
     group.end_call()
     outcomes = group.outcomes(call_id, targets)
-    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy)
+    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy, group.labels)
 
 
 def run_once(

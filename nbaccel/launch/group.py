@@ -31,7 +31,7 @@ from nbaccel.launch.channel import (
     readable,
 )
 from nbaccel.launch.errors import describe_exception
-from nbaccel.launch.labels import use_hosts
+from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.lines import Piece, StreamLines
 from nbaccel.launch.output_budget import OutputBudget
@@ -64,6 +64,7 @@ class WorkerGroup:
         local_rendezvous: all ranks are on this machine: initialise their process group through
             a private file store rather than a TCP listener.
         output: the limits of what each call shows (the rest goes to a log file, with a notice).
+        line_prefix: a template for the prefix of each output line (``RankLabels``).
     """
 
     def __init__(
@@ -79,13 +80,19 @@ class WorkerGroup:
         setup: Iterable[Callable[[], None]] = (),
         local_rendezvous: bool = False,
         output: OutputBudget | None = None,
+        line_prefix: str | None = None,
     ) -> None:
         self.num_processes = num_processes
+        self.mode = mode
+        self.launcher = launcher
+        #: how this group's ranks are named in its output and errors (``rank 5 @ node2``)
+        self.labels = RankLabels(
+            launcher.hosts_by_rank, line_prefix, {global_rank(i): i for i in range(num_processes)}
+        )
         self.renderer = renderer
         self.output = output or OutputBudget()
         self.output.notice = lambda text: self.renderer.notice(text)
-        self.mode = mode
-        self.launcher = launcher
+        self.output.labels = self.labels
         self._env_for_rank = env_for_rank
         self._work = work
         self._global_rank = global_rank
@@ -108,6 +115,16 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ start
     @property
+    def renderer(self) -> Renderer:
+        """Where this group's lines and events go; it names ranks with :attr:`labels`."""
+        return self._renderer
+
+    @renderer.setter
+    def renderer(self, renderer: Renderer) -> None:
+        renderer.use_labels(self.labels)
+        self._renderer = renderer
+
+    @property
     def ranks(self) -> list[int]:
         return [r.rank for r in self._ranks]
 
@@ -128,7 +145,6 @@ class WorkerGroup:
         )
         self._selector.register(self._listener, selectors.EVENT_READ, (_LISTENER, None, None))
         self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None, None))
-        use_hosts(self.launcher.hosts_by_rank)
         self.launcher.prepare()
         self.launcher.add_wakeup(self._wake)
         for index, state in enumerate(self._ranks):
@@ -361,7 +377,6 @@ class WorkerGroup:
     def expect_call(self, call_id: int = 0) -> None:
         """Mark every rank busy with ``call_id`` (``Mode.CALL``'s single call is id 0)."""
         self._current_call = call_id
-        use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
         now = time.monotonic()
         for state in self._ranks:
@@ -386,7 +401,6 @@ class WorkerGroup:
         targets = list(self.ranks if ranks is None else ranks)
         placed = self.launcher.place_work(packed, targets)
         self._current_call = call_id
-        use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
         now = time.monotonic()
         for rank in targets:
@@ -443,10 +457,6 @@ class WorkerGroup:
             shared.release()
         self._shared.clear()
         self.launcher.release_work()
-
-    def adopt_shared(self, shared: SharedTensors | None) -> None:
-        if shared is not None:
-            self._shared.append(shared)
 
     # ------------------------------------------------------------------ stopping
     def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:

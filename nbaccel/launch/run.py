@@ -19,7 +19,9 @@ from nbaccel.launch.group import WorkerGroup
 from nbaccel.launch.launchers import make_launcher
 from nbaccel.launch.launchers.xla import XlaLauncher, local_process_count, run_xla_process
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Inline, Mode
 from nbaccel.launch.transport import pack
 
@@ -76,6 +78,7 @@ def run_function(
                 global_rank=plan.global_rank,
                 setup=setup,
                 local_rendezvous=plan.local_rendezvous,
+                line_prefix=plan.line_prefix,
             )
             report = run_once(group, timeout, policy, interval)
             ok = report.state == CallState.DONE
@@ -116,14 +119,11 @@ def launch_xla(
     and its arguments (a model passed in ``args`` is shared, not copied).
     """
     __tracebackhide__ = True
-    plan = LaunchPlan.create(
-        front,
-        num_processes,
-        start_method=start_method,
-        xla=True,
-        mixed_precision=mixed_precision,
+    request = LaunchRequest(
+        num_processes=num_processes, start_method=start_method, mixed_precision=mixed_precision
     )
-    if plan.kind == "xla":
+    plan = LaunchPlan.create(front, request, xla=True)
+    if plan.kind == LaunchKind.XLA:
         XlaLauncher().prepare()  # refuse an initialised runtime before asking torch-xla anything
     single = plan.num_processes == 1
     processes = 1 if single else local_process_count()

@@ -7,9 +7,10 @@ before the next fork. Because the server never
 touches CUDA, forking it is safe even when the kernel has already initialised CUDA (the reason
 fork-based launchers refuse to start after a notebook touched the GPU).
 
-Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
-  driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
-  server -> driver: ("ready",) | ("started", request_id, pid) | ("exited", pid, returncode)
+Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
+tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
+  driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
+  server -> driver: (READY,) | (STARTED, request_id, pid) | (EXITED, pid, returncode, at)
 The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
 its stdin closes because the kernel died, kills its workers and exits.
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.processes import WorkerProcess, describe_exit
+from nbaccel.launch.protocol import LaunchKind, ServerMessage
 from nbaccel.launch.spec import WorkerSpec
 
 __all__ = [
@@ -119,7 +121,7 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     children: set[int] = set()
-    _write_frame(stdout, ("ready",))
+    _write_frame(stdout, (ServerMessage.READY,))
 
     def reap() -> None:
         for pid in list(children):
@@ -130,7 +132,7 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
             if done:
                 children.discard(pid)
                 code = os.waitstatus_to_exitcode(status)
-                _write_frame(stdout, ("exited", pid, code, time.time()))
+                _write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
 
     try:
         while True:
@@ -143,7 +145,7 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                     request = _read_frame(stdin)
                 except EOFError:
                     break
-                if request[0] == "preload":
+                if request[0] == ServerMessage.PRELOAD:
                     _preload(request[1], strict=False)
                     continue
                 _, request_id, spec_bytes = request
@@ -151,7 +153,7 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 if pid == 0:
                     _child_main(spec_bytes, (wake_r, wake_w, stdout))
                 children.add(pid)
-                _write_frame(stdout, ("started", request_id, pid))
+                _write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -266,11 +268,11 @@ class ForkServer:
             except (EOFError, OSError):
                 break
             with self._cond:
-                if message[0] == "ready":
+                if message[0] == ServerMessage.READY:
                     self._ready = True
-                elif message[0] == "started":
+                elif message[0] == ServerMessage.STARTED:
                     self._started[message[1]] = message[2]
-                elif message[0] == "exited":
+                elif message[0] == ServerMessage.EXITED:
                     self._exits[message[1]] = (message[2], message[3])
                 self._cond.notify_all()
             self._wake_all()
@@ -316,7 +318,7 @@ class ForkServer:
         missing = sorted(set(modules) - self.preloaded)
         if missing:
             with self._lock:
-                _write_frame(self._proc.stdin.fileno(), ("preload", missing))
+                _write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
@@ -325,7 +327,7 @@ class ForkServer:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            _write_frame(self._proc.stdin.fileno(), ("spawn", request_id, spec_bytes))
+            _write_frame(self._proc.stdin.fileno(), (ServerMessage.SPAWN, request_id, spec_bytes))
         with self._cond:
             while request_id not in self._started:
                 if not self.alive():
@@ -420,7 +422,7 @@ def warm_up_if_in_kernel(preload: Iterable[str] = ()) -> None:
 class ForkServerLauncher(ProcessLauncher):
     """Fork each rank from the process-wide server (torch and ``preload`` already imported)."""
 
-    name = "forkserver"
+    name = LaunchKind.FORKSERVER
 
     def __init__(self, preload: Iterable[str] = ()) -> None:
         super().__init__(preload)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launch.launchers.fork import ForkLauncher
+from nbaccel.launch.protocol import LaunchKind
 
 __all__ = ["XLA_PROCESS_VAR", "XlaLauncher", "local_process_count", "run_xla_process"]
 
@@ -51,7 +52,7 @@ def local_process_count() -> int:
 class XlaLauncher(ForkLauncher):
     """Fork torch-xla's processes from the driver; they inherit the work (no pickling)."""
 
-    name = "xla"
+    name = LaunchKind.XLA
     pickles_work = False
 
     def prepare(self) -> None:

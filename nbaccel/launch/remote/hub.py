@@ -32,7 +32,8 @@ from nbaccel.launch.remote.wire import HEARTBEAT, LOST_AFTER, Kind, decode, enco
 
 __all__ = ["Hub"]
 
-#: ``callback(agent id, kind, header)``; kind is a wire.Kind, or "lost" with {"why": ...}
+#: ``callback(agent id, kind, header)``; kind is a wire.Kind (``Kind.LOST`` with {"why": ...}
+#: when the hub gives up on an agent)
 EventCallback = Callable[[int, Any, dict[str, Any]], None]
 
 
@@ -269,4 +270,4 @@ class Hub:
         self._lost.add(agent)
         for key in [k for k in self._relays if k[0] == agent]:
             self._relays.pop(key).close()
-        self.callback(agent, "lost", {"why": why})
+        self.callback(agent, Kind.LOST, {"why": why})

@@ -19,7 +19,6 @@ import pickle
 import secrets
 import socket
 import threading
-import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -59,15 +58,13 @@ class RemoteLauncher(ProcessLauncher):
             raise ValueError(f"the {self.name} launcher needs the hosts (RemoteOptions).")
         self.options = remote
         self.layout = remote.layout
-        self.hosts_by_rank = {
-            r: self.layout.host_of(r).name for r in range(self.layout.num_processes)
-        }
         self.channel_address = remote.channel_address or self.find_channel_address()
         self.fleet: WarmAgents | None = None
         self.lid = secrets.token_hex(6)
         self.agents: list[AgentHandle] = []  # by node
         self._node_of: dict[int, int] = {}  # agent id -> node
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an agent ready, or lost
         self._ready: dict[int, dict[str, Any]] = {}
         self._lost: dict[int, str] = {}
         self._processes: dict[int, RemoteProcess] = {}
@@ -91,6 +88,10 @@ class RemoteLauncher(ProcessLauncher):
         """Start ``host``'s agent with ``config`` (kept off argv: its secret key is in it)."""
 
     # ------------------------------------------------------------------ the interface
+    @property
+    def hosts_by_rank(self) -> dict[int, str]:
+        return {r: self.layout.host_of(r).name for r in range(self.layout.num_processes)}
+
     def describe(self) -> str:
         return (
             f" on {_hosts(len(self.layout.hosts))} ({self.layout.describe()}) over "
@@ -155,31 +156,29 @@ class RemoteLauncher(ProcessLauncher):
     def _wait_for_launch(self, retry: bool) -> list[int]:
         """Every agent began the launch (READY); RuntimeError naming a host that cannot. With
         ``retry``, the nodes whose agent was lost come back instead (to be replaced)."""
-        deadline = time.monotonic() + _START_TIMEOUT
-        while True:
-            with self._lock:
-                ready, lost = dict(self._ready), dict(self._lost)
-            if lost and retry:
-                return sorted(lost)
-            for node, why in lost.items():
+        hosts = self.layout.hosts
+        with self._changed:
+            self._changed.wait_for(
+                lambda: bool(self._lost) or len(self._ready) == len(hosts), _START_TIMEOUT
+            )
+            ready, lost = dict(self._ready), dict(self._lost)
+        if lost and retry:
+            return sorted(lost)
+        for node, why in lost.items():
+            raise RuntimeError(
+                f"could not start the ranks on {hosts[node].name}: its agent was lost ({why})"
+            )
+        for node, header in ready.items():
+            if header.get("error"):
                 raise RuntimeError(
-                    f"could not start the ranks on {self.layout.hosts[node].name}: its agent "
-                    f"was lost ({why})"
+                    f"could not start the ranks on {hosts[node].name}: {header['error']}"
                 )
-            for node, header in ready.items():
-                if header.get("error"):
-                    raise RuntimeError(
-                        f"could not start the ranks on {self.layout.hosts[node].name}: "
-                        f"{header['error']}"
-                    )
-            if len(ready) == len(self.layout.hosts):
-                return []
-            if time.monotonic() > deadline:
-                names = [h.name for n, h in enumerate(self.layout.hosts) if n not in ready]
-                raise RuntimeError(
-                    f"the agents on {', '.join(names)} did not answer within {_START_TIMEOUT:.0f} s"
-                )
-            time.sleep(0.002)
+        if len(ready) < len(hosts):
+            names = [h.name for n, h in enumerate(hosts) if n not in ready]
+            raise RuntimeError(
+                f"the agents on {', '.join(names)} did not answer within {_START_TIMEOUT:.0f} s"
+            )
+        return []
 
     @property
     def master(self) -> tuple[str, int]:
@@ -268,6 +267,7 @@ class RemoteLauncher(ProcessLauncher):
                 return
             if kind == Kind.READY:
                 self._ready[node] = header
+                self._changed.notify_all()
                 for text in header.get("notes", ()):
                     self._notices.append(f"{self.layout.hosts[node].name}: {text}")
             elif kind == Kind.STARTED:
@@ -282,8 +282,9 @@ class RemoteLauncher(ProcessLauncher):
                     )
             elif kind == Kind.LOG:
                 self._notices.append(f"{self.layout.hosts[node].name}: {header.get('text', '')}")
-            elif kind == "lost":
+            elif kind == Kind.LOST:
                 self._lost[node] = header["why"]
+                self._changed.notify_all()
                 for rank, process in self._processes.items():
                     if self.layout.place(rank)[0] == node:
                         process.host_lost(header["why"])

@@ -19,6 +19,7 @@ import subprocess
 from collections.abc import Hashable
 from typing import Any
 
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_address
 from nbaccel.launch.remote.warm import AgentProcess
@@ -30,7 +31,7 @@ __all__ = ["SlurmLauncher"]
 class SlurmLauncher(RemoteLauncher):
     """Ranks on the nodes of this kernel's SLURM allocation, through srun."""
 
-    name = "slurm"
+    name = LaunchKind.SLURM
 
     def find_channel_address(self) -> str:
         """The local address on the route to the allocation's first node."""

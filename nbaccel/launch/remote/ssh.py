@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Hashable
 from typing import Any
 
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_address
 from nbaccel.launch.remote.warm import AgentProcess
@@ -28,7 +29,7 @@ __all__ = ["SshLauncher"]
 class SshLauncher(RemoteLauncher):
     """Ranks on the hosts of ``hosts=[...]``, through ssh."""
 
-    name = "ssh"
+    name = LaunchKind.SSH
 
     def _ssh(self, *args: str) -> list[str]:
         return ["ssh", *self.options.ssh_args, "-T", "-o", "BatchMode=yes", *args]

@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import subprocess
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -48,23 +47,24 @@ class AgentProcess:
     popen: subprocess.Popen
     what: str  # "ssh nbh1", "srun on node3"
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    reader: threading.Thread | None = None  # keeps ``tail``; ends with the process's output
 
     def poll(self) -> int | None:
-        """Its exit code, or None while it runs. Serialised: ``Popen.poll`` answers None, not
-        the truth, while another thread is polling the same process."""
-        with self._lock:
-            return self.popen.poll()
+        """Its exit code, or None while it runs (its watcher thread reaps it)."""
+        return self.popen.poll()
 
     def kill(self) -> None:
-        """SIGKILL it now, and reap it."""
-        with self._lock:
-            if self.popen.poll() is None:
-                self.popen.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.popen.wait(2.0)
+        """SIGKILL it now, and wait (briefly) until it is reaped."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(2.0)
 
-    def why_ended(self) -> str:
+    def why_ended(self, wait: float = 2.0) -> str:
+        """What the ended process said last, once its output was read (at most ``wait`` s:
+        a child of it may hold the pipe open)."""
+        if self.reader is not None:
+            self.reader.join(wait)
         code = self.poll()
         said = " | ".join(line for line in self.tail if line.strip())
         return f"{self.what} exited with code {code}" + (f": {said}" if said else "")
@@ -109,13 +109,12 @@ class WarmAgents:
     def __init__(self, address: str) -> None:
         self.address = address
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a hello, an agent lost or ended
         self._agents: dict[Hashable, AgentHandle] = {}  # the current agent of each key
         self._by_id: dict[int, AgentHandle] = {}
         self._sessions: dict[str, SessionCallback] = {}
         self._closed = False
         self.hub = Hub(address, self._on_event)
-        self._watcher = threading.Thread(target=self._watch, daemon=True, name="nbaccel-agents")
-        self._watcher.start()
 
     # ------------------------------------------------------------------ launches
     def acquire(
@@ -132,8 +131,8 @@ class WarmAgents:
                 raise RuntimeError("nbaccel's agents were shut down (the kernel is ending)")
             handle = self._agents.get(key)
             if handle is not None and not handle.lost and handle.process.poll() is not None:
-                # ended since the watcher last looked: count it lost now, not mid-launch
-                handle.lost = f"its agent ended ({handle.process.why_ended()})"
+                # ended, and its watcher has not said so yet: count it lost now, not mid-launch
+                handle.lost = f"its agent ended ({handle.process.why_ended(0.2)})"
                 self.hub.lose(handle.id, handle.lost)
             if handle is not None and not handle.lost:
                 return handle, ""
@@ -153,38 +152,46 @@ class WarmAgents:
             handle = AgentHandle(agent_id, key, name, start(config))
             self._agents[key] = handle
             self._by_id[agent_id] = handle
+        process = handle.process
+        process.reader = threading.Thread(
+            target=_collect, args=(process,), daemon=True, name="nbaccel-agent-out"
+        )
+        process.reader.start()
         threading.Thread(
-            target=_collect, args=(handle.process,), daemon=True, name="nbaccel-agent-out"
+            target=self._watch, args=(handle,), daemon=True, name="nbaccel-agent"
         ).start()
         return handle, notice
 
     def wait_ready(self, handles: list[AgentHandle], timeout: float) -> None:
         """Wait until every agent of ``handles`` said hello; RuntimeError naming the hosts
         whose agent could not start or did not connect back."""
-        deadline = time.monotonic() + timeout
-        while True:
-            waiting = [h for h in handles if h.hello is None]
-            if not waiting:
-                return
-            for handle in waiting:
-                if handle.process.poll() is not None:
-                    time.sleep(0.2)  # let the reader thread catch the last words
-                    raise RuntimeError(
-                        f"could not start nbaccel's agent on {handle.name}: "
-                        f"{handle.process.why_ended()}"
-                    )
-                if handle.lost:
-                    raise RuntimeError(
-                        f"could not start nbaccel's agent on {handle.name}: {handle.lost}"
-                    )
-            if time.monotonic() > deadline:
-                names = ", ".join(h.name for h in waiting)
+        with self._changed:
+            self._changed.wait_for(
+                lambda: (
+                    all(h.hello is not None or h.lost for h in handles)
+                    or any(h.process.poll() is not None for h in handles)
+                ),
+                timeout,
+            )
+        waiting = [h for h in handles if h.hello is None]
+        if not waiting:
+            return
+        for handle in waiting:
+            if handle.process.poll() is not None:
                 raise RuntimeError(
-                    f"the agents on {names} did not connect back to {self.address} within "
-                    f"{timeout:.0f} s: can those hosts reach this address? Pass "
-                    "channel_address=... to choose another one."
+                    f"could not start nbaccel's agent on {handle.name}: "
+                    f"{handle.process.why_ended()}"
                 )
-            time.sleep(0.01)
+            if handle.lost:
+                raise RuntimeError(
+                    f"could not start nbaccel's agent on {handle.name}: {handle.lost}"
+                )
+        names = ", ".join(h.name for h in waiting)
+        raise RuntimeError(
+            f"the agents on {names} did not connect back to {self.address} within "
+            f"{timeout:.0f} s: can those hosts reach this address? Pass "
+            "channel_address=... to choose another one."
+        )
 
     def open_session(self, lid: str, callback: SessionCallback) -> None:
         """Send launch ``lid``'s messages (and every agent lost) to ``callback``."""
@@ -211,10 +218,14 @@ class WarmAgents:
         if handle is None:
             return
         if kind == Kind.HELLO:
-            handle.hello = header
+            with self._changed:
+                handle.hello = header
+                self._changed.notify_all()
             return
-        if kind == "lost":
-            handle.lost = handle.lost or header["why"]
+        if kind == Kind.LOST:
+            with self._changed:
+                handle.lost = handle.lost or header["why"]
+                self._changed.notify_all()
             # SIGKILL at once: an agent that is frozen or cut off ends now, not at the kernel's
             # exit (it ends its ranks itself when it hears nothing; ssh's end tells it, too)
             handle.process.kill()
@@ -227,18 +238,17 @@ class WarmAgents:
         for callback in callbacks:
             callback(agent, kind, header)
 
-    def _watch(self) -> None:
-        """An agent process that ends takes its host with it: name it at once."""
-        while not self._closed:
-            with self._lock:
-                ended = [
-                    h for h in self._by_id.values() if not h.lost and h.process.poll() is not None
-                ]
-            for handle in ended:
-                time.sleep(0.1)  # the agent's last words reach its tail first
-                handle.lost = f"its agent ended ({handle.process.why_ended()})"
-                self.hub.lose(handle.id, handle.lost)
-            time.sleep(0.1)
+    def _watch(self, handle: AgentHandle) -> None:
+        """An agent process that ends takes its host with it: name it at once (with its last
+        words)."""
+        handle.process.popen.wait()
+        with self._changed:
+            self._changed.notify_all()
+        if self._closed or handle.lost:
+            return
+        why = f"its agent ended ({handle.process.why_ended()})"
+        handle.lost = handle.lost or why
+        self.hub.lose(handle.id, why)
 
     # ------------------------------------------------------------------ the end
     def close(self, grace: float = 1.0) -> None:

@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any
 
+from nbaccel.launch.labels import RankLabels
+from nbaccel.launch.protocol import EventKind, Stream
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
 
@@ -64,6 +66,10 @@ class WidgetRenderer(Renderer):
         self.text = TextRenderer()
         self.root: Any = None
 
+    def use_labels(self, labels: RankLabels) -> None:
+        self.labels = labels
+        self.text.use_labels(labels)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self, announcement: str, num_processes: int) -> None:
         import ipywidgets as widgets
@@ -80,9 +86,9 @@ class WidgetRenderer(Renderer):
         self._status_at = 0.0
         self.status = widgets.HTML()
         self.status.add_class("nbaccel-status")
-        self.progress = ProgressBoard()
+        self.progress = ProgressBoard(label=self.rank_label)
         self.memory = MemoryMonitor()
-        self.outputs = OutputPanel()
+        self.outputs = OutputPanel(label=self.rank_label)
         self._parts = {"progress": False, "memory": False, "outputs": False}
         self.metrics: dict[str, Any] = {}
         self.root = widgets.VBox([self.status])
@@ -126,17 +132,17 @@ class WidgetRenderer(Renderer):
         return text, rich
 
     # ------------------------------------------------------------------ events
-    def line(self, rank: int, stream: str, text: str) -> None:
+    def line(self, rank: int, stream: Stream, text: str) -> None:
         self.text.line(rank, stream, text)
         self.overflow(rank, stream, text)
 
-    def overflow(self, rank: int, stream: str, text: str) -> None:
+    def overflow(self, rank: int, stream: Stream, text: str) -> None:
         # beyond the output limit, the 'Output by rank' panel still shows each rank's tail
         self._attach("outputs")
         self.outputs.add(rank, stream, text[:_PANEL_LINE_CHARS])
         self._tick()
 
-    def event(self, rank: int, kind: str, payload: Any) -> None:
+    def event(self, rank: int, kind: EventKind, payload: Any) -> None:
         if kind == PROGRESS:
             self._attach("progress")
             self.progress.update(rank, payload)
