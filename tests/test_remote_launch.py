@@ -107,7 +107,8 @@ def test_notebook_launcher_refuses_bad_hosts_before_starting():
 
 def test_hub_admits_only_the_keys_it_made():
     """A client with the server's public key but a key pair of its own is refused by ZAP
-    before any message reaches the hub; a key the hub made for an agent gets through."""
+    before any message reaches the hub; a key the hub made for an agent gets through, until
+    that agent is counted lost (then nothing of it is heard, on any connection)."""
     heard = []
     hub = Hub("127.0.0.1", lambda agent, kind, header: heard.append((agent, kind, header)))
     context = zmq.Context()
@@ -132,8 +133,14 @@ def test_hub_admits_only_the_keys_it_made():
             time.sleep(0.05)
         time.sleep(0.5)  # the stranger's message, were it admitted, would be here by now
         assert heard == [(1, Kind.LOG, {"text": "agent 1 here"})] and agent == 1
-        stranger.close()
-        member.close()
+        hub.lose(1, "gone")
+        again = client(public, secret)  # the lost agent, reconnecting
+        again.send_multipart(encode(Kind.LOG, {"text": "back again"}))
+        member.send_multipart(encode(Kind.LOG, {"text": "still here"}))
+        time.sleep(0.5)
+        assert heard[1:] == [(1, Kind.LOST, {"why": "gone"})]
+        for sock in (stranger, member, again):
+            sock.close()
     finally:
         context.term()
         hub.close()

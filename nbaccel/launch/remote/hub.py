@@ -15,6 +15,7 @@ on the hub's thread with the agent's id.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import threading
 import time
@@ -57,7 +58,8 @@ class Hub:
     def __init__(self, address: str, callback: EventCallback) -> None:
         self.server_public, server_secret = new_keys()
         self.callback = callback
-        self._allowed: dict[str, int] = {}  # agent public key -> agent id
+        self._allowed: dict[str, int] = {}  # agent public key -> agent id (while not lost)
+        self._ids = itertools.count()
         self._channels: dict[str, Address] = {}  # launch id -> its worker group's listener
         self.context = zmq.Context()
         self.auth = _Keys(self.context, self._allowed)
@@ -103,7 +105,7 @@ class Hub:
     def admit(self) -> tuple[int, str, str]:
         """Keys for one more agent: ``(agent id, public, secret)``; ids are never reused."""
         public, secret = new_keys()
-        agent = len(self._allowed)
+        agent = next(self._ids)
         self._allowed[public] = agent
         return agent, public, secret
 
@@ -268,6 +270,8 @@ class Hub:
         if agent in self._lost:
             return
         self._lost.add(agent)
+        for key in [k for k, v in list(self._allowed.items()) if v == agent]:
+            del self._allowed[key]  # a lost agent that comes back is refused in the handshake
         for key in [k for k in self._relays if k[0] == agent]:
             self._relays.pop(key).close()
         self.callback(agent, Kind.LOST, {"why": why})
