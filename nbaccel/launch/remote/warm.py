@@ -137,8 +137,8 @@ class WarmAgents:
             if handle is not None and not handle.lost:
                 return handle, ""
             notice = ""
-            if handle is not None:
-                notice = f"{handle.lost}; starting a new agent"
+            if handle is not None and handle.hello is not None:  # it served; it never came up:
+                notice = f"{handle.lost}; starting a new agent"  # its error said so already
             agent_id, public, secret = self.hub.admit()
             config = {
                 "id": agent_id,
