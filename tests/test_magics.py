@@ -202,7 +202,8 @@ def test_bad_options_are_usage_errors(nb):
     ]:
         text = cell_text(nb[name])
         assert "UsageError" in text and words in text, (name, text)
-    assert "usage: %%distributed [-n N] [--ranks SPEC]" in cell_text(nb["help"])
+    assert "usage: %%distributed [-n N]" in cell_text(nb["help"])
+    assert "--ssh_args ARGS" in cell_text(nb["help"])  # every launch option the magic takes
     assert "--ranks SPEC" in cell_text(nb["help"])
     assert "usage: %dist_status" in cell_text(nb["name_error"])
 

@@ -70,7 +70,11 @@ class Settle:
 
 
 ONE_SHOT = Settle()
-POOL = Settle(disposable=False)
+#: seconds a one-shot rank gets to end after the stop button, per signal (SIGINT, then SIGTERM)
+STOP_GRACE = 0.6
+# A pool rank that has not reported its interrupt within half a second is SIGINTed once more and
+# given a second to come back (a long native op ends); after that the pool restarts it.
+POOL = Settle(disposable=False, interrupt_grace=0.5, recover=1.0)
 
 
 def outcome_exception(
@@ -129,6 +133,15 @@ class CallReport:
 
     def failures(self) -> dict[int, Outcome]:
         return {r: o for r, o in sorted(self.outcomes.items()) if o.kind != OutcomeKind.RESULT}
+
+    def causes(self) -> list[int]:
+        """The ranks whose failure was their own: not stopped by the driver, not a peer's
+        broken collective, not the stop button."""
+        return sorted(
+            r
+            for r, o in self.outcomes.items()
+            if o.kind != OutcomeKind.RESULT and not _secondary(o) and not _interrupted(o)
+        )
 
     def first_failure(self) -> tuple[int, Outcome] | None:
         """The earliest failure (by when it happened), not the lowest rank: a peer's error is
@@ -250,6 +263,8 @@ def run_call(
     state = _wait(group, call_id, targets, deadline, interrupted, max(0.01, min(interval, 0.2)))
     got = group.outcomes(call_id, targets)
     late = [r for r in targets if r not in got]
+    if state == CallState.INTERRUPTED and interrupted() and late:
+        group.signal_all(signal.SIGINT, late)  # the stop button, passed on to the busy ranks
     stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
     group.end_call()
     outcomes = group.outcomes(call_id, targets)
@@ -271,13 +286,14 @@ def run_once(
     group.expect_call(0)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        group.start()
+        group.start(180.0 if deadline is None else max(0.0, deadline - time.monotonic()))
         return run_call(
             group, 0, group.ranks, timeout, policy, interval=interval, deadline=deadline
         )
     except KeyboardInterrupt:
         group.renderer.notice("interrupted: stopping every rank")
-        group.stop(1.5, first=signal.SIGINT)
+        group.release()  # ranks that already reported (their KeyboardInterrupt) may exit now
+        group.stop(STOP_GRACE, first=signal.SIGINT)
         raise
     finally:
         group.close()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nbaccel.launch.capacity import check_capacity
 from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.request import START_METHODS, LaunchRequest
 
@@ -31,6 +32,7 @@ __all__ = [
     "Front",
     "LaunchPlan",
     "check_call",
+    "check_cwd",
     "check_port",
     "default_num_processes",
     "free_port",
@@ -98,6 +100,22 @@ def check_call(args: Any, kwargs: Any = None) -> tuple[Any, ...]:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}.")
     return tuple(args)
+
+
+def check_cwd() -> str:
+    """The working directory the ranks start in; a clear error when it was deleted."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        try:
+            where = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
+        except OSError:
+            where = "(unknown)"
+        raise FileNotFoundError(
+            f"this kernel's working directory {where} was deleted, and the ranks start in it. "
+            "Change to an existing directory first, e.g. os.chdir(os.path.expanduser('~')), "
+            "or recreate it."
+        ) from None
 
 
 def _refuse_nested_launch() -> None:
@@ -186,6 +204,8 @@ class LaunchPlan:
                 f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
             )
         kind = resolve_kind(request.start_method, xla)
+        check_capacity(num_processes, forked=kind != LaunchKind.SPAWN)
+        check_cwd()
         if xla and request.num_nodes > 1:
             raise ValueError("an XLA launch runs on this host only; leave num_nodes=1.")
         master_addr, port = request.master_addr, request.use_port

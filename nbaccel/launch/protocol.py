@@ -88,4 +88,5 @@ class ServerMessage(Word):
     SPAWN = "spawn"  # driver -> server: (SPAWN, request_id, spec_bytes)
     READY = "ready"  # server -> driver: (READY,) the preloaded modules are imported
     STARTED = "started"  # server -> driver: (STARTED, request_id, pid)
+    FAILED = "failed"  # server -> driver: (FAILED, request_id, why) the fork was refused
     EXITED = "exited"  # server -> driver: (EXITED, pid, returncode)

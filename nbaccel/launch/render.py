@@ -46,8 +46,9 @@ class Renderer:
     def notice(self, text: str) -> None:
         """A message from nbaccel itself (restarts, stopping ranks, ...)."""
 
-    def finish(self, ok: bool) -> None:
-        """The launch is over (``ok`` False when it failed or was interrupted)."""
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
+        """The launch is over (``ok`` False when it failed or was interrupted); ``failed``:
+        the ranks whose own failure it was (not those stopped because of it), when known."""
 
 
 class TextRenderer(Renderer):

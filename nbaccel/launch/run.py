@@ -63,7 +63,7 @@ def run_function(
     else:
         work = Inline(function, tuple(args), dict(kwargs or {}))
     renderer.start(plan.announcement(launcher.describe()), plan.num_processes)
-    ok = False
+    ok, failed = False, None
     try:
         attempt = 0
         while True:
@@ -81,7 +81,7 @@ def run_function(
                 line_prefix=plan.line_prefix,
             )
             report = run_once(group, timeout, policy, interval)
-            ok = report.state == CallState.DONE
+            ok, failed = report.state == CallState.DONE, report.causes()
             retry = report.state == CallState.FAILED and attempt < max_restarts
             if not retry:
                 return report
@@ -91,10 +91,13 @@ def run_function(
                 f"{type(exc).__name__}: {exc}; restarting all ranks "
                 f"(restart {attempt} of {max_restarts})."
             )
+    except KeyboardInterrupt:
+        failed = []  # nobody's failure: every rank was stopped
+        raise
     finally:
         if shared is not None:
             shared.release()
-        renderer.finish(ok)
+        renderer.finish(ok, failed)
 
 
 def launch_xla(

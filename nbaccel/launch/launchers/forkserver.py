@@ -10,9 +10,11 @@ fork-based launchers refuse to start after a notebook touched the GPU).
 Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
 tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
   driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
-  server -> driver: (READY,) | (STARTED, request_id, pid) | (EXITED, pid, returncode, at)
-The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
-its stdin closes because the kernel died, kills its workers and exits.
+  server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
+                    | (EXITED, pid, returncode, at)
+The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
+the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
+workers and exits at once; SIGTERM does the same.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.processes import WorkerProcess, describe_exit
 from nbaccel.launch.protocol import LaunchKind, ServerMessage
 from nbaccel.launch.spec import WorkerSpec
+from nbaccel.launch.transport import sweep_segments
 
 __all__ = [
     "ENGINE_PRELOAD",
     "ForkServer",
     "ForkedServerProcess",
+    "ProcessStartError",
     "ForkServerLauncher",
     "get_forkserver",
     "shutdown_forkserver",
@@ -48,6 +53,12 @@ __all__ = [
 ]
 
 _HEADER = struct.Struct("!I")
+
+
+class ProcessStartError(RuntimeError):
+    """The system refused to create a rank's process (process limit, memory)."""
+
+
 #: What every server imports: torch and the rank side of the engine. Fronts add their own.
 ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
 
@@ -83,6 +94,7 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    become_subreaper()  # what this rank starts stays below it (see launchers.reaper)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
@@ -107,6 +119,21 @@ def _preload(modules: Iterable[str], strict: bool) -> None:
             print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
 
 
+def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> None:
+    """Fork the rank a SPAWN request asks for and say so (or why the system refused)."""
+    _, request_id, spec_bytes = request
+    try:
+        pid = os.fork()
+    except OSError as exc:  # the process limit, or no memory for a new process
+        why = f"{type(exc).__name__}: {exc}"
+        _write_frame(stdout, (ServerMessage.FAILED, request_id, why))
+        return
+    if pid == 0:
+        _child_main(spec_bytes, server_fds)
+    reaper.ranks.add(pid)
+    _write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
+
+
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,25 +145,29 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    children: set[int] = set()
+    reaper = Reaper()
+
+    def terminate(*_: Any) -> None:
+        # SIGTERM (Jupyter shutting the kernel down signals its process group, then polls until
+        # no child is left): end the workers and exit at once, without the interpreter's slow
+        # teardown of torch, so the kernel's shutdown does not wait on this process.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        reaper.kill_all()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
     _write_frame(stdout, (ServerMessage.READY,))
 
     def reap() -> None:
-        for pid in list(children):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            if done:
-                children.discard(pid)
-                code = os.waitstatus_to_exitcode(status)
-                _write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
+        for pid, code in reaper.reap():
+            _write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
+        reaper.end_orphans()  # after the report: a rank's death is never held up by its orphans
 
     try:
         while True:
-            ready, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            due = reaper.next_due()
+            wait = 1.0 if due is None else min(1.0, due + 0.01)
+            ready, _, _ = select.select([stdin, wake_r], [], [], wait)
             if wake_r in ready:
                 os.read(wake_r, 4096)
             reap()
@@ -148,20 +179,13 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 if request[0] == ServerMessage.PRELOAD:
                     _preload(request[1], strict=False)
                     continue
-                _, request_id, spec_bytes = request
-                pid = os.fork()
-                if pid == 0:
-                    _child_main(spec_bytes, (wake_r, wake_w, stdout))
-                children.add(pid)
-                _write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
+                _fork_rank(request, stdout, (wake_r, wake_w, stdout), reaper)
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        reaper.kill_all()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown of torch: the kernel may be waiting on this exit
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -222,7 +246,8 @@ class ForkServer:
     """
 
     def __init__(self, preload: Iterable[str] = (), fork: bool = False) -> None:
-        bootstrap = (
+        bootstrap = (  # the stop button (SIGINT to the process group) must not hit the imports
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
             "from nbaccel.launch.launchers.forkserver import serve; "
             "serve(json.loads(sys.argv[2]))"
@@ -242,11 +267,16 @@ class ForkServer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,
+                # A session of its own: the stop button (SIGINT to the kernel's process group)
+                # reaches the ranks through the driver, never the server's imports; and the
+                # kernel's shutdown, which signals and then waits on its process group, does
+                # not wait on the server and its ranks (they end when the kernel's pipe closes).
+                start_new_session=True,
             )
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
-        self._started: dict[int, int] = {}
+        self._started: dict[int, int | str] = {}  # request -> pid, or why the fork failed
         self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
@@ -270,7 +300,7 @@ class ForkServer:
             with self._cond:
                 if message[0] == ServerMessage.READY:
                     self._ready = True
-                elif message[0] == ServerMessage.STARTED:
+                elif message[0] in (ServerMessage.STARTED, ServerMessage.FAILED):
                     self._started[message[1]] = message[2]
                 elif message[0] == ServerMessage.EXITED:
                     self._exits[message[1]] = (message[2], message[3])
@@ -333,7 +363,14 @@ class ForkServer:
                 if not self.alive():
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
                 self._cond.wait(0.1)
-            return self._started.pop(request_id)
+            pid = self._started.pop(request_id)
+        if isinstance(pid, str):
+            raise ProcessStartError(
+                f"the system refused a new rank process ({pid}): the process limit (ulimit -u, "
+                "kernel.pid_max) or the memory is exhausted. Use fewer processes, or end "
+                "processes that are no longer needed."
+            )
+        return pid
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
@@ -393,6 +430,7 @@ def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
         if _server is None or not _server.alive():
             if _server is not None:
                 _server.close()  # reap the dead one, close its pipes
+            sweep_segments()  # a new kernel: reclaim the shared memory of dead ones
             _server = ForkServer(preload)
         else:
             _server.preload(preload)

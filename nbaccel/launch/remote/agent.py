@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -107,7 +108,14 @@ class Session:
         self.entrance.listen(256)
         self.ranks: dict[int, WorkerProcess] = {}
         self.reported: set[int] = set()
-        self.files: list[str] = []
+        self.files: dict[str, int] = {}  # path -> fd holding its lock (see transport's sweep)
+
+    def unlink(self, path: str) -> None:
+        """Remove one of the launch's shared files (every rank mapped it)."""
+        if path in self.files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(self.files.pop(path))
 
     def close(self) -> list[WorkerProcess]:
         """Kill what is left of the ranks; remove the entrance, the files, the folder. The
@@ -116,9 +124,8 @@ class Session:
         for process in killed:
             process.signal_tree(signal.SIGKILL)
         self.entrance.close()
-        for path in self.files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for path in list(self.files):
+            self.unlink(path)
         shutil.rmtree(self.private, ignore_errors=True)
         return killed
 
@@ -266,11 +273,7 @@ class Agent:
                     process.signal_tree(int(header["signal"]))
             elif kind == Kind.UNLINK:
                 for name in header["names"]:
-                    path = os.path.join(_shm_dir(), os.path.basename(name))
-                    if path in session.files:
-                        session.files.remove(path)
-                        with contextlib.suppress(OSError):
-                            os.unlink(path)
+                    session.unlink(os.path.join(_shm_dir(), os.path.basename(name)))
         return True
 
     # ------------------------------------------------------------------ launches
@@ -329,13 +332,15 @@ class Agent:
         """Write the work's shared tensors into this host's shared memory, once per host."""
         path = os.path.join(_shm_dir(), os.path.basename(name))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # ours until unlinked: another launch's sweep skips it
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-        finally:
+        except BaseException:
             os.close(fd)
-        session.files.append(path)
+            raise
+        session.files[path] = fd
 
     def report_exits(self) -> None:
         self.dying = [p for p in self.dying if p.poll() is None]  # reaped: forgotten

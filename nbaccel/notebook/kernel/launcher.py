@@ -128,17 +128,20 @@ def launch_request(
             timeout=request.timeout,
             setup=hooks,
         )
-    report = run_function(
-        LaunchPlan.create(Front.NOTEBOOK, request),
-        function,
-        args,
-        renderer=renderer,
-        setup=hooks,
-        preload=WORKER_PRELOAD,
-        timeout=request.timeout,
-        max_restarts=request.max_restarts,
-        interval=request.monitor_interval,
-    )
+    try:
+        report = run_function(
+            LaunchPlan.create(Front.NOTEBOOK, request),
+            function,
+            args,
+            renderer=renderer,
+            setup=hooks,
+            preload=WORKER_PRELOAD,
+            timeout=request.timeout,
+            max_restarts=request.max_restarts,
+            interval=request.monitor_interval,
+        )
+    except KeyboardInterrupt:  # the stop button: the engine's frames (selectors...) are noise
+        raise KeyboardInterrupt from None
     failure = report.exception()
     if failure is not None:
         raise failure  # the rank's own exception, re-raised in the notebook

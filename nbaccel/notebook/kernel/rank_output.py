@@ -71,8 +71,8 @@ class CellRenderer(Renderer):
     def notice(self, text: str) -> None:
         self.inner.notice(text)
 
-    def finish(self, ok: bool) -> None:
-        self.inner.finish(ok)
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
+        self.inner.finish(ok, failed)
 
     def _upgrade(self) -> None:
         factory, self._rich = self._rich, None

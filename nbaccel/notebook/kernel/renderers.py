@@ -98,7 +98,7 @@ class WidgetRenderer(Renderer):
         bundle["text/plain"] = f"nbaccel: {announcement} (live view: progress, memory, output)"
         self._handle = display(bundle, raw=True, display_id=True)
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
         if self.root is None:
             return
         from IPython.display import display
@@ -107,7 +107,7 @@ class WidgetRenderer(Renderer):
         self.outputs.flush(force=True)
         elapsed = time.monotonic() - self.started
         self._set_status(f"{'finished' if ok else 'failed'} after {elapsed:.1f} s", ok)
-        text, rich = self.summary(ok, elapsed)
+        text, rich = self.summary(ok, elapsed, failed)
         if text:
             display({"text/plain": text, "text/html": rich}, raw=True)
         if self.metrics:  # live plots become static images with their last values as text
@@ -115,14 +115,13 @@ class WidgetRenderer(Renderer):
             for plot in self.metrics.values():
                 display(plot.bundle(), raw=True)
 
-    def summary(self, ok: bool, elapsed: float) -> tuple[str, str]:
+    def summary(self, ok: bool, elapsed: float, failed: list[int] | None = None) -> tuple[str, str]:
         """The launch's end as (plain text, HTML): final bars and peak memory per rank."""
         bars = self.progress.summary_lines()
         memory_text = self.memory.summary_text()
         if not bars and not memory_text:
             return "", ""
-        verb = "finished" if ok else "failed"
-        head = f"nbaccel: {self.num_processes} ranks {verb} in {elapsed:.1f} s"
+        head = f"nbaccel: {_outcome(self.num_processes, ok, failed)} in {elapsed:.1f} s"
         text = "\n".join([head, *bars, *([memory_text] if memory_text else [])])
         bar_html = "".join(f"<div>{html.escape(b)}</div>" for b in bars)
         rich = (
@@ -196,3 +195,14 @@ class WidgetRenderer(Renderer):
             f'<span style="color:{colour}"><b>nbaccel</b> · {self.num_processes} ranks · '
             f"{html.escape(state)}</span>"
         )
+
+
+def _outcome(num_processes: int, ok: bool, failed: list[int] | None) -> str:
+    """``2 ranks finished``, ``1 rank failed (1 stopped)``, ``2 ranks stopped``."""
+    if ok or failed is None:
+        return f"{num_processes} ranks {'finished' if ok else 'failed'}"
+    if not failed:  # nobody's own failure: the stop button, or the timeout
+        return f"{num_processes} ranks stopped"
+    text = f"{len(failed)} rank{'s' if len(failed) > 1 else ''} failed"
+    others = num_processes - len(failed)
+    return text + (f" ({others} stopped)" if others > 0 else "")
