@@ -415,3 +415,39 @@ def test_a_missing_default_folder_is_a_notice_not_an_error(capsys):
     report = run_function(plan, _cwd, renderer=TextRenderer())
     assert report.values() == [os.getcwd()]  # the agent's start folder (here: this one)
     assert "h1: no /no/such/nbaccel/folder on this host" in capsys.readouterr().err
+
+
+def _hold(folder):
+    import os
+    import time
+
+    open(os.path.join(folder, os.environ["RANK"]), "w").close()
+    while not os.path.exists(os.path.join(folder, "done")):
+        time.sleep(0.05)
+    return "held", os.getppid()
+
+
+def test_two_launches_at_once_share_the_agents(tmp_path):
+    """A launch that runs while another holds its ranks on the same hosts (a pool and a
+    ``notebook_launcher`` call): each is its own session on the one agent per host."""
+    held = {}
+    thread = threading.Thread(
+        target=lambda: held.setdefault(
+            "values",
+            run_function(
+                local_plan(["h1:1", "h2:1"]), _hold, (str(tmp_path),), renderer=TextRenderer()
+            ).values(),
+        )
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        quick = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+        quick = quick.values()
+    finally:
+        (tmp_path / "done").touch()
+        thread.join(60)
+    assert held["values"] == [("held", quick[0][0]), ("held", quick[1][0])]  # same fork servers
+    assert len(_agent_pids(os.getpid())) == 2
