@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 SIZES = {  # label: (layers, experts); tensors = layers * (7 + 3 * experts) + 3
-    "3k": (30, 32),
-    "12k": (62, 64),
-    "37k": (94, 128),
+    "3k": (16, 64),  # 3,187 tensors
+    "37k": (48, 256),  # 37,203 tensors: 12x the tensors of 3k
 }
 
 
@@ -127,6 +126,7 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
         "speedup_cpu": round(acc_cpu / nb_cpu, 1),
         "nbaccel_layers_per_device": layers_on(nb_map),
         "accelerate_layers_per_device": layers_on(acc_map),
+        "same_map": dict(nb_map) == dict(acc_map),
     }
     print(
         f"{label:>4} {tensors:>6} tensors  wall: nbaccel {nb_t:6.3f} s, accelerate {acc_t:6.3f} s,"
@@ -138,26 +138,37 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
     return row
 
 
+def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
+    """Both sizes, both libraries; the report (also for benchmarks/gate)."""
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
+    import accelerate
+
+    args = argparse.Namespace(repeats=repeats, accelerate_repeats=accelerate_repeats)
+    rows = [measure(label, layers, experts, args) for label, (layers, experts) in SIZES.items()]
+    first, last = rows[0], rows[-1]
+    growth = {"tensors": round(last["tensors"] / first["tensors"], 2)}
+    for tool in ("nbaccel", "accelerate"):
+        growth[f"{tool}_cpu"] = round(last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"], 2)
+        growth[f"{tool}_wall"] = round(last[f"{tool}_s"] / first[f"{tool}_s"], 2)
+        print(
+            f"{tool}: {growth['tensors']:.1f}x the tensors -> {growth[f'{tool}_cpu']:.1f}x the "
+            "CPU time"
+        )
+    return {
+        "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "accelerate": accelerate.__version__,
+        "rows": rows,
+        "growth": growth,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--accelerate-repeats", type=int, default=1)
     args = parser.parse_args()
-    logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
-    import accelerate
-
-    rows = [measure(label, layers, experts, args) for label, (layers, experts) in SIZES.items()]
-    first, last = rows[0], rows[-1]
-    growth_t = last["tensors"] / first["tensors"]
-    for tool in ("nbaccel", "accelerate"):
-        g = last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"]
-        print(f"{tool}: {growth_t:.1f}x the tensors -> {g:.1f}x the CPU time")
-    out = {
-        "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
-        "accelerate": accelerate.__version__,
-        "rows": rows,
-    }
+    out = run(args.repeats, args.accelerate_repeats)
     path = Path(__file__).parent / "results" / "device_map.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
