@@ -80,6 +80,22 @@ def build(layers: int, experts: int) -> nn.Module:
         return MoeModel(layers, experts)
 
 
+def bare_walk(model: nn.Module) -> int:
+    """Sum of tensor bytes, nothing kept: what touching every module once costs (memory-bound
+    on 10^5 modules), for scale against a planner's time."""
+    total, stack = 0, [model]
+    while stack:
+        module = stack.pop()
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                total += tensor.nbytes
+        for tensor in module._buffers.values():
+            if tensor is not None:
+                total += tensor.nbytes
+        stack.extend(module._modules.values())
+    return total
+
+
 def timed(fn, repeats: int) -> tuple[float, float, dict]:
     """Best wall time and best CPU time of this process (the CPU time is robust to other jobs
     sharing the machine), and the result."""
@@ -106,6 +122,8 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
     max_memory = {0: int(0.3 * total), 1: int(0.3 * total), 2: int(0.3 * total), "cpu": total}
     kwargs = {"no_split_module_classes": ["DecoderLayer"]}
     nb_t, nb_cpu, nb_map = timed(lambda: nb_infer(model, dict(max_memory), **kwargs), args.repeats)
+    # The floor of any planner: one bare walk reading each module's tensors and children.
+    _, floor_cpu, _ = timed(lambda: bare_walk(model), args.repeats)
     acc_t, acc_cpu, acc_map = timed(
         lambda: acc_infer(model, dict(max_memory), **kwargs), args.accelerate_repeats
     )
@@ -124,6 +142,8 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
         "nbaccel_cpu_s": round(nb_cpu, 4),
         "accelerate_cpu_s": round(acc_cpu, 4),
         "speedup_cpu": round(acc_cpu / nb_cpu, 1),
+        "bare_walk_cpu_s": round(floor_cpu, 4),
+        "accelerate_over_bare_walk": round(acc_cpu / floor_cpu, 1),
         "nbaccel_layers_per_device": layers_on(nb_map),
         "accelerate_layers_per_device": layers_on(acc_map),
         "same_map": dict(nb_map) == dict(acc_map),
@@ -131,6 +151,8 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
     print(
         f"{label:>4} {tensors:>6} tensors  wall: nbaccel {nb_t:6.3f} s, accelerate {acc_t:6.3f} s,"
         f" x{acc_t / nb_t:.1f} | cpu: {nb_cpu:6.3f} s vs {acc_cpu:6.3f} s, x{acc_cpu / nb_cpu:.1f}"
+        f"\n      bare walk of the model: {floor_cpu:.3f} s CPU (accelerate = "
+        f"{acc_cpu / floor_cpu:.1f}x that)"
         f"\n      layers per device: nbaccel {row['nbaccel_layers_per_device']}  "
         f"accelerate {row['accelerate_layers_per_device']}",
         flush=True,

@@ -18,6 +18,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 8
 
+
 def cells(ranks: tuple[int, ...], repeats: int, ram: bool) -> list[str]:
     """The notebook: import + first launch, then both launchers alternated at each rank count,
     then (``ram``) the RAM added while 2 ranks read a 1 GiB tensor passed in ``args``."""
