@@ -193,6 +193,108 @@ def _remove(queue: list[Piece], name: str) -> list[Piece]:
     return out
 
 
+class _Largest:
+    """Accelerate's "largest layer" kept free on the main devices, and when it is measured again:
+    after a split, or once every layer of that size measured last time has left the queue."""
+
+    def __init__(self, queue: _Fill, first: list[Piece]):
+        self.queue = queue
+        # The first measure also counts the model's own tensors; later ones only modules.
+        largest = (0, 0)
+        for name, piece in first:
+            if isinstance(piece, torch.Tensor):
+                own = (queue.size(name, piece), 1)
+            else:
+                own = queue.layers(name, piece)
+            largest = _combine(largest, own)
+        self.size, self.remaining = largest
+        self.first_measure = True
+        self.popped: set[str] = set()
+
+    def leave(self, name: str, piece: nn.Module | torch.Tensor, size: float) -> None:
+        """``name`` left the queue: layers of the largest size under it leave the count."""
+        if self.size <= 0 or name in self.popped:
+            return
+        self.popped.add(name)
+        if isinstance(piece, torch.Tensor):
+            gone = 1 if self.first_measure and size == self.size else 0
+        else:
+            layer_size, count = self.queue.layers(name, piece)
+            gone = count if layer_size == self.size else 0
+        self.remaining -= gone
+        if self.remaining <= 0:
+            self.remeasure(name)
+
+    def remeasure(self, just_popped: str | None = None) -> None:
+        self.size, self.remaining = self.queue.largest()
+        # A piece popped before the measure is not part of it, even if it is queued again.
+        self.first_measure = False
+        self.popped = {just_popped} if just_popped is not None else set()
+
+
+class _Devices:
+    """The devices in fill order, what each holds, and the one being filled."""
+
+    def __init__(self, budgets: Mapping[int | str, float]):
+        self.order = list(budgets)
+        self.caps = dict(budgets)
+        if "disk" not in self.caps:
+            self.order.append("disk")
+        self.caps["disk"] = math.inf  # the disk is never full
+        gpus = [d for d in self.order if d not in ("cpu", "disk")]
+        if "mps" in gpus:
+            self.main = {"mps"}
+        elif gpus:
+            self.main = {gpus[0], "cpu"}
+        else:
+            self.main = {"cpu"}
+        self.index = 0
+        self.used: dict[int | str, float] = dict.fromkeys(self.order, 0)
+        self.buffers: dict[int | str, float] = {}
+        self.empty_minimum: dict[int | str, float] = {}
+        self.result: dict[str, int | str] = {}
+
+    def current(self, largest: float) -> tuple[int | str, float, float]:
+        """(device, memory kept free on it, what may be used on it)."""
+        device = self.order[self.index]
+        reserved = largest if device in self.main else 0
+        return device, reserved, self.caps[device] - reserved
+
+    def move_on(self, device: int | str, total: float, reserved: float) -> None:
+        """Nothing more fits on ``device``: it keeps its reserve and the next one is filled."""
+        if self.used[device] == 0:
+            self.empty_minimum[device] = total + reserved
+        self.used[device] += reserved
+        self.index += 1
+
+    def report(self) -> GreedyFill:
+        used = {d: u for d, u in self.used.items() if u > 0}
+        return GreedyFill(self.result, used, self.buffers, self.empty_minimum)
+
+
+def _split_a_partner(queue: _Fill, current: Piece, tied_names: list[str], tied_pieces) -> bool:
+    """Split the first splittable tied partner in place; the current piece goes back first."""
+    for tied_name, tied_piece in zip(tied_names, tied_pieces):
+        if not queue.splittable(tied_piece):
+            continue
+        rest = queue.queue()
+        at = next(i for i, (n, _) in enumerate(rest) if n == tied_name)
+        queue.reset([current, *rest[:at], *_split(tied_name, tied_piece), *rest[at + 1 :]])
+        return True
+    return False
+
+
+def _first_pieces(model: nn.Module) -> list[Piece]:
+    """The model's own parameters, then its children, then its own buffers."""
+    first = _split("", model)
+    seen: set[int] = set()
+    for key, buffer in model._buffers.items():
+        if buffer is not None and id(buffer) not in seen:
+            seen.add(id(buffer))
+            first.append((key, buffer))
+    return first
+
+
 def greedy_fill(
     model: nn.Module,
     budgets: Mapping[int | str, float],
@@ -203,115 +305,50 @@ def greedy_fill(
     verbose: bool = False,
 ) -> GreedyFill:
     """Fill ``budgets`` (ordered devices, bytes) in order with the model's pieces."""
-    devices = list(budgets)
-    caps = dict(budgets)
-    if "disk" not in caps:
-        devices.append("disk")
-    caps["disk"] = math.inf  # the disk is never full
-    gpus = [d for d in devices if d not in ("cpu", "disk")]
-    if "mps" in gpus:
-        main = {"mps"}
-    elif gpus:
-        main = {gpus[0], "cpu"}
-    else:
-        main = {"cpu"}
-    first = _split("", model)
-    seen: set[int] = set()
-    for key, buffer in model._buffers.items():
-        if buffer is not None and id(buffer) not in seen:
-            seen.add(id(buffer))
-            first.append((key, buffer))
-    tied_groups = scan.tied_groups
-    fill = _Fill(scan, no_split, tied_groups)
-    fill.reset(first)
-    size_of = scan.piece_size
-    # The first measure also counts the model's own tensors; later ones only modules.
-    largest = (0, 0)
-    for name, piece in first:
-        own = (
-            (size_of(name, piece), 1)
-            if isinstance(piece, torch.Tensor)
-            else fill._own((name, piece))
+    devices = _Devices(budgets)
+    first = _first_pieces(model)
+    queue = _Fill(scan, no_split, scan.tied_groups)
+    queue.reset(first)
+    largest = _Largest(queue, first)
+    while queue.stack:
+        name, piece = queue.pop()
+        size = scan.piece_size(name, piece)
+        largest.leave(name, piece, size)
+        tied = queue.outside_ties(name) if scan.tied_groups else []
+        device, reserved, cap = devices.current(largest.size)
+        total, tied_names, tied_pieces = (
+            queue.with_ties(tied, size, queue.queue()) if tied else (size, [], [])
         )
-        largest = _combine(largest, own)
-    largest_size, remaining = largest
-    first_measure = True
-    popped: set[str] = set()
-
-    def remeasure(just_popped: str | None = None) -> None:
-        nonlocal largest_size, remaining, first_measure, popped
-        largest_size, remaining = fill.largest()
-        # A piece popped before the measure is not part of it, even if it is queued again.
-        first_measure, popped = False, {just_popped} if just_popped is not None else set()
-
-    result: dict[str, int | str] = {}
-    used: dict[int | str, float] = dict.fromkeys(devices, 0)
-    buffers: dict[int | str, float] = {}
-    empty_minimum: dict[int | str, float] = {}
-    index = 0
-    while fill.stack:
-        name, piece = fill.pop()
-        size = size_of(name, piece)
-        # Layers of the largest size under this piece leave the count; none left: re-measure.
-        if largest_size > 0 and name not in popped:
-            popped.add(name)
-            if isinstance(piece, torch.Tensor):
-                gone = 1 if first_measure and size == largest_size else 0
-            else:
-                layer_size, count = fill.layers(name, piece)
-                gone = count if layer_size == largest_size else 0
-            remaining -= gone
-            if remaining <= 0:
-                remeasure(name)
-        tied = fill.outside_ties(name) if tied_groups else []
-        device = devices[index]
-        reserved = largest_size if device in main else 0
-        cap = caps[device] - reserved
-        if tied:
-            total, tied_names, tied_pieces = fill.with_ties(tied, size, fill.queue())
-        else:
-            total, tied_names, tied_pieces = size, [], []
-        if used[device] + total <= cap:
+        used = devices.used[device]
+        if used + total <= cap:
             if verbose:
                 print(f"Putting {name} ({total} bytes) on {device}.")
-            used[device] += total
-            result[name] = device
+            devices.used[device] += total
+            devices.result[name] = device
             if tied_names:
-                fill.reset([(n, p) for n, p in fill.queue() if n not in tied_names])
-            for tied_name in tied_names:
-                result[tied_name] = device
+                queue.reset([(n, p) for n, p in queue.queue() if n not in tied_names])
+            devices.result.update(dict.fromkeys(tied_names, device))
             if not offload_buffers and isinstance(piece, nn.Module):
-                buffers[device] = buffers.get(device, 0) + scan.piece_buffers(name, piece)
+                buffers = devices.buffers.get(device, 0) + scan.piece_buffers(name, piece)
+                devices.buffers[device] = buffers
             continue
-        if tied and used[device] + size <= cap:
-            # The piece fits without its tied partners: split a partner if one can be split.
-            split_partner = False
-            for tied_name, tied_piece in zip(tied_names, tied_pieces):
-                if not fill.splittable(tied_piece):
-                    continue
-                rest = fill.queue()
-                at = next(i for i, (n, _) in enumerate(rest) if n == tied_name)
-                parts = _split(tied_name, tied_piece)
-                fill.reset([(name, piece), *rest[:at], *parts, *rest[at + 1 :]])
-                remeasure()
-                split_partner = True
-                break
-            if split_partner:
-                continue
-        if used[device] + size >= cap and fill.splittable(piece):
+        if (
+            tied
+            and used + size <= cap
+            and _split_a_partner(queue, (name, piece), tied_names, tied_pieces)
+        ):
+            largest.remeasure()
+            continue
+        if used + size >= cap and queue.splittable(piece):
             for part in reversed(_split(name, piece)):
-                fill.push(part)
-            remeasure()
+                queue.push(part)
+            largest.remeasure()
             continue
-        if used[device] == 0 and fallback_allocation and device != "disk":
-            limit = caps[device] - max(largest_size, total)
-            found, rest = fill.fallback(limit)
+        if used == 0 and fallback_allocation and device != "disk":
+            found, rest = queue.fallback(devices.caps[device] - max(largest.size, total))
             if found is not None:
-                fill.reset([found, (name, piece), *rest])
+                queue.reset([found, (name, piece), *rest])
                 continue
-        if used[device] == 0:
-            empty_minimum[device] = total + reserved
-        used[device] += reserved
-        index += 1
-        fill.push((name, piece))
-    return GreedyFill(result, {d: u for d, u in used.items() if u > 0}, buffers, empty_minimum)
+        devices.move_on(device, total, reserved)
+        queue.push((name, piece))
+    return devices.report()

@@ -186,11 +186,10 @@ class ModelScan:
             parent = pop_parent()
             own = own_buffers = 0
             params = module._parameters
-            if params:
-                for tensor in params.values():
-                    if tensor is not None:
-                        own += tensor.nbytes if tensor.dtype is not boolean else tensor.numel() / 8
-                collect(params.values())
+            for tensor in params.values():
+                if tensor is not None:
+                    own += tensor.nbytes if tensor.dtype is not boolean else tensor.numel() / 8
+            collect(params.values())
             if module._buffers:
                 for tensor in module._buffers.values():
                     if tensor is not None:
@@ -217,18 +216,14 @@ class ModelScan:
         nones = all_ids.count(id(None))  # ints: list.count(None) would call Tensor.__eq__
         if len(set(all_ids)) - (1 if nones else 0) != len(all_ids) - nones:
             return False  # a tensor or module is shared: sizes depend on names
-        for i in range(len(totals) - 1, 0, -1):  # children come after parents: sum upwards
-            totals[parents[i]] += totals[i]
+        self.size_by_id = dict(zip(map(id, modules), _sum_upwards(parents, totals)))
+        self.buffers_by_id = {}
         if buffer_totals:
             buffers = [0] * len(totals)
             for i, size in buffer_totals.items():
                 buffers[i] = size
-            for i in range(len(buffers) - 1, 0, -1):
-                buffers[parents[i]] += buffers[i]
+            buffers = _sum_upwards(parents, buffers)
             self.buffers_by_id = {id(m): b for m, b in zip(modules, buffers) if b}
-        else:
-            self.buffers_by_id = {}
-        self.size_by_id = dict(zip(map(id, modules), totals))
         return True
 
     @staticmethod
@@ -288,13 +283,13 @@ class ModelScan:
                 own += own_buffers
                 buffer_totals[i] = own_buffers
             totals[i] = own
-        tied = self._tie_groups(entries, dups)
-        for i in range(len(entries) - 1, 0, -1):  # children come after parents: sum upwards
-            parent = entries[i][1]
-            totals[parent] += totals[i]
-            buffer_totals[parent] += buffer_totals[i]
-        self._totals, self._buffer_totals = totals, buffer_totals
         self._tensor_sizes, self._tensor_buffers = tensor_sizes, tensor_buffers
+        self._finish_named(entries, totals, buffer_totals, self._tie_groups(entries, dups))
+
+    def _finish_named(self, entries, totals, buffer_totals, tied) -> None:
+        parents = [e[1] for e in entries]
+        self._totals = totals = _sum_upwards(parents, totals)
+        self._buffer_totals = buffer_totals = _sum_upwards(parents, buffer_totals)
         # A module shared under two names counts its tensors under the first one only, so
         # answers go by name whenever a module object appears twice.
         self.by_name = len({id(e[0]) for e in entries}) != len(entries)
@@ -302,6 +297,7 @@ class ModelScan:
         self.buffers_by_id = {
             id(e[0]): t for e, t in zip(reversed(entries), reversed(buffer_totals)) if t
         }
+        names = self._name_list
         groups = [[_join(names[i], leaf) for i, leaf in pairs] for pairs in tied]
         self.tied_groups = [sorted(g) for g in groups]
         self.tied_dups = {n for g in groups for n in g[1:]}
@@ -378,6 +374,13 @@ class ModelScan:
         if id(module) in self.size_by_id:
             return self.buffers_by_id.get(id(module), 0)
         return self._leaf(module, buffers_only=True)
+
+
+def _sum_upwards(parents: list[int], totals: list) -> list:
+    """Add each entry into its parent's, deepest first (children come after their parent)."""
+    for i in range(len(totals) - 1, 0, -1):
+        totals[parents[i]] += totals[i]
+    return totals
 
 
 def _join(name: str, leaf: str) -> str:
