@@ -17,6 +17,8 @@ import sys
 from shutil import which
 from typing import Any
 
+from nbaccel.values.booleans import parse_bool
+
 __all__ = [
     "convert_nargs_to_dict",
     "launch_environment",
@@ -42,7 +44,7 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def _flag(value: Any) -> str:
-    return "true" if str(value).lower() in ("1", "true", "yes") else "false"
+    return "true" if parse_bool(value) else "false"
 
 
 def launch_environment(args: argparse.Namespace) -> dict[str, str]:

@@ -7,6 +7,7 @@ import os
 
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.spec import WorkerSpec
 
 __all__ = ["ForkLauncher"]
@@ -15,7 +16,7 @@ __all__ = ["ForkLauncher"]
 class ForkLauncher(ProcessLauncher):
     """``os.fork`` per rank; the child runs the spec it inherited."""
 
-    name = "fork"
+    name = LaunchKind.FORK
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         pid = os.fork()
