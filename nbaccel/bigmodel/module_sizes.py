@@ -139,7 +139,8 @@ class ModelScan:
     builds no name at all: ``piece_size`` answers by module identity. A model with tied
     weights or shared modules is scanned again with names, so every answer keeps Accelerate's
     by-name meaning (a tie counts under its first name). ``sizes`` / ``buffer_sizes`` (by dotted
-    name, as ``compute_module_sizes`` returns them) are built on first use.
+    name, as ``compute_module_sizes`` returns them) are built on first use, or at once with
+    ``tensor_names=True``.
     """
 
     def __init__(
@@ -147,7 +148,7 @@ class ModelScan:
         model: nn.Module,
         dtype: torch.dtype | str | None = None,
         special_dtypes: Mapping[str, torch.dtype] | None = None,
-        named: bool = False,
+        tensor_names: bool = False,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.replace("torch.", ""))
@@ -156,7 +157,7 @@ class ModelScan:
         self._sizes: dict[str, int] | None = None
         self._buffer_sizes: dict[str, int] | None = None
         with no_gc():
-            if not named and dtype is None and not special_dtypes and self._walk(model):
+            if not tensor_names and dtype is None and not special_dtypes and self._walk(model):
                 self.by_name = False
                 self.tied_groups: list[list[str]] = []
                 self.tied_dups: set[str] = set()
@@ -390,7 +391,7 @@ def compute_module_sizes(
     buffers_only: bool = False,
 ) -> dict[str, int]:
     """Bytes under every module and tensor name (``""`` is the whole model); ties counted once."""
-    scan = ModelScan(model, dtype, special_dtypes, named=True)
+    scan = ModelScan(model, dtype, special_dtypes, tensor_names=True)
     return scan.buffer_sizes if buffers_only else scan.sizes
 
 
