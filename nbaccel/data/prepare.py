@@ -67,6 +67,12 @@ def _reshuffler(sampler: Any, use_seedable: bool, data_seed: int | None) -> tupl
             sampler.data_source, data_seed=data_seed, generator=generator, **options
         )
         return seedable, None
+    if isinstance(sampler, SeedableRandomSampler):
+        # already reseeded from its seed + epoch at each iteration: kept as it is, so a prepared
+        # loader draws the orders a plain loop over the user's loader draws
+        if sampler.generator is None:
+            sampler.generator = torch.Generator()
+        return sampler, sampler.generator
     generator = sampler.generator
     if generator is None:
         generator = torch.Generator()
@@ -287,4 +293,5 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         new.iteration = dataloader.iteration
         new.total_batch_size = dataloader.total_batch_size
         new._parent = dataloader
+        new._mid_epoch_start = num_batches > 0
     return new
