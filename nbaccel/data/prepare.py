@@ -48,7 +48,8 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:
 
 def _shared_seed(seed: int | None = None) -> int:
     """``seed`` (default: one drawn) as rank 0 has it, given to every rank."""
-    box = [int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)]
+    # the draw Accelerate makes for a sampler's generator: the same seeds shuffle alike
+    box = [int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else int(seed)]
     if PartialState().num_processes > 1:
         broadcast_object_list(box, from_process=0)
     return box[0]
