@@ -189,7 +189,9 @@ def _load_and_report(library: str, folder: str) -> dict:
     }
 
 
-@pytest.mark.parametrize(("saver", "loader"), [("accelerate", "nbaccel"), ("nbaccel", "accelerate")])
+@pytest.mark.parametrize(
+    ("saver", "loader"), [("accelerate", "nbaccel"), ("nbaccel", "accelerate")]
+)
 def test_one_library_resumes_what_the_other_saved(tmp_path, saver, loader):
     pytest.importorskip("accelerate", reason="the comparison needs accelerate (the bench extra)")
     folder = str(tmp_path / "ckpt")
