@@ -17,6 +17,7 @@ import torch
 from nbaccel.distributed.state import PartialState
 
 __all__ = [
+    "DistributedOperationException",
     "ShapeMismatchError",
     "broadcast",
     "broadcast_object_list",
@@ -31,8 +32,13 @@ __all__ = [
 ]
 
 
-class ShapeMismatchError(RuntimeError):
-    """Ranks entered a collective with tensors of different shapes or structures."""
+class DistributedOperationException(Exception):
+    """A collective was called with inputs that cannot work across the ranks (shapes, device)."""
+
+
+class ShapeMismatchError(DistributedOperationException, RuntimeError):
+    """Ranks entered a collective with tensors of different shapes or structures (Accelerate's
+    debug-mode ``DistributedOperationException``, and a ``RuntimeError`` as before)."""
 
 
 def _is_namedtuple(data: Any) -> bool:

@@ -21,7 +21,7 @@ from nbaccel.launch.launchers.xla import XlaLauncher, local_process_count, run_x
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.launch.spec import Inline, Mode
-from nbaccel.launch.transport import pack
+from nbaccel.launch.transport import Packed, pack
 
 __all__ = ["launch_xla", "run_function"]
 
@@ -57,6 +57,7 @@ def run_function(
         work, shared = pack(
             (function, tuple(args), dict(kwargs or {})),
             element_names=("function", "args", "kwargs"),
+            inherit=launcher.forks_driver,
         )
     else:
         work = Inline(function, tuple(args), dict(kwargs or {}))
@@ -91,6 +92,8 @@ def run_function(
     finally:
         if shared is not None:
             shared.release()
+        if isinstance(work, Packed):
+            work.forget_inherited()
         renderer.finish(ok)
 
 

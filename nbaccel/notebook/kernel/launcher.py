@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
+from nbaccel.launch.child_failed import as_child_failed
 from nbaccel.launch.plan import Front, LaunchPlan, check_call, default_num_processes
 from nbaccel.launch.remote.options import remote_options
 from nbaccel.launch.render import Renderer
@@ -70,8 +71,9 @@ def notebook_launcher(
     """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
 
     Output streams into the notebook as whole, rank-labelled lines while the function runs. The
-    first failing rank's exception is raised here with its original type, naming the rank; the
-    other ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
+    first failing rank's exception is raised here with its original type, naming the rank (and
+    an instance of torch elastic's ``ChildFailedError`` too, as Accelerate raises); the other
+    ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
     ranks become live progress; ``memory=False`` turns off the per-rank memory monitor.
     ``num_processes`` defaults to one rank per GPU, else 1 (8 on TPUs; see
     ``nbaccel.launch.plan``). ``rdzv_conf`` and ``rdzv_id`` are refused unless left at their
@@ -151,6 +153,8 @@ def notebook_launcher(
     )
     failure = report.exception()
     if failure is not None:
+        if hasattr(failure, "rank"):  # also what Accelerate's elastic launch raises
+            failure = as_child_failed(failure, getattr(function, "__name__", repr(function)))
         raise failure  # the rank's own exception, re-raised in the notebook
     return report.values()
 
