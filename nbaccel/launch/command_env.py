@@ -17,7 +17,10 @@ import sys
 from shutil import which
 from typing import Any
 
+from nbaccel.launch.prepare_for_launch import PrepareForLaunch  # accelerate.utils.launch's too
+
 __all__ = [
+    "PrepareForLaunch",
     "convert_nargs_to_dict",
     "launch_environment",
     "prepare_multi_gpu_env",
