@@ -45,11 +45,18 @@ def _is_namedtuple(data: Any) -> bool:
     return isinstance(data, tuple) and hasattr(data, "_fields")
 
 
+def _is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
+
+
+_is_torch_tensor.__name__ = "is_torch_tensor"  # as error messages name it
+
+
 def recursively_apply(
     func: Callable[..., Any],
     data: Any,
     *args: Any,
-    test_type: Callable[[Any], bool] = lambda t: isinstance(t, torch.Tensor),
+    test_type: Callable[[Any], bool] = _is_torch_tensor,
     error_on_other_type: bool = False,
     **kwargs: Any,
 ) -> Any:
@@ -66,9 +73,11 @@ def recursively_apply(
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
+        # Accelerate's wording, which code written for it matches
         raise TypeError(
-            f"Unsupported type {type(data).__name__} passed to {func.__name__}: only nested "
-            "lists, tuples, dicts and tensors are supported."
+            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. "
+            "Only nested list/tuple/dicts of objects that are valid for "
+            f"`{getattr(test_type, '__name__', test_type)}` should be passed."
         )
     return data
 
