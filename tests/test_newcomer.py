@@ -1,0 +1,56 @@
+"""What a new user trips on first, tried as they would: the command line, the help of the
+magic, the headless notebook runner, the example notebooks' temporary folders."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import nbformat
+import pytest
+
+from nbaccel.cli import main as nbaccel_main
+
+
+def test_help_lists_only_real_commands(capsys):
+    with pytest.raises(SystemExit):
+        nbaccel_main(["--help"])
+    text = capsys.readouterr().out
+    assert "unavailable" not in text and not re.search(r"^\s+parser\b", text, re.M)
+    assert re.search(r"^\s+launch\b", text, re.M)
+    with pytest.raises(SystemExit) as caught:
+        nbaccel_main(["parser"])
+    assert caught.value.code == 2  # argparse: invalid choice, like any unknown command
+    assert "invalid choice: 'parser'" in capsys.readouterr().err
+
+
+def test_config_without_a_terminal_says_what_to_do(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code = nbaccel_main(["config", "--config_file", str(tmp_path / "c.yaml")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "EOFError" not in err
+    assert "standard input ended" in err and "nbaccel config default" in err
+    assert not (tmp_path / "c.yaml").exists()
+
+
+def test_magic_help_alone_and_headless_numbers_match_tracebacks(tmp_path, capsys):
+    from nbaccel.notebook.kernel.run_headless import main as run_headless
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# a title"),
+        nbformat.v4.new_code_cell("%load_ext nbaccel"),
+        nbformat.v4.new_code_cell("%%distributed --help"),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("1 / 0", metadata={"tags": ["raises-exception"]}),
+    ]
+    path = tmp_path / "first.ipynb"
+    nbformat.write(nb, str(path))
+    assert run_headless([str(path), "--timeout", "120"]) == 0
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert "usage: %%distributed" in out and "UsageError" not in out
+    assert "cell body is empty" not in out
+    shown = re.findall(r"^In \[(\d+)\]: 1 / 0", out, re.M)
+    named = re.findall(r"Cell In\[(\d+)\]", out)
+    assert shown and named and shown[0] == named[0], (shown, named)
