@@ -110,12 +110,21 @@ def test_every_command_module_registers(capsys: pytest.CaptureFixture) -> None:
     import nbaccel.commands
     from nbaccel.cli import build_parser
 
+    import importlib
+
     modules = [m.name for m in pkgutil.iter_modules(nbaccel.commands.__path__)]
     assert "env" in modules
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     commands = sorted(sub.choices)
-    assert len(commands) == len([m for m in modules if not m.startswith("_")]), commands
+    with_register = [
+        m
+        for m in modules
+        if not m.startswith("_")
+        and hasattr(importlib.import_module(f"nbaccel.commands.{m}"), "register")
+    ]
+    assert "parser" not in commands  # a helper of the commands (no register), not one
+    assert len(commands) == len(with_register), commands
     for name in commands:
         with pytest.raises(SystemExit) as info:
             main([name, "--help"])
