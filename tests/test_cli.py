@@ -105,12 +105,11 @@ def test_version_flag(capsys: pytest.CaptureFixture) -> None:
 def test_every_command_module_registers(capsys: pytest.CaptureFixture) -> None:
     """Each module in nbaccel/commands adds a working subcommand (none is a broken stub)."""
     import argparse
+    import importlib
     import pkgutil
 
     import nbaccel.commands
     from nbaccel.cli import build_parser
-
-    import importlib
 
     modules = [m.name for m in pkgutil.iter_modules(nbaccel.commands.__path__)]
     assert "env" in modules
