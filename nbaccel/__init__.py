@@ -34,6 +34,7 @@ from nbaccel.distributed.environment import detect_launch_environment, detect_pl
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.transport import UnpicklableError
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
@@ -88,6 +89,7 @@ __all__ = [
     "init_empty_weights",
     "init_on_device",
     "InitProcessGroupKwargs",
+    "LaunchRequest",
     "LaunchTimeout",
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",

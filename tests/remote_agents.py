@@ -18,6 +18,7 @@ from nbaccel.launch.plan import Front, LaunchPlan
 from nbaccel.launch.remote.hosts import parse_hosts
 from nbaccel.launch.remote.launcher import AGENT_MODULE, AgentProcess, RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions
+from nbaccel.launch.request import LaunchRequest
 
 KIND = "local-agents"
 
@@ -51,4 +52,5 @@ def local_plan(hosts: list[str], front: Front = Front.NOTEBOOK) -> LaunchPlan:
     """A plan whose "hosts" are agents on this machine."""
     layout = parse_hosts(hosts, None)
     remote = RemoteOptions(kind=KIND, layout=layout, python=sys.executable, cwd="/")
-    return LaunchPlan.create(front, layout.num_processes, remote=remote, cpu=True)
+    request = LaunchRequest(num_processes=layout.num_processes, cpu=True)
+    return LaunchPlan.create(front, request, remote=remote)

@@ -14,7 +14,8 @@ from nbaccel import (
     ProfileKwargs,
     find_executable_batch_size,
 )
-from nbaccel.storage.weights import load_model_weights, parse_size
+from nbaccel.storage.weights import load_model_weights
+from nbaccel.values.sizes import parse_size
 
 
 def test_unsupported_backends_are_refused_clearly():

@@ -180,3 +180,15 @@ def test_lower_layers_do_not_import_upper_ones(layer: str, forbidden: tuple[str,
 
 def test_no_guarded_self_imports() -> None:
     assert sorted(GUARDED) == []
+
+
+def test_values_sit_at_the_bottom() -> None:
+    # nbaccel/values/ (sizes, byte text, booleans) is read by every layer, so it imports none
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in _imports_of("nbaccel.values").items()
+        for target in targets
+        if not target.startswith("nbaccel.values")
+    )
+    assert upward == []
+    assert any("nbaccel.values.sizes" in targets for targets in EDGES.values())

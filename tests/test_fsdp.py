@@ -59,6 +59,7 @@ def _training_checks():
     reference = copy.deepcopy(model)
     plugin = FullyShardedDataParallelPlugin(min_num_params=500, activation_checkpointing=True)
     shard_model(model, plugin, "cpu")
+    out["units_b"] = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     out["rebound_after"] = rebind_optimizer(optimizer, model)
     train(model, optimizer, data, rank, world)
@@ -99,6 +100,7 @@ def test_fsdp_training_matches_one_process_and_shards():
     assert r0["local_numel"] + r1["local_numel"] == r0["total_numel"]
     # B: optimizer after prepare; size wrap and activation checkpointing keep the keys and math.
     assert r0["rebound_after"] == 0
+    assert r0["units_b"] == 7  # size-based: ff.0 and ff.2 of 3 blocks, and the root
     assert r0["diff_b"] < 1e-5 and r0["keys_b"]
     # C: the clear error.
     for r in results:
@@ -141,9 +143,15 @@ def test_plugin_validation():
         _blocks_to_wrap(
             net, FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap="GPTBlock")
         )
+    # size-based, bottom-up: a module is wrapped once its not-yet-wrapped parameters reach the bar.
+    # Each block: norm 32, ff.0 544, ff.2 528 parameters (ff 1072); inp 144, head 68.
     size_blocks = _blocks_to_wrap(net, FullyShardedDataParallelPlugin(min_num_params=500))
-    assert all(b in list(net.blocks) or b in list(net.modules()) for b in size_blocks)
-    assert net not in size_blocks and size_blocks
+    assert size_blocks == [net.blocks[i].ff[j] for i in range(3) for j in (0, 2)]
+    size_blocks = _blocks_to_wrap(net, FullyShardedDataParallelPlugin(min_num_params=1000))
+    assert size_blocks == [net.blocks[i].ff for i in range(3)]
+    size_blocks = _blocks_to_wrap(net, FullyShardedDataParallelPlugin(min_num_params=100))
+    assert size_blocks == [net.inp] + [net.blocks[i].ff[j] for i in range(3) for j in (0, 2)]
+    assert _blocks_to_wrap(net, FullyShardedDataParallelPlugin(min_num_params=10**6)) == []
     custom = _blocks_to_wrap(
         net, FullyShardedDataParallelPlugin(auto_wrap_policy=lambda m: isinstance(m, nn.Linear))
     )

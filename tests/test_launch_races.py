@@ -21,23 +21,37 @@ from nbaccel.launch.protocol import OutcomeKind
 from nbaccel.launch.render import Renderer
 
 
-def _early_rank_outlives_the_call(folder: str) -> str:
-    """Rank 0 returns at once; rank 1 checks, later, that rank 0's process still runs."""
-    rank = int(os.environ["RANK"])
-    marker = os.path.join(folder, "rank0.pid")
-    if rank == 0:
-        with open(marker + ".tmp", "w") as handle:
+class _Returned:
+    """A return value that writes its rank's pid to ``marker`` when the worker pickles it to
+    send it to the driver, i.e. once the function has returned; arrives as ``"returned"``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        with open(self.marker + ".tmp", "w") as handle:
             handle.write(str(os.getpid()))
-        os.replace(marker + ".tmp", marker)
-        return "returned"
+        os.replace(self.marker + ".tmp", self.marker)
+        return (str, ("returned",))
+
+
+def _early_rank_outlives_the_call(folder: str) -> str:
+    """Rank 0 returns at once; rank 1, once rank 0's result is on its way, checks that rank 0's
+    process does not end while rank 1 still runs."""
+    marker = os.path.join(folder, "rank0.pid")
+    if os.environ["RANK"] == "0":
+        return _Returned(marker)
     deadline = time.monotonic() + 20
     while not os.path.exists(marker):
-        assert time.monotonic() < deadline, "rank 0 never wrote its pid"
+        assert time.monotonic() < deadline, "rank 0 never returned"
         time.sleep(0.01)
-    time.sleep(0.5)  # rank 0 has long returned by now
     with open(marker) as handle:
         process = psutil.Process(int(handle.read()))
-    return process.status()
+    try:  # a rank that exits on return is gone well within this
+        process.wait(timeout=2.0)
+    except psutil.TimeoutExpired:
+        return process.status()
+    return "exited while its peer still ran"
 
 
 def test_a_rank_that_returned_stays_up_until_every_rank_returned(tmp_path):

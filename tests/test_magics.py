@@ -196,13 +196,14 @@ def test_status_table(nb):
 
 def test_bad_options_are_usage_errors(nb):
     for name, words in [
-        ("bad_n", "-n must be at least 1"),
+        ("bad_n", "num_processes must be a positive integer, got 0"),
         ("bad_ranks", "not in the pool"),
         ("bad_option", "unrecognized arguments: --bogus"),
     ]:
         text = cell_text(nb[name])
         assert "UsageError" in text and words in text, (name, text)
-    assert "usage: %%distributed [-n N] [--ranks SPEC]" in cell_text(nb["help"])
+    assert "usage: %%distributed [-n N]" in cell_text(nb["help"])
+    assert "--ssh_args ARGS" in cell_text(nb["help"])  # every launch option the magic takes
     assert "--ranks SPEC" in cell_text(nb["help"])
     assert "usage: %dist_status" in cell_text(nb["name_error"])
 

@@ -39,3 +39,29 @@ def test_workers_exit_when_the_kernel_dies(tmp_path):
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(pids) == [], "workers outlived the kernel"
+
+
+def test_a_killed_pool_ranks_child_does_not_survive_it(tmp_path):
+    """A pool rank starts a process and is SIGKILLed: the process ends too (by the time the
+    pool is shut down at the latest)."""
+    record = tmp_path / "child"
+    cells = [
+        "%load_ext nbaccel",
+        "%%distributed -n 2\npass",
+        "%%distributed --ranks 1\nimport os, signal, subprocess\n"
+        "child = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(record)!r}, 'w').write(str(child.pid))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)",
+        "%dist_shutdown",
+    ]
+    nb = run_notebook(cells, timeout=120)
+    assert "SIGKILL" in json.dumps(nb.cells[2].outputs)
+    child = int(record.read_text())
+    deadline = time.monotonic() + 5
+    while _alive([child]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert _alive([child]) == [], "the killed rank's child outlived the pool"
+    finally:
+        if _alive([child]):
+            psutil.Process(child).kill()

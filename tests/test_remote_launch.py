@@ -197,6 +197,19 @@ def test_first_failure_keeps_its_type_and_names_rank_and_host():
         report.values()
 
 
+def test_a_pool_and_a_launch_in_one_kernel_name_their_own_ranks(capsys):
+    from nbaccel.notebook.kernel.pool import shutdown_pool, start_pool
+
+    report = run_function(local_plan(["h1:1", "h2:1"]), _raise_on_last, renderer=TextRenderer())
+    try:  # a pool on this machine runs a cell before the launch's failure is raised
+        start_pool(2).run_cell("print('here')", renderer=TextRenderer())
+    finally:
+        shutdown_pool()
+    assert "[rank 1] here" in capsys.readouterr().out  # the pool's ranks: no host
+    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] missing on the second host"):
+        report.values()  # the launch's ranks keep their hosts
+
+
 def _sleep_long(folder):
     import os
     import time

@@ -33,3 +33,32 @@ def test_a_partial_line_is_flushed_at_the_end():
     assert lines.flush() == []
     lines.feed(b"z" * (MAX_PARTIAL + 1))
     assert lines.flush() == [Piece("", True, True)]  # ends the long line that was cut
+
+
+def _noisy() -> None:
+    import os
+    import sys
+
+    print("nul\x00bel\x07 esc\x1b[2J\x1b]0;title\x07 \x1b[31mred\x1b[0m\tend")
+    os.write(1, b"c-level\x00\x1b[H\x08 bytes\n")
+    sys.stderr.write("err\x1bc\x7f\n")
+
+
+def test_control_bytes_from_ranks_are_filtered_colours_and_tabs_kept():
+    """NUL, BEL, cursor and screen escapes, titles, DEL never reach the notebook; ANSI colours
+    (which Jupyter renders) and tabs do."""
+    from nbaccel import notebook_launcher
+    from nbaccel.launch.render import Renderer
+
+    class Capture(Renderer):
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def line(self, rank: int, stream: str, text: str) -> None:
+            self.lines.append(text)
+
+    renderer = Capture()
+    notebook_launcher(_noisy, num_processes=1, renderer=renderer)
+    assert "nulbel esc \x1b[31mred\x1b[0m\tend" in renderer.lines
+    assert "c-level bytes" in renderer.lines
+    assert "err" in renderer.lines

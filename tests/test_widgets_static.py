@@ -34,6 +34,10 @@ def test_device_map_view_of_a_meta_model() -> None:
     fig = view.figure()
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["cuda:0", "cpu", "disk"]
+    assert fig.axes[0].get_xlabel().startswith("MiB")  # the largest bar: the 1 MiB capacity
+    # a bad max_memory is named, not drawn as "no capacity" (main swallowed it)
+    with pytest.raises(ValueError, match=r"max_memory\[0\]: Invalid memory size '1 gig'"):
+        DeviceMapView(model, {"": 0}, max_memory={0: "1 gig"})
 
 
 def test_device_map_of_a_real_model_and_bad_maps(capsys) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,86 +89,35 @@ def dispatch_model(
     device_map = get_device_map(model, device_map, offload_buffers=offload_buffers)
     main = _main_device(device_map, main_device)
     devices = set(device_map.values())
-    offloaded_devices = {"disk"} if main.type == "cpu" else {"cpu", "disk"}
+    offloaded = {"disk"} if main.type == "cpu" else {"cpu", "disk"}
     model.hf_device_map = dict(device_map)
 
-    if not force_hooks and len(devices) == 1 and not devices & offloaded_devices:
+    if not force_hooks and len(devices) == 1 and not devices & offloaded:
         move_module_tensors(model, to_torch_device(next(iter(devices))))
         return model
 
-    # Weights of offloaded blocks: in-memory ones (cpu) and indexed ones (disk).
-    index = dict(load_offload_index(offload_dir)) if offload_dir is not None else {}
-    index.update(getattr(model, OFFLOAD_INDEX_ATTR, None) or {})
-    index.update(offload_index or {})
-    cpu_state: dict[str, torch.Tensor] = {}
-    to_write: dict[str, torch.Tensor] = {}
-    pin = main.type == "cuda"
-    for name, dev in device_map.items():
-        if dev not in offloaded_devices:
-            continue
-        module = _resolve(model, name)
-        if module is None:
-            continue
-        for tname, tensor in _state_of(module, name, offload_buffers).items():
-            if state_dict is not None and tname in state_dict:
-                tensor = state_dict[tname]
-            if dev == "disk" and tname in index:
-                continue
-            if tensor.device.type == "meta":
-                continue  # reported by the hook with the module's name
-            if dev == "disk":
-                to_write[tname] = tensor
-            else:
-                tensor = tensor.detach().to("cpu")
-                cpu_state[tname] = tensor.pin_memory() if pin else tensor
-    if to_write:
-        if offload_dir is None:
-            shown = ", ".join(list(to_write)[:5])
-            raise ValueError(
-                f"device_map puts weights on disk that are not offloaded yet ({shown}...): pass "
-                "offload_dir= so they can be written there once, or load the model with "
-                "load_checkpoint_in_model from a safetensors checkpoint (read in place)."
-            )
-        index.update(offload_state_dict(offload_dir, to_write, file_name="dispatched.safetensors"))
     weights_map = None
-    if devices & offloaded_devices:
+    if devices & offloaded:
+        index = _known_disk_weights(model, offload_dir, offload_index)
+        offloaded_map = {n: d for n, d in device_map.items() if d in offloaded}
+        cpu_state, to_write = _offloaded_weights(
+            model, offloaded_map, state_dict, index, offload_buffers, pin=main.type == "cuda"
+        )
+        _write_to_disk(to_write, offload_dir, index)
         weights_map = OffloadedWeightsLoader(
             state_dict=cpu_state, save_folder=offload_dir, index=index
         )
-
-    # Resident blocks move once, with one memo so tied weights stay one tensor.
-    memo: dict = {}
-    for name, dev in device_map.items():
-        obj = _resolve(model, name)
-        offloaded = dev in offloaded_devices
-        if obj is None:  # a tensor-level entry ("block.weight": 0) stays resident
-            value = (
-                weights_map[name].clone()
-                if weights_map is not None and name in weights_map
-                else None
-            )
-            set_module_tensor_to_device(
-                model, name, main if offloaded else to_torch_device(dev), value
-            )
-            continue
-        if not offloaded:
-            move_module_tensors(obj, to_torch_device(dev), memo, prefix=name)
-        elif not offload_buffers:  # buffers stay resident on the execution device
-            for sub in obj.modules():
-                for leaf, buf in list(sub._buffers.items()):
-                    if buf is not None and buf.device.type != "meta":
-                        sub._buffers[leaf] = buf.to(main)
+    _place_resident(model, device_map, offloaded, weights_map, main, offload_buffers)
 
     execution = {
-        name: (main if dev in offloaded_devices else to_torch_device(dev))
+        name: (main if dev in offloaded else to_torch_device(dev))
         for name, dev in device_map.items()
     }
-    offload = {name: dev in offloaded_devices for name, dev in device_map.items()}
     prefetcher = Prefetcher(enabled=prefetch) if weights_map is not None else None
     attach_align_device_hook_on_blocks(
         model,
         execution_device=execution,
-        offload=offload,
+        offload={name: dev in offloaded for name, dev in device_map.items()},
         weights_map=weights_map,
         offload_buffers=offload_buffers,
         skip_keys=skip_keys,
@@ -181,6 +131,96 @@ def dispatch_model(
     model._nbaccel_prefetcher = prefetcher
     model._nbaccel_weights_map = weights_map
     return model
+
+
+def _known_disk_weights(
+    model: nn.Module, offload_dir: Any, offload_index: Mapping[str, Mapping] | None
+) -> dict[str, Mapping]:
+    """Weights already on disk: the offload folder's index, the in-place index
+    ``load_checkpoint_in_model`` left on the model, then the caller's ``offload_index``."""
+    index = dict(load_offload_index(offload_dir)) if offload_dir is not None else {}
+    index.update(getattr(model, OFFLOAD_INDEX_ATTR, None) or {})
+    index.update(offload_index or {})
+    return index
+
+
+def _offloaded_weights(
+    model: nn.Module,
+    offloaded_map: Mapping[str, int | str],
+    state_dict: Mapping[str, torch.Tensor] | None,
+    index: Mapping[str, Mapping],
+    offload_buffers: bool,
+    pin: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The weights of offloaded blocks: (kept in CPU memory, still to be written to disk)."""
+    cpu_state: dict[str, torch.Tensor] = {}
+    to_write: dict[str, torch.Tensor] = {}
+    for name, dev in offloaded_map.items():
+        module = _resolve(model, name)
+        if module is None:
+            continue
+        for tname, tensor in _state_of(module, name, offload_buffers).items():
+            if state_dict is not None and tname in state_dict:
+                tensor = state_dict[tname]
+            if (dev == "disk" and tname in index) or tensor.device.type == "meta":
+                continue  # on disk already; a meta tensor is reported by the hook, by name
+            if dev == "disk":
+                to_write[tname] = tensor
+            else:
+                tensor = tensor.detach().to("cpu")
+                cpu_state[tname] = tensor.pin_memory() if pin else tensor
+    return cpu_state, to_write
+
+
+def _write_to_disk(
+    to_write: Mapping[str, torch.Tensor], offload_dir: Any, index: dict[str, Mapping]
+) -> None:
+    """Write real tensors mapped to disk into ``offload_dir`` once, adding them to ``index``."""
+    if not to_write:
+        return
+    if offload_dir is None:
+        shown = ", ".join(list(to_write)[:5])
+        raise ValueError(
+            f"device_map puts weights on disk that are not offloaded yet ({shown}...): pass "
+            "offload_dir= so they can be written there once, or load the model with "
+            "load_checkpoint_in_model from a safetensors checkpoint (read in place)."
+        )
+    index.update(
+        offload_state_dict(offload_dir, dict(to_write), file_name="dispatched.safetensors")
+    )
+
+
+def _place_resident(
+    model: nn.Module,
+    device_map: Mapping[str, int | str],
+    offloaded: set[str],
+    weights_map: Any,
+    main: torch.device,
+    offload_buffers: bool,
+) -> None:
+    """Move resident blocks once (one memo, so tied weights stay one tensor); buffers of
+    offloaded blocks go to the execution device unless ``offload_buffers``."""
+    memo: dict = {}
+    for name, dev in device_map.items():
+        obj = _resolve(model, name)
+        is_offloaded = dev in offloaded
+        if obj is None:  # a tensor-level entry ("block.weight": 0) stays resident
+            value = (
+                weights_map[name].clone()
+                if weights_map is not None and name in weights_map
+                else None
+            )
+            set_module_tensor_to_device(
+                model, name, main if is_offloaded else to_torch_device(dev), value
+            )
+            continue
+        if not is_offloaded:
+            move_module_tensors(obj, to_torch_device(dev), memo, prefix=name)
+        elif not offload_buffers:
+            for sub in obj.modules():
+                for leaf, buf in list(sub._buffers.items()):
+                    if buf is not None and buf.device.type != "meta":
+                        sub._buffers[leaf] = buf.to(main)
 
 
 def cpu_offload(

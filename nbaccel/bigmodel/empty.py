@@ -7,12 +7,13 @@ before a single weight is read.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["init_empty_weights", "init_on_device"]
 
@@ -20,7 +21,7 @@ _INCLUDE_BUFFERS_ENV = "NBACCEL_INIT_INCLUDE_BUFFERS"
 
 
 def _default_include_buffers() -> bool:
-    return os.environ.get(_INCLUDE_BUFFERS_ENV, "").lower() in {"1", "true", "yes"}
+    return bool(env_flag(_INCLUDE_BUFFERS_ENV, default=False))
 
 
 @contextmanager

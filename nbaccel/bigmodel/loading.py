@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ from nbaccel.bigmodel.offload import save_offload_index
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.tied_parameters import find_tied_parameters
 from nbaccel.storage.safetensors_file import SafetensorsFile
-from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record, tied_twins
+from nbaccel.storage.ties import tied_twins
+from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record
 
 __all__ = ["CheckpointMismatchError", "load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 
@@ -96,10 +98,22 @@ def load_checkpoint_in_model(
     if offload_8bit_bnb:
         raise NotImplementedError("8-bit bitsandbytes offload is not supported by nbaccel.")
     device_map = get_device_map(model, device_map, dtype=dtype, offload_buffers=offload_buffers)
-    device_map = device_map or {"": "cpu"}
     keep_fp32 = list(keep_in_fp32_modules or getattr(model, "_keep_in_fp32_modules", None) or [])
+    load = _CheckpointLoad(
+        model, checkpoint, device_map or {"": "cpu"}, dtype, keep_fp32, offload_buffers
+    )
+    files, opened = load.open_files()
+    load.check_keys(files, strict)
+    for path, keys in files.items():
+        handle = opened.pop(path, None) or open_weights(path)
+        load.write_bin_offload(path, load.load_file(path, keys, handle), offload_folder)
+        del handle
+    load.record_disk_index(offload_folder)
 
-    # What the model expects: every tensor name except non-persistent buffers.
+
+def _expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
+    """name -> (owning module, leaf, is a parameter) for every tensor the model expects from a
+    checkpoint: all but non-persistent buffers, shared modules under each name."""
     owners: dict[str, tuple[nn.Module, str, bool]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         pre = mod_name + "." if mod_name else ""
@@ -109,130 +123,172 @@ def load_checkpoint_in_model(
         for leaf, b in mod._buffers.items():
             if b is not None and leaf not in mod._non_persistent_buffers_set:
                 owners[pre + leaf] = (mod, leaf, False)
-    twins = tied_twins(find_tied_parameters(model), tie_record(checkpoint))
-    tied = {n: [t for t in g if t in owners] for n, g in twins.items() if n in owners}
+    return owners
 
-    files = checkpoint_files(checkpoint)
-    opened: dict[str, SafetensorsFile | Mapping[str, torch.Tensor]] = {}
-    ckpt_keys: list[str] = []
-    for path, keys in files.items():
-        if keys is None:
-            handle = open_weights(path)
-            opened[path] = handle
-            keys = list(handle.keys())
-            files[path] = keys
-        ckpt_keys.extend(keys)
-    present = set(ckpt_keys)
-    unexpected = [k for k in ckpt_keys if k not in owners]
-    missing = [
-        n for n in owners if n not in present and not any(t in present for t in tied.get(n, ()))
-    ]
-    problem = _mismatch_text(missing, unexpected)
-    if strict and (missing or unexpected):
-        raise CheckpointMismatchError(
-            f"Checkpoint {str(checkpoint)!r} does not match {type(model).__name__}: {problem}."
-        )
-    if unexpected:
-        logger.warning(
-            "Checkpoint weights %s were not used when loading %s into %s (the model has no such "
-            "tensors).", _fmt(unexpected), checkpoint, type(model).__name__,
-        )  # fmt: skip
-    if missing:
-        logger.warning(
-            "Loading %s into %s: %s.", checkpoint, type(model).__name__, _mismatch_text(missing, [])
-        )
 
-    disk_index: dict[str, dict] = {}
-    placed: set[str] = set()
-    for path, keys in files.items():
-        handle = opened.pop(path, None)
-        if handle is None:
-            handle = open_weights(path)
+class _CheckpointLoad:
+    """One ``load_checkpoint_in_model`` call, in steps: open the files, compare the keys, load
+    each file tensor by tensor (a tied group once, onto each device the map gives it), write
+    ``.bin`` tensors mapped to disk as safetensors, record the disk index on the model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike,
+        device_map: Mapping[str, int | str],
+        dtype: torch.dtype | None,
+        keep_fp32: list[str],
+        offload_buffers: bool,
+    ) -> None:
+        self.model, self.checkpoint, self.device_map = model, checkpoint, device_map
+        self.dtype, self.keep_fp32, self.offload_buffers = dtype, keep_fp32, offload_buffers
+        self.owners = _expected_tensors(model)
+        twins = tied_twins(find_tied_parameters(model), tie_record(checkpoint))
+        self.tied = {
+            n: [t for t in g if t in self.owners] for n, g in twins.items() if n in self.owners
+        }
+        self.problem = ""  # the key lists, appended to every loading error
+        self.disk_index: dict[str, dict] = {}
+        self.placed: set[str] = set()
+
+    def open_files(self) -> tuple[dict[str, list[str]], dict[str, SafetensorsFile | Mapping]]:
+        """Every file and its keys (files without an index entry are opened to list them)."""
+        files = checkpoint_files(self.checkpoint)
+        opened: dict[str, SafetensorsFile | Mapping[str, torch.Tensor]] = {}
+        for path, keys in files.items():
+            if keys is None:
+                opened[path] = open_weights(path)
+                files[path] = list(opened[path].keys())
+        return files, opened
+
+    def check_keys(self, files: Mapping[str, list[str]], strict: bool) -> None:
+        """Missing and unexpected keys: an error under ``strict``, else a warning listing them."""
+        ckpt_keys = [k for keys in files.values() for k in keys]
+        present = set(ckpt_keys)
+        unexpected = [k for k in ckpt_keys if k not in self.owners]
+        missing = [
+            n
+            for n in self.owners
+            if n not in present and not any(t in present for t in self.tied.get(n, ()))
+        ]
+        self.problem = _mismatch_text(missing, unexpected)
+        model_name = type(self.model).__name__
+        if strict and (missing or unexpected):
+            raise CheckpointMismatchError(
+                f"Checkpoint {str(self.checkpoint)!r} does not match {model_name}: {self.problem}."
+            )
+        if unexpected:
+            logger.warning(
+                "Checkpoint weights %s were not used when loading %s into %s (the model has no "
+                "such tensors).", _fmt(unexpected), self.checkpoint, model_name,
+            )  # fmt: skip
+        if missing:
+            logger.warning(
+                "Loading %s into %s: %s.", self.checkpoint, model_name, _mismatch_text(missing, [])
+            )
+
+    def load_file(self, path: str, keys: list[str], handle: Any) -> dict[str, torch.Tensor]:
+        """Load every expected tensor of one file; return the ``.bin`` tensors mapped to disk
+        (they must be written as safetensors to be read in place)."""
         to_write: dict[str, torch.Tensor] = {}
         for key in keys:
-            if key not in owners or key in placed:
+            if key not in self.owners or key in self.placed:
                 continue
-            mod, leaf, is_param = owners[key]
-            current = mod._parameters[leaf] if is_param else mod._buffers[leaf]
             try:
-                stored_shape, stored_dtype = _shape_dtype(handle, key)
-                if tuple(stored_shape) != tuple(current.shape):
-                    raise CheckpointMismatchError(
-                        f"{key!r} has shape {list(stored_shape)} in the checkpoint but "
-                        f"{list(current.shape)} in the model"
-                    )
-                target = _target_dtype(key, stored_dtype, current.dtype, dtype, keep_fp32)
-                group = tied.get(key, [key])
-                by_device: dict[int | str, list[str]] = {}
-                for name in group:  # a user map may split a tied group across devices
-                    device = _lookup(name, device_map)
-                    if device == "disk" and not is_param and not offload_buffers:
-                        device = "cpu"  # buffers stay resident unless offload_buffers
-                    by_device.setdefault(device, []).append(name)
-                src = None
-                for device, names in by_device.items():
-                    if device == "disk":
-                        if isinstance(handle, SafetensorsFile):
-                            entry = {
-                                "safetensors_file": os.path.abspath(path),
-                                "weight_name": key,
-                                "dtype": str(target).replace("torch.", ""),
-                                "shape": list(stored_shape),
-                            }
-                            disk_index.update(dict.fromkeys(names, entry))
-                        else:
-                            to_write[key] = handle[key].to(target)
-                            disk_index.update({n: {"alias": key} for n in names if n != key})
-                        meta = current if current.device.type == "meta" else current.to("meta")
-                        _assign(owners, names, meta)
-                        continue
-                    if src is None:
-                        src = (
-                            handle.read(key) if isinstance(handle, SafetensorsFile) else handle[key]
-                        )
-                    value = src.to(to_torch_device(device), dtype=target)
-                    if (
-                        not isinstance(handle, SafetensorsFile)
-                        and value.data_ptr() == src.data_ptr()
-                    ):
-                        value = value.clone()  # do not keep the memory-mapped .bin file alive
-                    _assign(owners, names, value)
-                placed.update(group)
+                self._load_tensor(path, key, handle, to_write)
             except CheckpointMismatchError as err:
                 raise CheckpointMismatchError(
-                    f"Cannot load {str(checkpoint)!r}: {err}; {problem}."
+                    f"Cannot load {str(self.checkpoint)!r}: {err}; {self.problem}."
                 ) from None
             except Exception as err:
                 raise RuntimeError(
-                    f"Loading {key!r} from {path} failed ({err}); {problem}."
+                    f"Loading {key!r} from {path} failed ({err}); {self.problem}."
                 ) from err
-        if to_write:
-            if offload_folder is None:
-                raise ValueError(
-                    f"device_map puts {_fmt(list(to_write), 5)} on disk and {path} is not "
-                    "safetensors (cannot be read in place): pass offload_folder=... to write "
-                    "them there once."
-                )
-            written = _offload.offload_state_dict(
-                offload_folder, to_write, file_name=Path(path).stem + ".safetensors"
+        return to_write
+
+    def _load_tensor(self, path: str, key: str, handle: Any, to_write: dict) -> None:
+        mod, leaf, is_param = self.owners[key]
+        current = mod._parameters[leaf] if is_param else mod._buffers[leaf]
+        stored_shape, stored_dtype = _shape_dtype(handle, key)
+        if tuple(stored_shape) != tuple(current.shape):
+            raise CheckpointMismatchError(
+                f"{key!r} has shape {list(stored_shape)} in the checkpoint but "
+                f"{list(current.shape)} in the model"
             )
-            for entry in written.values():
-                entry["safetensors_file"] = os.path.abspath(
-                    os.path.join(offload_folder, entry["safetensors_file"])
-                )
-            disk_index.update(written)
-        del handle
-    for name, entry in list(disk_index.items()):
-        if "alias" in entry:
-            disk_index[name] = disk_index[entry["alias"]]
-    if disk_index:
-        setattr(
-            model,
-            OFFLOAD_INDEX_ATTR,
-            {**(getattr(model, OFFLOAD_INDEX_ATTR, None) or {}), **disk_index},
+        target = _target_dtype(key, stored_dtype, current.dtype, self.dtype, self.keep_fp32)
+        group = self.tied.get(key, [key])
+        src = None
+        for device, names in self._devices_of(group, is_param).items():
+            if device == "disk":
+                self._map_to_disk(path, key, handle, names, target, list(stored_shape), to_write)
+                meta = current if current.device.type == "meta" else current.to("meta")
+                _assign(self.owners, names, meta)
+                continue
+            if src is None:
+                src = handle.read(key) if isinstance(handle, SafetensorsFile) else handle[key]
+            value = src.to(to_torch_device(device), dtype=target)
+            if not isinstance(handle, SafetensorsFile) and value.data_ptr() == src.data_ptr():
+                value = value.clone()  # do not keep the memory-mapped .bin file alive
+            _assign(self.owners, names, value)
+        self.placed.update(group)
+
+    def _devices_of(self, group: list[str], is_param: bool) -> dict[int | str, list[str]]:
+        """The names of a tied group by device (a user map may split a group across devices)."""
+        by_device: dict[int | str, list[str]] = {}
+        for name in group:
+            device = _lookup(name, self.device_map)
+            if device == "disk" and not is_param and not self.offload_buffers:
+                device = "cpu"  # buffers stay resident unless offload_buffers
+            by_device.setdefault(device, []).append(name)
+        return by_device
+
+    def _map_to_disk(self, path, key, handle, names, target, shape, to_write) -> None:
+        """Index a safetensors tensor in place, or queue a ``.bin`` one to be written once."""
+        if isinstance(handle, SafetensorsFile):
+            entry = {
+                "safetensors_file": os.path.abspath(path),
+                "weight_name": key,
+                "dtype": str(target).replace("torch.", ""),
+                "shape": shape,
+            }
+            self.disk_index.update(dict.fromkeys(names, entry))
+        else:
+            to_write[key] = handle[key].to(target)
+            self.disk_index.update({n: {"alias": key} for n in names if n != key})
+
+    def write_bin_offload(
+        self, path: str, to_write: dict[str, torch.Tensor], offload_folder: Any
+    ) -> None:
+        """Write the disk-mapped tensors of a ``.bin`` file into ``offload_folder``, once."""
+        if not to_write:
+            return
+        if offload_folder is None:
+            raise ValueError(
+                f"device_map puts {_fmt(list(to_write), 5)} on disk and {path} is not "
+                "safetensors (cannot be read in place): pass offload_folder=... to write "
+                "them there once."
+            )
+        written = _offload.offload_state_dict(
+            offload_folder, to_write, file_name=Path(path).stem + ".safetensors"
         )
+        for entry in written.values():
+            entry["safetensors_file"] = os.path.abspath(
+                os.path.join(offload_folder, entry["safetensors_file"])
+            )
+        self.disk_index.update(written)
+
+    def record_disk_index(self, offload_folder: Any) -> None:
+        """Where every disk-mapped tensor lives, on the model (and in ``offload_folder``)."""
+        index = self.disk_index
+        for name, entry in list(index.items()):
+            if "alias" in entry:
+                index[name] = index[entry["alias"]]
+        if not index:
+            return
+        previous = getattr(self.model, OFFLOAD_INDEX_ATTR, None) or {}
+        setattr(self.model, OFFLOAD_INDEX_ATTR, {**previous, **index})
         if offload_folder is not None:
-            save_offload_index(disk_index, offload_folder)
+            save_offload_index(index, offload_folder)
 
 
 def _shape_dtype(handle, key: str) -> tuple[tuple[int, ...], torch.dtype]:

@@ -4,7 +4,6 @@ free memory, and lowering GPU budgets so a model spreads evenly (``get_balanced_
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import psutil
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel.module_sizes import compute_module_sizes
+from nbaccel.values.sizes import parse_size
 
 __all__ = [
     "convert_file_size_to_int",
@@ -19,39 +19,11 @@ __all__ = [
     "get_max_memory",
 ]
 
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
-
 
 def convert_file_size_to_int(size: int | float | str) -> int:
-    """Parse ``"10GiB"`` (2**30), ``"5GB"`` (10**9), ``"500MB"``, ``"1.5GiB"`` or a byte count."""
-    if isinstance(size, bool):
-        raise ValueError(
-            f"Invalid memory size {size!r}: give bytes as an int or a string like '10GiB'."
-        )
-    if isinstance(size, int | float):
-        if size < 0:
-            raise ValueError(f"Invalid memory size {size!r}: sizes cannot be negative.")
-        return int(size)
-    if isinstance(size, str):
-        match = _SIZE_RE.match(size)
-        if match:
-            number, unit = match.groups()
-            return int(float(number) * _UNITS[(unit or "B").upper()])
-    raise ValueError(
-        f"Invalid memory size {size!r}: use an int number of bytes or a string such as "
-        "'10GiB', '5GB', '512MiB' or '800MB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
-    )
+    """Parse ``"10GiB"`` (2**30), ``"5GB"`` (10**9), ``"500MB"``, ``"1.5GiB"`` or a byte count
+    (the grammar of :mod:`nbaccel.values.sizes`)."""
+    return parse_size(size, "memory size")
 
 
 def _memory_key(key: int | str | torch.device) -> int | str:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.units import human_bytes
+from nbaccel.values.byte_text import human_bytes
 
 __all__ = ["DTYPE_BYTES", "MemoryEstimate", "estimate_memory"]
 

@@ -16,6 +16,8 @@ from functools import cache
 import torch
 from torch import nn
 
+from nbaccel.storage.ties import shared_parameters
+
 __all__ = [
     "calculate_maximum_sizes",
     "compute_module_sizes",
@@ -276,13 +278,7 @@ class ModelScan:
         Only runs a second pass when the first one met a tensor twice (rare)."""
         if not dups:
             return []
-        wanted = {id(t) for _, _, t in dups}
-        groups: dict[int, list[tuple[int, str]]] = {}
-        for i, (module, _, _) in enumerate(entries):
-            for leaf, tensor in module._parameters.items():
-                if tensor is not None and id(tensor) in wanted:
-                    groups.setdefault(id(tensor), []).append((i, leaf))
-        return [g for g in groups.values() if len(g) > 1]
+        return shared_parameters((i, e[0]) for i, e in enumerate(entries))
 
     def _name(self, index: int, leaf: str = "") -> str:
         if self._name_list is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from nbaccel.bigmodel.module_sizes import modules_preorder
+from nbaccel.storage.ties import tie_groups
 
 __all__ = [
     "find_tied_parameters",
@@ -15,19 +16,7 @@ __all__ = [
 def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
     """Groups of parameter names that share one Parameter object, e.g. ``[["embed.weight",
     "lm_head.weight"]]``. One pass over the modules."""
-    first: dict[int, str] = {}
-    groups: dict[int, list[str]] = {}
-    for name, module in modules_preorder(model):
-        pre = name + "." if name else ""
-        for leaf, param in module._parameters.items():
-            if param is None:
-                continue
-            key = id(param)
-            if key in first:
-                groups.setdefault(key, [first[key]]).append(pre + leaf)
-            else:
-                first[key] = pre + leaf
-    return [sorted(names) for names in groups.values()]
+    return tie_groups(model, modules_preorder(model))
 
 
 def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:

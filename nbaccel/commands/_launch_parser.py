@@ -12,6 +12,8 @@ import argparse
 from typing import Any
 
 from nbaccel.commands.parser import command_parser
+from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.values.booleans import parse_bool
 
 __all__ = ["launch_command_parser", "to_bool"]
 
@@ -26,14 +28,10 @@ Output comes back as rank-labelled lines; the exit code is the script's.
 
 def to_bool(value: Any) -> bool:
     """``"true"``/``"1"``/``"yes"`` -> True, ``"false"``/``"0"``/``"no"`` -> False."""
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).strip().lower()
-    if lowered in ("true", "1", "yes", "y"):
-        return True
-    if lowered in ("false", "0", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}") from None
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -79,18 +77,43 @@ def _option(group: Any, name: str, *extra: str, **kwargs: Any) -> None:
     group.add_argument(*names, **kwargs)
 
 
+def _launch_option(group: Any, name: str) -> None:
+    """The flag of ``LaunchRequest``'s option ``name`` (its help, type, checks are there),
+    recording when given."""
+    flags, kwargs = LaunchRequest.arguments(Fronts.CLI)[name]
+    kwargs = {**kwargs, "action": _ACTIONS[kwargs.get("action", "store")]}
+    group.add_argument(*flags, **kwargs)
+
+
+#: the launch options placed in Accelerate's groups; the others go in nbaccel's own group
+_PLACED = {
+    "Hardware": ("cpu",),
+    "Resources": ("mixed_precision", "num_processes", "num_nodes"),
+    "Distributed": ("node_rank", "master_addr", "use_port", "rdzv_backend", "rdzv_conf",
+                    "max_restarts", "monitor_interval"),
+}  # fmt: skip
+
+
+def _nbaccel_options(parser: argparse.ArgumentParser) -> None:
+    """nbaccel's launch options beyond Accelerate's flags (timeout, hosts, ...)."""
+    group = parser.add_argument_group(
+        "nbaccel", "How the ranks start, for how long, and on which hosts (over ssh or SLURM)."
+    )
+    placed = {name for names in _PLACED.values() for name in names}
+    for name in LaunchRequest.options(Fronts.CLI):
+        if name not in placed:
+            _launch_option(group, name)
+
+
 def _hardware_and_resources(parser: argparse.ArgumentParser) -> None:
     hardware = parser.add_argument_group("Hardware", "Which devices the ranks use.")
-    _option(hardware, "cpu", action="store_true", help="run on CPU ranks (gloo), even with GPUs")
+    _launch_option(hardware, "cpu")
     _option(hardware, "multi_gpu", action="store_true", help="one rank per GPU (the default "
             "when several GPUs are visible and num_processes > 1)")  # fmt: skip
     _option(hardware, "tpu", action="store_true", help="run on TPU cores through torch-xla")
     res = parser.add_argument_group("Resources", "How many processes, which precision.")
-    _option(res, "mixed_precision", choices=["no", "fp16", "bf16", "fp8"], default=None,
-            help="mixed precision of the Accelerator on each rank")  # fmt: skip
-    _option(res, "num_processes", type=int, default=None,
-            help="total number of ranks over all machines")  # fmt: skip
-    _option(res, "num_machines", type=int, default=None, help="number of machines")
+    for name in _PLACED["Resources"]:
+        _launch_option(res, name)  # --num_processes is the total over all machines here
     _option(res, "num_cpu_threads_per_process", type=int, default=None,
             help="threads per rank (OMP_NUM_THREADS)")  # fmt: skip
     _option(res, "enable_cpu_affinity", action="store_true", help="pin ranks to CPU cores")
@@ -115,18 +138,11 @@ def _paradigms_and_world(parser: argparse.ArgumentParser) -> None:
     world = parser.add_argument_group("Distributed", "Where the ranks meet.")
     _option(world, "gpu_ids", default=None, help="GPU ids to use, comma separated, or all")
     _option(world, "same_network", action="store_true", help="machines share a local network")
-    _option(world, "machine_rank", type=int, default=None, help="rank of this machine")
-    _option(world, "main_process_ip", default=None, help="address of machine 0")
-    _option(world, "main_process_port", type=int, default=None,
-            help="rendezvous port on machine 0 (default: a free one)")  # fmt: skip
+    for name in _PLACED["Distributed"]:
+        _launch_option(world, name)  # Accelerate's spellings: --machine_rank, --main_process_ip
     _option(world, "tee", default="0", help="accepted for compatibility")
     _option(world, "log_dir", default=None, help="accepted for compatibility")
     _option(world, "role", default="default", help="accepted for compatibility")
-    _option(world, "rdzv_backend", default="static", help="rendezvous backend (static, c10d)")
-    _option(world, "rdzv_conf", default="", help="rendezvous options (key=value,...)")
-    _option(world, "max_restarts", type=int, default=0, help="restarts of a failed world")
-    _option(world, "monitor_interval", type=float, default=0.1,
-            help="seconds between checks of the ranks")  # fmt: skip
     _option(world, "module", "-m", action="store_true",
             help="the script is a module name, run like python -m")  # fmt: skip
     _option(world, "no_python", action="store_true",
@@ -184,6 +200,7 @@ def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     _hardware_and_resources(parser)
     _paradigms_and_world(parser)
     _tpu_and_stacks(parser)
+    _nbaccel_options(parser)
     parser.add_argument("training_script", help="the script (or module with -m) to run")
     parser.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments of the script"

@@ -268,6 +268,22 @@ def _with_environment(env: dict[str, str], call: Any) -> Any:
         os.environ.update(saved)
 
 
+def _request(args: argparse.Namespace, per_machine: int | None, port: int | None) -> Any:
+    """The launch options of ``args`` as a ``LaunchRequest`` (checked there): the flags
+    derived from it, with what the config file and Accelerate's conventions decided (processes
+    per machine, not in total; the port prepared for a world)."""
+    from nbaccel.launch.request import Fronts, LaunchRequest
+
+    return LaunchRequest.from_parsed(
+        args,
+        Fronts.CLI,
+        num_processes=per_machine,
+        use_port=port if port is not None else args.main_process_port,
+        cpu=bool(args.cpu or getattr(args, "use_cpu", False)),
+        rdzv_conf=args.rdzv_conf or None,
+    )
+
+
 def _launch(args: argparse.Namespace) -> int:
     """Validate, then run; returns the exit code (raises on bad options)."""
     from nbaccel.launch.command_env import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
@@ -287,21 +303,14 @@ def _launch(args: argparse.Namespace) -> int:
         return subprocess.run(cmd, env=env).returncode
     world = (args.num_processes or 1) > 1 or args.num_machines > 1
     env = prepare_multi_gpu_env(args) if world else prepare_simple_launcher_cmd_env(args)[1]
-    port = int(args.master_port) if world else args.main_process_port
-    cpu = bool(args.cpu or getattr(args, "use_cpu", False))
+    request = _request(args, per_machine, int(args.master_port) if world else None)
     call = (target, list(args.training_script_args), args.module, os.getcwd(),
             args.num_cpu_threads_per_process)  # fmt: skip
 
     def start() -> Any:
-        from nbaccel import notebook_launcher
+        from nbaccel.notebook.kernel.launcher import launch_request
 
-        return notebook_launcher(
-            run_script, call, num_processes=per_machine, mixed_precision=args.mixed_precision,
-            use_port=port, master_addr=args.main_process_ip or "127.0.0.1",
-            node_rank=args.machine_rank, num_nodes=args.num_machines, cpu=cpu,
-            rdzv_backend=args.rdzv_backend or "static", max_restarts=args.max_restarts or 0,
-            monitor_interval=args.monitor_interval,
-        )  # fmt: skip
+        return launch_request(run_script, call, request)
 
     try:
         _with_environment(env, start)

@@ -9,6 +9,7 @@ device the result is wrapped in torch-xla's background loader (:mod:`nbaccel.dat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -110,84 +111,127 @@ def prepare_data_loader(
         dispatch_batches = iterable and n > 1
     options = _loader_options(dataloader)
     rng_types = [str(getattr(r, "value", r)) for r in (rng_types or [])]
-    batch_size = dataloader.batch_size
-    drop_last = dataloader.drop_last
-
     if dispatch_batches:
-        global_batch = batch_size if split_batches else (batch_size or 1) * n
-        if split_batches and batch_size is not None and batch_size % n:
-            raise ValueError(
-                f"split_batches=True needs a batch size that divides by {n}, not {batch_size}."
-            )
-        if iterable:
-            source = {"batch_size": global_batch, "drop_last": drop_last}
-        else:
-            sampler = dataloader.batch_sampler.sampler
-            source = {"batch_sampler": BatchSampler(sampler, global_batch, drop_last)}
-        loader = DataLoaderDispatcher(
-            dataset,
+        loader = _dispatcher(
+            dataloader,
+            n,
+            split_batches,
+            options,
             device=device,
-            split_batches=split_batches,
             even_batches=even_batches,
             non_blocking=non_blocking,
             slice_fn=slice_fn_for_dispatch,
             use_stateful_dataloader=use_stateful_dataloader,
-            **source,
-            **options,
         )
-        loader.total_batch_size = global_batch
         return wrap_for_device(loader, state.device)
 
-    generator = None
-    remainder, total_batch_size = -1, None
-    if iterable and n > 1 and not split_batches and _natively_shardable(dataset, n):
-        # A Hugging Face streaming dataset with enough shards: each rank reads its own files.
-        source = {"batch_size": batch_size, "drop_last": drop_last}
-        dataset_for_loader = dataset.shard(num_shards=n, index=i)
-        total_batch_size = batch_size * n
-    elif iterable:
-        shard = IterableDatasetShard(dataset, batch_size, drop_last, n, i, split_batches)
-        per_process = batch_size // n if split_batches else batch_size
-        source = {"batch_size": per_process, "drop_last": drop_last}
-        dataset_for_loader: Any = shard if n > 1 else dataset
-        total_batch_size = batch_size if split_batches else batch_size * n
+    if iterable:
+        shard = _iterable_source(dataloader, n, i, split_batches)
     else:
-        original = dataloader.batch_sampler
-        if type(original) is BatchSampler:
-            sampler, generator = _reshuffler(original.sampler, use_seedable_sampler, data_seed)
-            batch_sampler: Any = BatchSampler(sampler, original.batch_size, original.drop_last)
-        else:
-            batch_sampler = original  # a custom batch sampler: sharded as it is
-            generator = getattr(getattr(original, "sampler", None), "generator", None)
-        if n > 1:
-            batch_sampler = BatchSamplerShard(batch_sampler, n, i, split_batches, even_batches)
-        source = {"batch_sampler": batch_sampler}
-        dataset_for_loader = dataset
-        size = getattr(batch_sampler, "batch_size", None)
-        if size is not None:
-            total_batch_size = size if split_batches or n == 1 else size * n
-        if n > 1 and even_batches and not getattr(batch_sampler, "drop_last", False):
-            try:
-                remainder = len(dataset) % total_batch_size if total_batch_size else -1
-            except TypeError:
-                remainder = -1
+        shard = _map_style_source(
+            dataloader, n, i, split_batches, even_batches, use_seedable_sampler, data_seed
+        )
     if n <= 1:
         rng_types = []
-    elif generator is None:
+    elif shard.generator is None:
         rng_types = [r for r in rng_types if r != "generator"]
     loader = DataLoaderShard(
-        dataset_for_loader,
+        shard.dataset,
         device=device,
         rng_types=rng_types,
-        synchronized_generator=generator,
+        synchronized_generator=shard.generator,
         non_blocking=non_blocking,
-        remainder=remainder,
-        total_batch_size=total_batch_size,
+        remainder=shard.remainder,
+        total_batch_size=shard.total_batch_size,
         use_stateful_dataloader=use_stateful_dataloader,
-        **source,
+        **shard.source,
         **options,
     )
     return wrap_for_device(loader, state.device)
+
+
+def _dispatcher(
+    dataloader: DataLoader,
+    n: int,
+    split_batches: bool,
+    options: dict[str, Any],
+    **dispatch: Any,
+) -> DataLoaderDispatcher:
+    """Rank 0 reads whole global batches and sends each rank its slice (``dispatch``: the
+    ``DataLoaderDispatcher`` options: device, even_batches, non_blocking, slice_fn, ...)."""
+    batch_size, drop_last = dataloader.batch_size, dataloader.drop_last
+    global_batch = batch_size if split_batches else (batch_size or 1) * n
+    if split_batches and batch_size is not None and batch_size % n:
+        raise ValueError(
+            f"split_batches=True needs a batch size that divides by {n}, not {batch_size}."
+        )
+    if isinstance(dataloader.dataset, IterableDataset):
+        source: dict[str, Any] = {"batch_size": global_batch, "drop_last": drop_last}
+    else:
+        sampler = dataloader.batch_sampler.sampler
+        source = {"batch_sampler": BatchSampler(sampler, global_batch, drop_last)}
+    loader = DataLoaderDispatcher(
+        dataloader.dataset, split_batches=split_batches, **dispatch, **source, **options
+    )
+    loader.total_batch_size = global_batch
+    return loader
+
+
+@dataclass
+class _Shard:
+    """What a rank's ``DataLoaderShard`` is built from."""
+
+    dataset: Any
+    source: dict[str, Any]  # batch_size/drop_last or batch_sampler
+    total_batch_size: int | None = None
+    generator: torch.Generator | None = None  # the shuffling generator kept in step
+    remainder: int = -1  # samples in the last, short global batch (even_batches)
+
+
+def _iterable_source(dataloader: DataLoader, n: int, i: int, split_batches: bool) -> _Shard:
+    """An iterable dataset: native shards when it has enough files, else every n-th batch."""
+    dataset, batch_size, drop_last = dataloader.dataset, dataloader.batch_size, dataloader.drop_last
+    if n > 1 and not split_batches and _natively_shardable(dataset, n):
+        # A Hugging Face streaming dataset with enough shards: each rank reads its own files.
+        source = {"batch_size": batch_size, "drop_last": drop_last}
+        return _Shard(dataset.shard(num_shards=n, index=i), source, batch_size * n)
+    shard = IterableDatasetShard(dataset, batch_size, drop_last, n, i, split_batches)
+    per_process = batch_size // n if split_batches else batch_size
+    source = {"batch_size": per_process, "drop_last": drop_last}
+    total = batch_size if split_batches else batch_size * n
+    return _Shard(shard if n > 1 else dataset, source, total)
+
+
+def _map_style_source(
+    dataloader: DataLoader,
+    n: int,
+    i: int,
+    split_batches: bool,
+    even_batches: bool,
+    use_seedable_sampler: bool,
+    data_seed: int | None,
+) -> _Shard:
+    """A map-style dataset: its batch sampler (re-seeded when it shuffles) split across ranks."""
+    original = dataloader.batch_sampler
+    if type(original) is BatchSampler:
+        sampler, generator = _reshuffler(original.sampler, use_seedable_sampler, data_seed)
+        batch_sampler: Any = BatchSampler(sampler, original.batch_size, original.drop_last)
+    else:
+        batch_sampler = original  # a custom batch sampler: sharded as it is
+        generator = getattr(getattr(original, "sampler", None), "generator", None)
+    if n > 1:
+        batch_sampler = BatchSamplerShard(batch_sampler, n, i, split_batches, even_batches)
+    shard = _Shard(dataloader.dataset, {"batch_sampler": batch_sampler}, generator=generator)
+    size = getattr(batch_sampler, "batch_size", None)
+    if size is not None:
+        shard.total_batch_size = size if split_batches or n == 1 else size * n
+    if n > 1 and even_batches and not getattr(batch_sampler, "drop_last", False):
+        try:
+            total = shard.total_batch_size
+            shard.remainder = len(dataloader.dataset) % total if total else -1
+        except TypeError:
+            shard.remainder = -1
+    return shard
 
 
 def _natively_shardable(dataset: Any, num_processes: int) -> bool:

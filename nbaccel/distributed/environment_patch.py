@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from nbaccel.values.booleans import parse_bool
+
 __all__ = [
     "clear_environment",
     "convert_dict_to_env_variables",
@@ -27,8 +29,6 @@ __all__ = [
     "str_to_bool",
 ]
 
-_TRUE = ("y", "yes", "t", "true", "on", "1")
-_FALSE = ("n", "no", "f", "false", "off", "0")
 _PURGED_PREFIXES = ("ACCELERATE_", "NBACCEL_")
 _FORBIDDEN = (";", "\n", "<", ">", " ")
 _LOG = logging.getLogger("nbaccel.utils.environment")
@@ -38,12 +38,8 @@ _T = TypeVar("_T")
 def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
     """``"yes"/"true"/"1"...`` -> 1, ``"no"/"false"/"0"...`` -> 0 (``True``/``False`` with
     ``to_bool``); anything else is a ``ValueError`` naming the accepted spellings."""
-    lowered = str(value).strip().lower()
-    if lowered in _TRUE:
-        return True if to_bool else 1
-    if lowered in _FALSE:
-        return False if to_bool else 0
-    raise ValueError(f"Not a boolean: {value!r}; use one of {_TRUE + _FALSE}.")
+    flag = parse_bool(value)
+    return flag if to_bool else int(flag)
 
 
 def get_int_from_env(env_keys: list[str] | tuple[str, ...], default: int) -> int:

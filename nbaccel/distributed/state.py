@@ -360,6 +360,10 @@ class AcceleratorState(PartialState):
                     f"{self.mixed_precision!r}; call AcceleratorState._reset_state() first to "
                     f"switch to {mixed_precision!r}."
                 )
+            if fsdp_plugin is not None and fsdp_plugin != self.fsdp_plugin:
+                # A later Accelerator (a re-run cell in a pool) asks for another plugin: it takes
+                # effect for the accelerators built from now on; earlier ones keep their strategy.
+                self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
             return
         self.__dict__.update(partial.__dict__)
         chosen = mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION") or "no"
@@ -370,8 +374,14 @@ class AcceleratorState(PartialState):
             )
         self.mixed_precision = chosen
         self.dynamo_plugin = dynamo_plugin
+        self.fsdp_plugin = None
+        if fsdp_plugin is not None:
+            self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
+
+    def _use_fsdp_plugin(self, fsdp_plugin: Any, process_type: DistributedType) -> None:
+        """Shard with ``fsdp_plugin`` from now on (FSDP over the process's DDP-able run)."""
         self.fsdp_plugin = fsdp_plugin
-        if fsdp_plugin is not None and partial.distributed_type in (
+        if process_type in (
             DistributedType.MULTI_CPU,
             DistributedType.MULTI_GPU,
             DistributedType.NO,

@@ -18,6 +18,7 @@ from shutil import which
 from typing import Any
 
 from nbaccel.launch.prepare_for_launch import PrepareForLaunch  # accelerate.utils.launch's too
+from nbaccel.values.booleans import parse_bool
 
 __all__ = [
     "PrepareForLaunch",
@@ -45,7 +46,7 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def _flag(value: Any) -> str:
-    return "true" if str(value).lower() in ("1", "true", "yes") else "false"
+    return "true" if parse_bool(value) else "false"
 
 
 def launch_environment(args: argparse.Namespace) -> dict[str, str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, is_peer_loss, rebuild_exception
 from nbaccel.launch.group import Outcome, WorkerGroup
+from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
 
@@ -69,23 +70,30 @@ class Settle:
 
 
 ONE_SHOT = Settle()
-POOL = Settle(disposable=False)
+#: seconds a one-shot rank gets to end after the stop button, per signal (SIGINT, then SIGTERM)
+STOP_GRACE = 0.6
+# A pool rank that has not reported its interrupt within half a second is SIGINTed once more and
+# given a second to come back (a long native op ends); after that the pool restarts it.
+POOL = Settle(disposable=False, interrupt_grace=0.5, recover=1.0)
 
 
-def outcome_exception(rank: int, outcome: Outcome) -> BaseException:
-    """The exception for one failed rank: its original type naming the rank, or RankCrashed."""
+def outcome_exception(
+    rank: int, outcome: Outcome, labels: RankLabels = LOCAL_LABELS
+) -> BaseException:
+    """The exception for one failed rank: its original type naming the rank (as ``labels``, its
+    worker group's, do), or RankCrashed."""
     if outcome.kind == OutcomeKind.CRASH:
         if outcome.lost:
-            return RankCrashed(rank, outcome.value, f"was lost: {outcome.detail}")
+            return RankCrashed(rank, outcome.value, f"was lost: {outcome.detail}", labels)
         text = describe_exit(outcome.value)
         if outcome.detail:
             text = f"{text}; {outcome.detail}"
-        return RankCrashed(rank, outcome.value, text)
+        return RankCrashed(rank, outcome.value, text, labels)
     exit_code = outcome.value.get("exit_code")
     if exit_code is not None:  # sys.exit(n) in the function: the rank exited, say so
-        return RankCrashed(rank, exit_code, f"exited with code {exit_code} (sys.exit)")
+        return RankCrashed(rank, exit_code, f"exited with code {exit_code} (sys.exit)", labels)
     named = outcome.value.get("rank")
-    return rebuild_exception(outcome.value, rank if named is None else named)
+    return rebuild_exception(outcome.value, rank if named is None else named, labels)
 
 
 def _secondary(outcome: Outcome) -> bool:
@@ -112,6 +120,7 @@ class CallReport:
     late: list[int] = field(default_factory=list)  # no outcome when the state was decided
     stuck: list[int] = field(default_factory=list)  # still no outcome after settling
     policy: Settle = ONE_SHOT
+    labels: RankLabels = LOCAL_LABELS  # how its worker group names the ranks
 
     @property
     def crashed(self) -> list[int]:
@@ -124,6 +133,15 @@ class CallReport:
 
     def failures(self) -> dict[int, Outcome]:
         return {r: o for r, o in sorted(self.outcomes.items()) if o.kind != OutcomeKind.RESULT}
+
+    def causes(self) -> list[int]:
+        """The ranks whose failure was their own: not stopped by the driver, not a peer's
+        broken collective, not the stop button."""
+        return sorted(
+            r
+            for r, o in self.outcomes.items()
+            if o.kind != OutcomeKind.RESULT and not _secondary(o) and not _interrupted(o)
+        )
 
     def first_failure(self) -> tuple[int, Outcome] | None:
         """The earliest failure (by when it happened), not the lowest rank: a peer's error is
@@ -156,7 +174,7 @@ class CallReport:
         if failure is None:
             return None
         rank, outcome = failure
-        exc = outcome_exception(rank, outcome)
+        exc = outcome_exception(rank, outcome, self.labels)
         also = sorted(
             r
             for r, o in self.outcomes.items()
@@ -245,10 +263,12 @@ def run_call(
     state = _wait(group, call_id, targets, deadline, interrupted, max(0.01, min(interval, 0.2)))
     got = group.outcomes(call_id, targets)
     late = [r for r in targets if r not in got]
+    if state == CallState.INTERRUPTED and interrupted() and late:
+        group.signal_all(signal.SIGINT, late)  # the stop button, passed on to the busy ranks
     stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
     group.end_call()
     outcomes = group.outcomes(call_id, targets)
-    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy)
+    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy, group.labels)
 
 
 def run_once(
@@ -266,13 +286,14 @@ def run_once(
     group.expect_call(0)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        group.start()
+        group.start(180.0 if deadline is None else max(0.0, deadline - time.monotonic()))
         return run_call(
             group, 0, group.ranks, timeout, policy, interval=interval, deadline=deadline
         )
     except KeyboardInterrupt:
         group.renderer.notice("interrupted: stopping every rank")
-        group.stop(1.5, first=signal.SIGINT)
+        group.release()  # ranks that already reported (their KeyboardInterrupt) may exit now
+        group.stop(STOP_GRACE, first=signal.SIGINT)
         raise
     finally:
         group.close()

@@ -13,7 +13,7 @@ import pickle
 import time
 from typing import Any
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 
 __all__ = [
     "LaunchTimeout",
@@ -49,8 +49,10 @@ def hide_frames_of(path: str) -> None:
 class RankError(RuntimeError):
     """A rank raised an exception that could not be rebuilt in the notebook."""
 
-    def __init__(self, rank: int, type_name: str, message: str) -> None:
-        super().__init__(f"[{rank_label(rank)}] {type_name}: {message}")
+    def __init__(
+        self, rank: int, type_name: str, message: str, labels: RankLabels = LOCAL_LABELS
+    ) -> None:
+        super().__init__(f"[{labels.label(rank)}] {type_name}: {message}")
         self.rank = rank
         self.type_name = type_name
         self.remote_message = message
@@ -59,8 +61,10 @@ class RankError(RuntimeError):
 class RankCrashed(RuntimeError):
     """A rank ended without returning or raising: a non-zero exit code or a signal."""
 
-    def __init__(self, rank: int, returncode: int, description: str) -> None:
-        super().__init__(f"{rank_label(rank)} {description}")
+    def __init__(
+        self, rank: int, returncode: int, description: str, labels: RankLabels = LOCAL_LABELS
+    ) -> None:
+        super().__init__(f"{labels.label(rank)} {description}")
         self.rank = rank
         self.returncode = returncode
 
@@ -144,7 +148,7 @@ def format_frames(info: dict[str, Any], rank: int | None) -> str:
     return "\n".join(lines)
 
 
-def _same_type(info: dict[str, Any], rank: int) -> BaseException | None:
+def _same_type(info: dict[str, Any], rank: int, labels: RankLabels) -> BaseException | None:
     """An instance of the rank's exception class when it is importable here, built without its
     constructor (which may need keyword arguments the message cannot give back): same type, so
     ``except``/``isinstance`` work, with the rank's message."""
@@ -160,15 +164,18 @@ def _same_type(info: dict[str, Any], rank: int) -> BaseException | None:
         if not (isinstance(target, type) and issubclass(target, BaseException)):
             return None
         exc = target.__new__(target)
-        BaseException.__init__(exc, f"[{rank_label(rank)}] {info['message']}")
+        BaseException.__init__(exc, f"[{labels.label(rank)}] {info['message']}")
         str(exc)  # a __str__ that needs its missing attributes must not break the report
     except Exception:
         return None
     return exc
 
 
-def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
-    """The exception to raise in the notebook: original type when possible, naming the rank."""
+def rebuild_exception(
+    info: dict[str, Any], rank: int, labels: RankLabels = LOCAL_LABELS
+) -> BaseException:
+    """The exception to raise in the notebook: original type when possible, naming the rank
+    as ``labels`` (its worker group's) do."""
     exc: BaseException | None = None
     if info.get("pickled") is not None:
         try:
@@ -176,17 +183,17 @@ def rebuild_exception(info: dict[str, Any], rank: int) -> BaseException:
         except Exception:
             exc = None
     if exc is None:
-        exc = _same_type(info, rank)
+        exc = _same_type(info, rank, labels)
         if exc is not None:
             exc.rank = rank  # type: ignore[attr-defined]
             exc.__cause__ = RemoteTraceback(format_frames(info, rank))
             return exc
     if exc is None:
-        exc = RankError(rank, info["name"], info["message"])
+        exc = RankError(rank, info["name"], info["message"], labels)
     elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"[{rank_label(rank)}] {exc.args[0]}", *exc.args[1:])
+        exc.args = (f"[{labels.label(rank)}] {exc.args[0]}", *exc.args[1:])
     elif not isinstance(exc, KeyboardInterrupt):
-        exc.args = (f"[{rank_label(rank)}]", *exc.args)
+        exc.args = (f"[{labels.label(rank)}]", *exc.args)
     exc.rank = rank  # type: ignore[attr-defined]
     exc.__cause__ = RemoteTraceback(format_frames(info, rank))
     return exc

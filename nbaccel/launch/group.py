@@ -17,7 +17,6 @@ import os
 import pickle
 import secrets
 import selectors
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -31,25 +30,29 @@ from nbaccel.launch.channel import (
     readable,
 )
 from nbaccel.launch.errors import describe_exception
-from nbaccel.launch.labels import use_hosts
+from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.lines import Piece, StreamLines
 from nbaccel.launch.output_budget import OutputBudget
 from nbaccel.launch.protocol import Message, OutcomeKind, Stream
+from nbaccel.launch.rank_ends import EVENTS, OUTPUT, RankEnds
 from nbaccel.launch.rank_state import Outcome, RankState
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.spec import Mode, Work, WorkerSpec
-from nbaccel.launch.transport import SharedTensors, pack
+from nbaccel.launch.transport import SharedTensors, pack, sweep_segments
 
 __all__ = ["Outcome", "WorkerGroup"]
 
-_DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
 # what a ready selector key is (the key's data is (source, rank, stream))
-_LISTENER, _WAKE, _EVENTS, _OUTPUT, _HANDSHAKE = range(5)
+_LISTENER, _WAKE, _HANDSHAKE = "listener", "wake", "handshake"
+_EVENTS, _OUTPUT = EVENTS, OUTPUT
 
 
-class WorkerGroup:
+class WorkerGroup(RankEnds):
     """``num_processes`` worker processes connected to this driver.
+
+    How its ranks' ends are seen and how they are stopped: :class:`~nbaccel.launch.rank_ends.
+    RankEnds`.
 
     Args:
         num_processes: ranks started on this machine.
@@ -64,6 +67,7 @@ class WorkerGroup:
         local_rendezvous: all ranks are on this machine: initialise their process group through
             a private file store rather than a TCP listener.
         output: the limits of what each call shows (the rest goes to a log file, with a notice).
+        line_prefix: a template for the prefix of each output line (``RankLabels``).
     """
 
     def __init__(
@@ -79,13 +83,19 @@ class WorkerGroup:
         setup: Iterable[Callable[[], None]] = (),
         local_rendezvous: bool = False,
         output: OutputBudget | None = None,
+        line_prefix: str | None = None,
     ) -> None:
         self.num_processes = num_processes
+        self.mode = mode
+        self.launcher = launcher
+        #: how this group's ranks are named in its output and errors (``rank 5 @ node2``)
+        self.labels = RankLabels(
+            launcher.hosts_by_rank, line_prefix, {global_rank(i): i for i in range(num_processes)}
+        )
         self.renderer = renderer
         self.output = output or OutputBudget()
         self.output.notice = lambda text: self.renderer.notice(text)
-        self.mode = mode
-        self.launcher = launcher
+        self.output.labels = self.labels
         self._env_for_rank = env_for_rank
         self._work = work
         self._global_rank = global_rank
@@ -108,6 +118,16 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ start
     @property
+    def renderer(self) -> Renderer:
+        """Where this group's lines and events go; it names ranks with :attr:`labels`."""
+        return self._renderer
+
+    @renderer.setter
+    def renderer(self, renderer: Renderer) -> None:
+        renderer.use_labels(self.labels)
+        self._renderer = renderer
+
+    @property
     def ranks(self) -> list[int]:
         return [r.rank for r in self._ranks]
 
@@ -123,15 +143,18 @@ class WorkerGroup:
 
     def start(self, timeout: float = 180.0) -> None:
         """Start every worker and wait until each has connected and loaded its work."""
+        sweep_segments()  # shared memory left by a kernel that died mid-launch
         self._listener = Listener(
             self._secret, self.launcher.channel_host, backlog=3 * self.num_processes + 16
         )
         self._selector.register(self._listener, selectors.EVENT_READ, (_LISTENER, None, None))
         self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None, None))
-        use_hosts(self.launcher.hosts_by_rank)
         self.launcher.prepare()
         self.launcher.add_wakeup(self._wake)
+        deadline = time.monotonic() + timeout
         for index, state in enumerate(self._ranks):
+            if time.monotonic() > deadline:
+                break  # timeout= bounds the start too: the ranks not started count as late
             env = self._env_for_rank(index)
             if self._local_rendezvous:
                 # One machine: the process group meets in a file inside the listener's private
@@ -154,7 +177,10 @@ class WorkerGroup:
             )
             state.process = self.launcher.start(spec)
             self.pump(0)  # authenticate the ranks already up while the others start
-        self.pump_until(lambda: all(r.ready or r.outcomes for r in self._ranks), timeout)
+        self.pump_until(
+            lambda: all(r.ready or r.outcomes for r in self._ranks),
+            max(0.0, deadline - time.monotonic()),
+        )
         self.release_shared()
 
     # ------------------------------------------------------------------ pumping
@@ -287,81 +313,10 @@ class WorkerGroup:
         elif tag == Message.EVENT:
             self.renderer.event(state.rank, message[1], message[2])
 
-    def _check_processes(self) -> None:
-        for state in self._ranks:
-            if state.process is None or state.process.poll() is None:
-                continue
-            # The process is gone: its sockets hit EOF shortly; drain them first.
-            if not state.finished_io and not self._drained(state):
-                continue
-            code = state.process.poll()
-            crash = Outcome(
-                OutcomeKind.CRASH,
-                code,
-                state.process.ended_at or time.time(),  # when it died, not when drained
-                secondary=state.stopped,
-                detail=self._crash_detail(state),
-                lost=bool(state.process.lost),
-            )
-            pending = self._current_call if state.busy_since is not None else None
-            if pending is not None and pending not in state.outcomes:
-                state.outcomes[pending] = crash
-                state.busy_since = None
-            if not state.ready and not state.outcomes:
-                state.outcomes[0] = crash
-
-    def _drained(self, state: RankState) -> bool:
-        """True once a dead process's streams were read to the end, or stayed silent for
-        ``_DRAIN_IDLE`` seconds with nothing waiting (a child of the rank may hold them open).
-        Each read moves the deadline, so a slow renderer still gets every message (the result
-        included) that the rank sent before it ended."""
-        if state.drain_deadline is None:
-            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
-            return False
-        if time.monotonic() <= state.drain_deadline:
-            return False
-        # a slow renderer may have kept the loop from reading: data waiting is not drained
-        waiting = [
-            key.fileobj
-            for key in self._selector.get_map().values()
-            if key.data[0] in (_EVENTS, _OUTPUT) and key.data[1] == state.rank
-        ]
-        if readable(waiting):
-            self._still_draining(state)
-            return False
-        return True
-
-    def _crash_detail(self, state: RankState) -> str:
-        """What is known beyond the exit code: the fork server's death, or the reason a rank
-        wrote down when it could not connect to this driver."""
-        if state.process is not None and state.process.lost:
-            return state.process.lost
-        if self._listener is None or state.connected:
-            return ""
-        try:
-            with open(self._listener.private_path(f"rank-{state.rank}.error")) as handle:
-                return handle.read(2000).strip()
-        except OSError:
-            return ""
-
-    def dead_unreported(self, call_id: int) -> list[int]:
-        """Ranks whose process has ended without an outcome for ``call_id`` recorded yet."""
-        return [
-            r.rank
-            for r in self._ranks
-            if call_id not in r.outcomes and r.process is not None and r.process.poll() is not None
-        ]
-
-    @staticmethod
-    def _still_draining(state: RankState) -> None:
-        if state.drain_deadline is not None:
-            state.drain_deadline = time.monotonic() + _DRAIN_IDLE
-
     # ------------------------------------------------------------------ calls
     def expect_call(self, call_id: int = 0) -> None:
         """Mark every rank busy with ``call_id`` (``Mode.CALL``'s single call is id 0)."""
         self._current_call = call_id
-        use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
         now = time.monotonic()
         for state in self._ranks:
@@ -386,7 +341,6 @@ class WorkerGroup:
         targets = list(self.ranks if ranks is None else ranks)
         placed = self.launcher.place_work(packed, targets)
         self._current_call = call_id
-        use_hosts(self.launcher.hosts_by_rank)
         self.output.begin(self._output_label)
         now = time.monotonic()
         for rank in targets:
@@ -443,47 +397,6 @@ class WorkerGroup:
             shared.release()
         self._shared.clear()
         self.launcher.release_work()
-
-    def adopt_shared(self, shared: SharedTensors | None) -> None:
-        if shared is not None:
-            self._shared.append(shared)
-
-    # ------------------------------------------------------------------ stopping
-    def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:
-        targets = self.ranks if ranks is None else ranks
-        for rank in targets:
-            state = self._by_rank[rank]
-            if state.process is not None:
-                if state.process.poll() is None:
-                    state.stopped = True
-                state.process.signal_tree(sig)
-
-    def release(self) -> None:
-        """Tell one-shot ranks that every rank has reported: they may exit now."""
-        for state in self._ranks:
-            if state.events is not None and not state.events_closed:
-                try:
-                    state.events.send((Message.RELEASE,))
-                except OSError:
-                    pass
-
-    def wait_exit(self, timeout: float) -> bool:
-        return self.pump_until(
-            lambda: all(r.process is None or r.process.poll() is not None for r in self._ranks),
-            timeout,
-        )
-
-    def stop(self, grace: float = 2.0, first: int = signal.SIGTERM) -> None:
-        """Stop every rank: ``first`` signal, then SIGKILL after ``grace`` seconds."""
-        if first == signal.SIGINT:
-            self.signal_all(signal.SIGINT)
-            if self.wait_exit(grace):
-                return
-            first = signal.SIGTERM
-        self.signal_all(first)
-        if not self.wait_exit(grace):
-            self.signal_all(signal.SIGKILL)
-            self.wait_exit(5.0)
 
     def close(self, grace: float = 2.0) -> None:
         """Stop the workers (politely for a pool), drain output, free every resource."""

@@ -5,13 +5,39 @@ rank's. A carriage return (a progress bar redrawn in place) keeps only the line'
 line longer than 64 KiB is passed on in pieces, each marked as continuing the one before, so one
 endless line cannot hold the rest back. What is left when the stream or the call ends (a
 ``print(..., end="")``) is passed on by :meth:`StreamLines.flush`.
+
+Control bytes are filtered (:func:`clean`): NUL, BEL, backspace, DEL, C1 codes and terminal
+escape sequences (cursor moves, screen clears, window titles, hyperlinks) would corrupt or
+silently alter what the notebook shows. Kept: tab, and ANSI colour and style (SGR,
+``ESC[...m``), which Jupyter renders in stream output and a terminal shows as is.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["Piece", "StreamLines"]
+__all__ = ["Piece", "StreamLines", "clean"]
+
+_CONTROL = re.compile(
+    r"(\x1b\[[0-?]*[ -/]*[@-~])"  # CSI: kept when it is SGR (colour), dropped otherwise
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: titles, hyperlinks
+    r"|\x1b[ -/]*[0-~]?"  # other escapes (reset, charsets...), or a lone ESC
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"  # C0 (but tab and newline), DEL, C1
+)
+
+
+def _keep_colour(match: re.Match[str]) -> str:
+    csi = match.group(1)
+    return csi if csi is not None and csi.endswith("m") else ""
+
+
+def clean(text: str) -> str:
+    """``text`` without control bytes and escape sequences, colours (SGR) and tabs kept."""
+    return _CONTROL.sub(_keep_colour, text) if _NEEDS_CLEANING.search(text) else text
+
+
+_NEEDS_CLEANING = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 MAX_PARTIAL = 1 << 16
 
@@ -61,6 +87,6 @@ class StreamLines:
             text = parts[-1] if parts else ""
             if not text and complete and not self._continuing:
                 return None
-        piece = Piece(text, self._continuing, complete)
+        piece = Piece(clean(text), self._continuing, complete)
         self._continuing = not complete
         return piece

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.protocol import Stream
 
 __all__ = ["OutputBudget", "log_dir"]
 
@@ -43,6 +44,7 @@ class OutputBudget:
         max_line_chars: characters shown of one line; the rest is in the log.
         max_chars: characters shown per call.
         notice: where the budget's notices go (the group sets its renderer's ``notice``).
+        labels: how its notices name ranks (the group sets its own).
     """
 
     def __init__(
@@ -51,11 +53,13 @@ class OutputBudget:
         max_line_chars: int = 10_000,
         max_chars: int = 2_000_000,
         notice: Callable[[str], None] = lambda text: None,
+        labels: RankLabels = LOCAL_LABELS,
     ) -> None:
         self.max_lines = max_lines
         self.max_line_chars = max_line_chars
         self.max_chars = max_chars
         self.notice = notice
+        self.labels = labels
         self.path: str | None = None
         self._label = "launch"
         self.begin()
@@ -85,7 +89,7 @@ class OutputBudget:
         longer than the group reads at once); ``complete``: ``text`` ends its line.
         """
         # one log line per piece, so that ranks writing long lines at once do not interleave
-        where = f"[{rank_label(rank)}]{' (stderr)' if stream == 'stderr' else ''}"
+        where = f"[{self.labels.label(rank)}]{' (stderr)' if stream == Stream.STDERR else ''}"
         self._record(f"{where}{' (continued)' if continues else ''} {text}\n")
         if complete:
             self.lines += 1

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+from nbaccel.launch.capacity import check_capacity
+from nbaccel.launch.protocol import LaunchKind
+from nbaccel.launch.request import START_METHODS, LaunchRequest
 
 if TYPE_CHECKING:
     from nbaccel.launch.remote.options import RemoteOptions
@@ -26,18 +28,16 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_DEFAULT_NUM_PROCESSES",
     "START_METHODS",
-    "XLA_DEFAULT_NUM_PROCESSES",
     "Front",
     "LaunchPlan",
     "check_call",
+    "check_cwd",
+    "check_gpu_count",
     "check_port",
-    "parse_port",
     "default_num_processes",
     "free_port",
     "resolve_kind",
 ]
-
-START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
 
 class Front(str, Enum):
@@ -52,17 +52,29 @@ class Front(str, Enum):
 # with GPUs (and not ``cpu``), one rank per GPU; on CPU, the number below (the launcher runs the
 # function once, as Accelerate's does; the pool and the test harness want a real world of 2).
 CPU_DEFAULT_NUM_PROCESSES = {Front.NOTEBOOK: 1, Front.POOL: 2, Front.TESTING: 2}
-# On XLA devices, Accelerate's TPU default; torch-xla itself always uses every device it sees
-# (a different count is run anyway, with a warning naming both).
-XLA_DEFAULT_NUM_PROCESSES = 8
+# On XLA devices: every local device (one per TPU chip, CPU_NUM_DEVICES on the CPU), read without
+# starting the XLA runtime; torch-xla itself always uses every device it sees (a different count
+# is run anyway, with a warning naming both).
 
 
 def default_num_processes(front: Front, cpu: bool = False, xla: bool = False) -> int:
     """How many ranks ``front`` starts when ``num_processes`` is not given."""
     if xla:
-        return XLA_DEFAULT_NUM_PROCESSES
+        from nbaccel.launch.launchers.xla import local_device_count
+
+        return local_device_count()
     gpus = 0 if cpu else torch.cuda.device_count()
     return gpus or CPU_DEFAULT_NUM_PROCESSES[Front(front)]
+
+
+def check_gpu_count(num_processes: int, gpus: int) -> None:
+    """ValueError naming the count when GPU ranks (one per GPU) outnumber this machine's GPUs
+    (``CUDA_VISIBLE_DEVICES`` decides what is visible); nothing to check without a GPU."""
+    if gpus and num_processes > gpus:
+        raise ValueError(
+            f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
+            f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,22 +98,8 @@ def check_port(port: int, host: str) -> None:
             ) from None
 
 
-def parse_port(use_port: int | str) -> int:
-    """``use_port`` as a TCP port number (Accelerate passes it as a string, ``"29500"``)."""
-    text = str(use_port).strip()
-    if isinstance(use_port, bool) or not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise ValueError(
-            f"use_port must be a TCP port number between 1 and 65535 (an int or a string of "
-            f"digits such as '29500'), got {use_port!r}; pass use_port=None to let nbaccel pick "
-            "a free port."
-        )
-    return int(text)
-
-
-def check_call(
-    args: Any, kwargs: Any = None, timeout: Any = None, max_restarts: Any = 0
-) -> tuple[Any, ...]:
-    """Validate what a launch runs and how long, before anything starts; ``args`` as a tuple.
+def check_call(args: Any, kwargs: Any = None) -> tuple[Any, ...]:
+    """Validate what a launch runs, before anything starts; ``args`` as a tuple.
 
     ``args`` must be a tuple or list of positional arguments: a lone tensor or int would be
     unpacked (or fail) on the ranks, far from the mistake.
@@ -113,17 +111,23 @@ def check_call(
         )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}.")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-    ):
-        raise ValueError(
-            f"timeout must be a positive number of seconds (or None for no limit), got {timeout!r}."
-        )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(
-            f"max_restarts must be a non-negative integer (0: no restart), got {max_restarts!r}."
-        )
     return tuple(args)
+
+
+def check_cwd() -> str:
+    """The working directory the ranks start in; a clear error when it was deleted."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        try:
+            where = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
+        except OSError:
+            where = "(unknown)"
+        raise FileNotFoundError(
+            f"this kernel's working directory {where} was deleted, and the ranks start in it. "
+            "Change to an existing directory first, e.g. os.chdir(os.path.expanduser('~')), "
+            "or recreate it."
+        ) from None
 
 
 def _refuse_nested_launch() -> None:
@@ -137,7 +141,7 @@ def _refuse_nested_launch() -> None:
         )
 
 
-def resolve_kind(start_method: str, xla: bool = False) -> str:
+def resolve_kind(start_method: str, xla: bool = False) -> LaunchKind:
     """The launcher variant (a key of ``nbaccel.launch.launchers.LAUNCHERS``) for a launch.
 
     ``auto``: the fork server (spawn where fork does not exist); for XLA, ``auto`` and ``fork``
@@ -147,15 +151,15 @@ def resolve_kind(start_method: str, xla: bool = False) -> str:
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}.")
     if xla and start_method in ("auto", "fork"):
-        return "xla"
+        return LaunchKind.XLA
     if start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
         raise RuntimeError(
             "CUDA is already initialised in this kernel, and a forked child cannot use it. "
             "Use start_method='auto' (nbaccel's fork server is CUDA-safe)."
         )
     if start_method == "auto":
-        return "forkserver" if hasattr(os, "fork") else "spawn"
-    return start_method
+        return LaunchKind.FORKSERVER if hasattr(os, "fork") else LaunchKind.SPAWN
+    return LaunchKind(start_method)
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,7 @@ class LaunchPlan:
 
     num_processes: int
     front: Front = Front.NOTEBOOK
-    kind: str = "forkserver"
+    kind: LaunchKind = LaunchKind.FORKSERVER
     num_nodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -175,6 +179,7 @@ class LaunchPlan:
     xla: bool = False  # ranks are torch-xla processes (one per chip, threads per device)
     defaulted: bool = False  # num_processes was not given
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    line_prefix: str | None = None  # template of each output line's prefix (RankLabels)
     #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
     remote: RemoteOptions | None = None
 
@@ -182,146 +187,91 @@ class LaunchPlan:
     def create(
         cls,
         front: Front,
-        num_processes: int | None = None,
+        request: LaunchRequest | None = None,
         *,
-        start_method: str = "auto",
         xla: bool = False,
-        cpu: bool | None = False,
-        backend: str | None = None,
-        mixed_precision: str = "no",
-        num_nodes: int = 1,
-        node_rank: int = 0,
-        master_addr: str = "127.0.0.1",
-        use_port: int | str | None = None,
-        rdzv_backend: str = "static",
-        rdzv_endpoint: str = "",
-        rdzv_conf: dict[str, Any] | None = None,
-        rdzv_id: str = "none",
         extra_env: Mapping[str, str] | None = None,
         remote: RemoteOptions | None = None,
     ) -> LaunchPlan:
-        """Resolve the defaults and validate every option; raises before anything starts.
+        """The plan of ``request`` (already validated option by option) on this machine's
+        devices; raises before anything starts.
 
-        ``cpu=None`` means CPU ranks when there is no GPU (the pool's default). ``remote``
-        (``nbaccel.launch.remote.options.remote_options``) puts the ranks on other hosts.
+        ``remote``: hosts built apart (the engine's own tests); by default the request's.
+        A pool (``Front.POOL``) runs CPU ranks when there is no GPU.
         """
         _refuse_nested_launch()
-        if remote is not None:
-            return cls._create_remote(
-                front,
-                num_processes,
-                remote,
-                cpu,
-                backend,
-                mixed_precision,
-                num_nodes,
-                use_port,
-                xla,
-                extra_env,
-            )
+        request = request or LaunchRequest()
+        remote = remote or request.remote
         gpus = torch.cuda.device_count()
-        cpu = gpus == 0 if cpu is None else bool(cpu)
+        cpu = request.cpu or (front == Front.POOL and gpus == 0)
+        if remote is not None:
+            return cls._create_remote(front, request, remote, cpu, xla, extra_env)
+        num_processes = request.num_processes
         defaulted = num_processes is None
         if num_processes is None:
             num_processes = default_num_processes(front, cpu, xla)
-        if not isinstance(num_processes, int) or isinstance(num_processes, bool):
-            raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}.")
-        if num_processes < 1:
-            raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}.")
-        if str(mixed_precision).lower() not in MIXED_PRECISION_CHOICES:
-            raise ValueError(
-                f"Unknown mixed_precision {mixed_precision!r}; choose one of "
-                f"{', '.join(MIXED_PRECISION_CHOICES)}."
-            )
-        for name, value in (("num_nodes", num_nodes), ("node_rank", node_rank)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}.")
-        if num_nodes < 1 or not 0 <= node_rank < num_nodes:
-            raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank}.")
-        if rdzv_backend not in ("static", "c10d"):
-            raise ValueError(f"rdzv_backend must be 'static' or 'c10d', got {rdzv_backend!r}.")
-        if rdzv_conf:
-            raise ValueError(
-                f"rdzv_conf={rdzv_conf!r} is not supported: nbaccel forms the world through "
-                "MASTER_ADDR/MASTER_PORT. Pass master_addr and use_port (or "
-                "rdzv_endpoint='host:port') instead, and leave rdzv_conf unset."
-            )
-        if rdzv_id not in ("none", "", None):
-            raise ValueError(
-                f"rdzv_id={rdzv_id!r} is not supported: every launch is its own run, told "
-                "apart by its port. Leave rdzv_id at its default ('none')."
-            )
-        if not xla and not cpu and gpus and num_processes > gpus:
-            raise ValueError(
-                f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
-                f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
-            )
-        kind = resolve_kind(start_method, xla)
-        if xla and num_nodes > 1:
+        if not xla and not cpu:
+            check_gpu_count(num_processes, gpus)
+        kind = resolve_kind(request.start_method, xla)
+        check_capacity(num_processes, forked=kind != LaunchKind.SPAWN)
+        check_cwd()
+        if xla and request.num_nodes > 1:
             raise ValueError("an XLA launch runs on this host only; leave num_nodes=1.")
-        if num_nodes > 1 and use_port is None and not rdzv_endpoint:
-            raise ValueError("a multi-node launch needs use_port (the same on every node).")
-        if rdzv_endpoint and use_port is None:
-            master_addr, _, use_port = rdzv_endpoint.rpartition(":")
-        port = None if use_port is None else parse_port(use_port)
-        if port is not None and node_rank == 0:
+        master_addr, port = request.master_addr, request.use_port
+        if request.rdzv_endpoint and port is None:
+            master_addr, _, text = request.rdzv_endpoint.rpartition(":")
+            port = LaunchRequest(use_port=text).use_port
+        if port is not None and request.node_rank == 0:
             check_port(port, master_addr)
         return cls(
             num_processes=num_processes,
             front=Front(front),
             kind=kind,
-            num_nodes=num_nodes,
-            node_rank=node_rank,
+            num_nodes=request.num_nodes,
+            node_rank=request.node_rank,
             master_addr=master_addr,
             port=port,
-            mixed_precision=str(mixed_precision).lower(),
+            mixed_precision=request.mixed_precision,
             cpu=cpu,
-            backend=backend,
+            backend=request.backend,
             xla=xla,
             defaulted=defaulted,
             extra_env=dict(extra_env or {}),
+            line_prefix=request.log_line_prefix_template,
         )
 
     @classmethod
     def _create_remote(
         cls,
         front: Front,
-        num_processes: int | None,
+        request: LaunchRequest,
         remote: RemoteOptions,
-        cpu: bool | None,
-        backend: str | None,
-        mixed_precision: str,
-        num_nodes: int,
-        use_port: int | str | None,
+        cpu: bool,
         xla: bool,
         extra_env: Mapping[str, str] | None,
     ) -> LaunchPlan:
         """A plan whose ranks run on ``remote``'s hosts, driven from this kernel."""
         total = remote.layout.num_processes
-        if num_processes is not None and num_processes != total:
+        if request.num_processes is not None and request.num_processes != total:
             raise ValueError(
-                f"num_processes={num_processes} but the hosts run {total} ranks "
+                f"num_processes={request.num_processes} but the hosts run {total} ranks "
                 f"({remote.layout.describe()})."
             )
-        if xla or num_nodes != 1 or use_port is not None:
+        if xla or request.num_nodes != 1 or request.use_port is not None:
             raise ValueError(
                 "a launch over hosts forms its world itself (MASTER_ADDR is the first host, "
                 "MASTER_PORT a free port there): leave num_nodes, use_port and XLA out."
-            )
-        if str(mixed_precision).lower() not in MIXED_PRECISION_CHOICES:
-            raise ValueError(
-                f"Unknown mixed_precision {mixed_precision!r}; choose one of "
-                f"{', '.join(MIXED_PRECISION_CHOICES)}."
             )
         return cls(
             num_processes=total,
             front=Front(front),
             kind=remote.kind,
-            mixed_precision=str(mixed_precision).lower(),
-            cpu=bool(cpu),
-            backend=backend,
+            mixed_precision=request.mixed_precision,
+            cpu=cpu,
+            backend=request.backend,
             extra_env=dict(extra_env or {}),
             remote=remote,
+            line_prefix=request.log_line_prefix_template,
         )
 
     def launcher_options(self) -> dict[str, Any]:

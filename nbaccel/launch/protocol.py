@@ -1,18 +1,34 @@
 """The one vocabulary of a launch: what travels between the driver and its ranks.
 
-Every message, stream name, event kind and outcome kind is a member here; the engine and the
-fronts compare against these members, never against string literals. The members are ``str``
-enums, so they pickle by name, print as their value and compare equal to it.
+Every message, stream name, event kind, outcome kind, launcher kind and fork-server message is a
+member here; the engine and the fronts compare against these members, never against string
+literals (the remote agents' wire messages are ``nbaccel.launch.remote.wire.Kind``). The
+members are ``str`` enums, so they pickle by name, print as their value and compare equal to it.
 """
 
 from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["EventKind", "Message", "OutcomeKind", "Stream"]
+__all__ = [
+    "EventKind",
+    "LaunchKind",
+    "Message",
+    "OutcomeKind",
+    "ServerMessage",
+    "Stream",
+    "Word",
+]
 
 
-class Message(str, Enum):
+class Word(str, Enum):
+    """A member of this vocabulary: prints (and formats) as its value, on every Python."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Message(Word):
     """First element of every tuple on a rank's event stream."""
 
     HELLO = "hello"  # worker -> driver: (HELLO, pid)
@@ -28,7 +44,7 @@ class Message(str, Enum):
     RELEASE = "release"
 
 
-class Stream(str, Enum):
+class Stream(Word):
     """The three authenticated connections a rank opens to the driver."""
 
     STDOUT = "stdout"
@@ -36,7 +52,7 @@ class Stream(str, Enum):
     EVENTS = "events"
 
 
-class EventKind(str, Enum):
+class EventKind(Word):
     """Structured events a rank emits (``nbaccel.launch.worker.emit``) for the renderer."""
 
     PROGRESS = "progress"  # a tqdm bar's state (notebook progress bridge)
@@ -46,9 +62,32 @@ class EventKind(str, Enum):
     POOL_INFO = "pool_info"  # a pool worker's device and backend, once at start
 
 
-class OutcomeKind(str, Enum):
+class OutcomeKind(Word):
     """How one rank's call ended."""
 
     RESULT = "result"  # returned a value
     ERROR = "error"  # raised; the value is describe_exception's dict
     CRASH = "crash"  # the process ended without reporting; the value is its exit code
+
+
+class LaunchKind(Word):
+    """The launcher variant that starts a plan's ranks (``nbaccel.launch.launchers``)."""
+
+    FORKSERVER = "forkserver"  # forked from a server with torch preloaded (the default)
+    SPAWN = "spawn"  # fresh interpreters
+    FORK = "fork"  # forked from the driver (inherits its memory)
+    XLA = "xla"  # torch-xla's processes
+    SSH = "ssh"  # on other hosts, one agent per host started over ssh
+    SLURM = "slurm"  # on the nodes of this SLURM allocation, agents started by srun
+
+
+class ServerMessage(Word):
+    """First element of every frame between the driver and a fork server (and its agents')."""
+
+    PRELOAD = "preload"  # driver -> server: (PRELOAD, modules) import these now
+    SPAWN = "spawn"  # driver -> server: (SPAWN, request_id, spec_bytes)
+    READY = "ready"  # server -> driver: (READY,) the preloaded modules are imported
+    STARTED = "started"  # server -> driver: (STARTED, request_id, pid)
+    FAILED = "failed"  # server -> driver: (FAILED, request_id, why) the fork was refused
+    EXITED = "exited"  # server -> driver: (EXITED, pid, returncode)
+    REFUSED = "refused"  # server -> driver: (REFUSED, request_id, reason) no fork (CUDA is up)

@@ -43,6 +43,7 @@ class RankState:
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     busy_since: float | None = None
     drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
+    drain_limit: float | None = None  # the latest the dead process's streams are waited for
     stopped: bool = False  # the driver signalled it to stop (its end is not a cause)
 
     @property

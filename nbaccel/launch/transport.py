@@ -11,6 +11,11 @@ arrive as a tensor and a view of it, and a transposed tensor keeps its strides. 
 same as torch's: a small slice of a large tensor carries the whole storage (``.clone()`` it first
 to send only the slice).
 
+A segment outlives nobody: its owner (the kernel) holds a shared ``flock`` on it from creation
+until it unlinks it, and every launch and every new fork server sweeps the segments whose lock
+is free, i.e. whose owner died (SIGKILL, OOM) before it could unlink them. Segments are named
+``nbaccel-<owner pid>-<random>``.
+
 Objects multiprocessing shares only by inheritance (a ``multiprocessing.Queue``, ``Lock``,
 ``Event``, ``Value``...) cannot travel in a pickle: forked ranks (``start_method="fork"``) inherit
 them as they are, and any other launch refuses them before it starts, naming the fix.
@@ -18,10 +23,12 @@ them as they are, and any other launch refuses them before it starts, naming the
 
 from __future__ import annotations
 
+import fcntl
 import io
 import mmap
 import os
 import pickle
+import re
 import secrets
 import tempfile
 from collections.abc import Iterator
@@ -31,11 +38,19 @@ from typing import Any
 import cloudpickle
 import torch
 
-__all__ = ["Packed", "SharedTensors", "UnpicklableError", "pack", "unpack"]
+__all__ = [
+    "Packed",
+    "SharedTensors",
+    "UnpicklableError",
+    "pack",
+    "sweep_segments",
+    "unpack",
+]
 
 _SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
 _ALIGN = 64
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_SEGMENT_NAME = re.compile(r"nbaccel-\d+-[0-9a-f]{16}")  # nbaccel-<owner pid>-<random>
 
 
 class UnpicklableError(TypeError):
@@ -115,6 +130,42 @@ def _shm_dir() -> str:
     )
 
 
+def sweep_segments() -> list[str]:
+    """Unlink the shared tensor files whose owner died before unlinking them; their paths."""
+    folder = _shm_dir()
+    try:
+        names = [n for n in os.listdir(folder) if _SEGMENT_NAME.fullmatch(n)]
+    except OSError:
+        return []
+    swept = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if not _is_segment(fd):
+                continue
+            try:  # the owner holds a shared lock for as long as the file is its to remove
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue
+            os.unlink(path)
+            swept.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return swept
+
+
+def _is_segment(fd: int) -> bool:
+    """A regular file of this user (never another user's, nor a folder such as a channel's)."""
+    info = os.fstat(fd)
+    return info.st_uid == os.getuid() and (info.st_mode & 0o170000) == 0o100000
+
+
 class SharedTensors:
     """Owner of one shared-memory file; ``release()`` unlinks it (mappings stay valid)."""
 
@@ -151,10 +202,14 @@ class SharedTensors:
                 )
             )
         self.path: str | None = None
+        self._lock_fd: int | None = None
         if offset == 0:
             return  # every storage is small: nothing to share
-        self.path = os.path.join(_shm_dir(), f"nbaccel-{secrets.token_hex(8)}")
+        sweep_segments()
+        self.path = os.path.join(_shm_dir(), f"nbaccel-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held until release(): a sweep leaves the file alone
+        self._lock_fd = fd
         try:
             os.ftruncate(fd, max(offset, 1))
             with mmap.mmap(fd, max(offset, 1)) as mm:
@@ -163,8 +218,9 @@ class SharedTensors:
                     if base is not None and rec.nbytes:
                         flat[rec.offset : rec.offset + rec.nbytes].copy_(base)
                 del flat
-        finally:
-            os.close(fd)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         if self.path is not None:
@@ -173,6 +229,13 @@ class SharedTensors:
             except FileNotFoundError:
                 pass
             self.path = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_lock_fd"):
+            self.release()
 
 
 class _Pickler(cloudpickle.Pickler):

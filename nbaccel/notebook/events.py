@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.bigmodel.units import human_bytes
 from nbaccel.launch.protocol import EventKind
+from nbaccel.values.byte_text import human_bytes
 
 __all__ = [
     "MEMORY",
@@ -20,7 +20,6 @@ __all__ = [
     "MemorySample",
     "MetricsUpdate",
     "ProgressUpdate",
-    "human_bytes",
 ]
 
 # The kinds these payloads travel under (members of the engine's one vocabulary).

@@ -11,7 +11,7 @@ Tied weights, one convention: tensors that share storage are written once, under
 name, and the other names are recorded as ``{dropped name: kept name}`` (``tied_weights`` in the
 index metadata, or ``<file>.tied.json`` beside a single file; :func:`tie_record`). A name the
 checkpoint lacks is filled from its twin, where twins are the model's own tied parameters plus
-the record (:func:`tied_twins`); loaders give every twin the same tensor.
+the record (:func:`nbaccel.storage.ties.tied_twins`); loaders give every twin the same tensor.
 Writes go through a staging directory (:mod:`nbaccel.storage.atomic`).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ import torch
 
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover
 from nbaccel.storage.safetensors_file import SafetensorsFile
+from nbaccel.storage.ties import tie_groups, tied_twins
+from nbaccel.values.sizes import parse_size
 
 __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -38,14 +40,11 @@ __all__ = [
     "drop_tied_aliases",
     "load_into_model",
     "load_model_weights",
-    "model_tie_groups",
     "open_weights",
-    "parse_size",
     "read_weights",
     "save_model_weights",
     "shard_state_dict",
     "tie_record",
-    "tied_twins",
     "write_safetensors",
     "write_weights",
 ]
@@ -57,20 +56,6 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(
     r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$"
 )
-_UNITS = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}  # fmt: skip
-
-
-def parse_size(size: int | str) -> int:
-    """``"10GB"`` -> 10_000_000_000, ``"5MiB"`` -> 5_242_880; ints pass through."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if not match:
-        raise ValueError(f"Cannot read size {size!r}: use an int or e.g. '10GB', '500MB', '2GiB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -112,7 +97,7 @@ def drop_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, dic
 
 def shard_state_dict(state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str) -> list:
     """Split into shards of at most ``max_shard_size`` bytes (a bigger tensor gets its own)."""
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, "max_shard_size")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state_dict.items():
@@ -294,35 +279,6 @@ def tie_record(checkpoint: str | os.PathLike) -> dict[str, str]:
     return json.loads(tied.read_text()) if path.is_file() and tied.exists() else {}
 
 
-def model_tie_groups(model: torch.nn.Module) -> list[list[str]]:
-    """Groups of parameter names of ``model`` that share one Parameter object."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [sorted(names) for names in groups.values() if len(names) > 1]
-
-
-def tied_twins(
-    groups: Iterable[Iterable[str]], record: Mapping[str, str] | None = None
-) -> dict[str, list[str]]:
-    """name -> every name holding the same tensor (itself included), from a model's tie
-    ``groups`` and a checkpoint's tie ``record``; untied names are not listed."""
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent.setdefault(name, name) != name:
-            name = parent[name]
-        return name
-
-    for group in [*map(list, groups), *([a, k] for a, k in (record or {}).items())]:
-        for name in group[1:]:
-            parent[root(name)] = root(group[0])
-    members: dict[str, list[str]] = {}
-    for name in parent:
-        members.setdefault(root(name), []).append(name)
-    return {n: sorted(g) for g in members.values() if len(g) > 1 for n in g}
-
-
 def read_weights(
     checkpoint: str | os.PathLike,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -354,7 +310,7 @@ def load_into_model(
     """
     tensors = dict(tensors)
     expected = model.state_dict()
-    twins = tied_twins(model_tie_groups(model), aliases)
+    twins = tied_twins(tie_groups(model), aliases)
     for name in expected:
         if name not in tensors:
             source = next((t for t in twins.get(name, ()) if t in tensors), None)

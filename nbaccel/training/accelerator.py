@@ -46,11 +46,6 @@ from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.registry import select_strategy
-from nbaccel.training.strategies.wrappers import (
-    extract_model_from_parallel,
-    no_sync_context,
-    trigger_sync_context,
-)
 from nbaccel.training.trackers import TrackerSet
 
 __all__ = ["Accelerator"]
@@ -271,10 +266,9 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
                 f"device_placement has {len(placement)} entries for {len(args)} objects."
             )
         result = list(args)
-        moved: dict[int, torch.nn.Parameter] = {}
         kinds = (
-            (torch.nn.Module, self._prepare_model_tracking(moved)),
-            (torch.optim.Optimizer, lambda o, p: self.prepare_optimizer(_repoint(o, moved), p)),
+            (torch.nn.Module, self.prepare_model),
+            (torch.optim.Optimizer, self.prepare_optimizer),
             (DataLoader, self.prepare_data_loader),
             (torch.optim.lr_scheduler.LRScheduler, lambda s, p: self.prepare_scheduler(s)),
         )
@@ -283,18 +277,6 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
                 if isinstance(obj, kind) and not isinstance(obj, AcceleratedScheduler):
                     result[i] = _mark_prepared(prepare_one(obj, placement[i]))
         return result[0] if len(result) == 1 else tuple(result)
-
-    def _prepare_model_tracking(self, moved: dict[int, torch.nn.Parameter]) -> Callable:
-        def prepare_one(model: torch.nn.Module, placement: bool | None) -> torch.nn.Module:
-            before = dict(model.named_parameters())
-            prepared = self.prepare_model(model, placement)
-            # FSDP shards and moving to an XLA device both give the model new Parameter objects
-            if self.strategy.replaces_parameters:
-                after = dict(extract_model_from_parallel(prepared).named_parameters())
-                moved.update({id(p): after[n] for n, p in before.items() if n in after})
-            return prepared
-
-        return prepare_one
 
     def prepare_model(
         self,
@@ -403,16 +385,16 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         with contextlib.ExitStack() as stack:
             if not allow_sync:
                 for model in models:
-                    stack.enter_context(no_sync_context(model))
+                    stack.enter_context(self.strategy.no_sync(model))
             yield
 
     def no_sync(self, model: torch.nn.Module) -> Any:
         """Backward passes inside do not synchronise ``model``'s gradients (DDP/FSDP)."""
-        return no_sync_context(model)
+        return self.strategy.no_sync(model)
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Any:
         """Make the next backward synchronise even though its forward ran under ``no_sync``."""
-        return trigger_sync_context(model)
+        return self.strategy.trigger_sync(model)
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None):
@@ -482,14 +464,6 @@ def _refuse_offloaded_quantized(model: torch.nn.Module) -> None:
                 f"({', '.join(offloaded)}): such a model cannot be trained. Load it with a "
                 "device_map that keeps every layer on the accelerator."
             )
-
-
-def _repoint(optimizer: Any, moved: dict[int, torch.nn.Parameter]) -> Any:
-    """Point an optimizer at parameters that ``prepare_model`` replaced (FSDP sharding)."""
-    if moved and not isinstance(optimizer, AcceleratedOptimizer):
-        for group in optimizer.param_groups:
-            group["params"] = [moved.get(id(p), p) for p in group["params"]]
-    return optimizer
 
 
 def _dynamo_options(plugin: Any) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from nbaccel.values.byte_text import convert_bytes
+
 __all__ = [
     "convert_bytes",
     "get_module_class_from_name",
@@ -37,12 +39,3 @@ def is_peft_model(model: Any) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
-
-
-def convert_bytes(size: float) -> str:
-    """``1536`` -> ``"1.5 KB"``: bytes as text, in 1024 steps, one decimal."""
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if size < 1024.0:
-            return f"{round(size, 2)} {unit}"
-        size /= 1024.0
-    return f"{round(size, 2)} PB"

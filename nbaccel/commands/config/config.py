@@ -15,6 +15,7 @@ from typing import Any
 
 from nbaccel.commands.config.config_args import ClusterConfig, default_config_file
 from nbaccel.commands.parser import command_parser
+from nbaccel.values.booleans import parse_bool
 
 __all__ = ["ask", "config_command", "config_command_parser", "get_user_input"]
 
@@ -51,12 +52,7 @@ def ask(
 
 
 def _yes(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("y", "yes", "true", "1"):
-        return True
-    if lowered in ("n", "no", "false", "0"):
-        return False
-    raise ValueError(text)
+    return parse_bool(text, "answer")
 
 
 def get_user_input(reader: Callable[[str], str] = input) -> ClusterConfig:

@@ -11,7 +11,7 @@ the ssh and slurm variants keep the private socket and tunnel their ranks' conne
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 from nbaccel.launch.processes import WorkerProcess
@@ -23,7 +23,7 @@ __all__ = ["ProcessLauncher"]
 class ProcessLauncher(ABC):
     """One way of starting rank processes."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # its LaunchKind (a str enum); tests register their own kinds
     #: True when the work travels pickled; False when children inherit it (``fork``-based).
     pickles_work: ClassVar[bool] = True
     #: True when the ranks are forked from the driver itself after the work is packed, so they
@@ -35,13 +35,15 @@ class ProcessLauncher(ABC):
     #: True when the ranks run on this machine and can map its shared memory (/dev/shm)
     local_memory: ClassVar[bool] = True
 
-    #: the host of each rank (global rank -> host name) when ranks run on other hosts; output
-    #: and errors then name it: ``[rank 5 @ node2]``
-    hosts_by_rank: dict[int, str] = {}
-
     def __init__(self, preload: Iterable[str] = ()) -> None:
         #: modules worth importing once before the ranks start (used by the fork server)
         self.preload = tuple(preload)
+
+    @property
+    def hosts_by_rank(self) -> Mapping[int, str]:
+        """The host of each rank (global rank -> host name) when ranks run on other hosts;
+        their worker group's output and errors then name it: ``[rank 5 @ node2]``."""
+        return {}
 
     def describe(self) -> str:
         """What the launch announcement adds about where the ranks run (empty: this machine)."""

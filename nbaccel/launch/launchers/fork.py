@@ -8,6 +8,7 @@ from multiprocessing import util as mp_util
 
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.spec import WorkerSpec
 
 __all__ = ["ForkLauncher"]
@@ -16,7 +17,7 @@ __all__ = ["ForkLauncher"]
 class ForkLauncher(ProcessLauncher):
     """``os.fork`` per rank; the child runs the spec it inherited."""
 
-    name = "fork"
+    name = LaunchKind.FORK
     forks_driver = True
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:

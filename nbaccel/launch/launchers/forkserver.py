@@ -7,11 +7,18 @@ before the next fork. Because the server never
 touches CUDA, forking it is safe even when the kernel has already initialised CUDA (the reason
 fork-based launchers refuse to start after a notebook touched the GPU).
 
-Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles.
-  driver -> server: ("spawn", request_id, spec_bytes) | ("preload", modules)
-  server -> driver: ("ready",) | ("started", request_id, pid) | ("exited", pid, returncode)
-The server ignores SIGINT (the notebook's stop button signals the whole process group) and, when
-its stdin closes because the kernel died, kills its workers and exits.
+Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
+tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
+  driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
+  server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
+                    | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
+The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
+the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
+workers and exits at once; SIGTERM does the same.
+A module whose import initialises CUDA (a library doing ``torch.cuda.init()`` at import, or one
+that torch's backend autoload pulls in) would leave every forked rank unable to use the GPU
+("Cannot re-initialize CUDA in forked subprocess"): the server notices it after each import and
+refuses to fork (REFUSED), naming the module and the fix (:class:`CudaInitializedInServer`).
 """
 
 from __future__ import annotations
@@ -31,13 +38,18 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.processes import WorkerProcess, describe_exit
+from nbaccel.launch.protocol import LaunchKind, ServerMessage
 from nbaccel.launch.spec import WorkerSpec
+from nbaccel.launch.transport import sweep_segments
 
 __all__ = [
     "ENGINE_PRELOAD",
+    "CudaInitializedInServer",
     "ForkServer",
     "ForkedServerProcess",
+    "ProcessStartError",
     "ForkServerLauncher",
     "get_forkserver",
     "shutdown_forkserver",
@@ -46,6 +58,12 @@ __all__ = [
 ]
 
 _HEADER = struct.Struct("!I")
+
+
+class ProcessStartError(RuntimeError):
+    """The system refused to create a rank's process (process limit, memory)."""
+
+
 #: What every server imports: torch and the rank side of the engine. Fronts add their own.
 ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
 
@@ -81,6 +99,7 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    become_subreaper()  # what this rank starts stays below it (see launchers.reaper)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
@@ -94,7 +113,32 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
         os._exit(code)
 
 
+class CudaInitializedInServer(RuntimeError):
+    """The fork server's process initialised CUDA (a preloaded module did it at import), so
+    ranks forked from it could not use the GPU; raised before any rank starts."""
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def cuda_refusal(module: str) -> str:
+    """Why the server refuses to fork once ``module``'s import initialised CUDA, and the fix."""
+    return (
+        f"importing {module!r} in nbaccel's fork server initialised CUDA, so ranks forked from "
+        "it could not use the GPU (CUDA cannot be re-initialised in a forked child). Make that "
+        "library initialise CUDA lazily (or import it inside the launched function, not at "
+        "the top of a preloaded module), or pass start_method='spawn' to start each rank "
+        "fresh."
+    )
+
+
+_cuda_culprit: str | None = None  # server side: the first module whose import initialised CUDA
+
+
 def _preload(modules: Iterable[str], strict: bool) -> None:
+    global _cuda_culprit
     for module in modules:
         try:
             __import__(module)
@@ -103,6 +147,23 @@ def _preload(modules: Iterable[str], strict: bool) -> None:
                 raise
             # Preloading only saves time: the worker imports the module itself and fails there.
             print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
+        if _cuda_culprit is None and _cuda_initialized():
+            _cuda_culprit = module
+
+
+def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> None:
+    """Fork the rank a SPAWN request asks for and say so (or why the system refused)."""
+    _, request_id, spec_bytes = request
+    try:
+        pid = os.fork()
+    except OSError as exc:  # the process limit, or no memory for a new process
+        why = f"{type(exc).__name__}: {exc}"
+        _write_frame(stdout, (ServerMessage.FAILED, request_id, why))
+        return
+    if pid == 0:
+        _child_main(spec_bytes, server_fds)
+    reaper.ranks.add(pid)
+    _write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
 
 
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
@@ -116,25 +177,29 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    # SIGTERM (Jupyter stopping the kernel's process group): stop the workers, then exit
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    children: set[int] = set()
-    _write_frame(stdout, ("ready",))
+    reaper = Reaper()
+
+    def terminate(*_: Any) -> None:
+        # SIGTERM (Jupyter shutting the kernel down signals its process group, then polls until
+        # no child is left): end the workers and exit at once, without the interpreter's slow
+        # teardown of torch, so the kernel's shutdown does not wait on this process.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        reaper.kill_all()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
+    _write_frame(stdout, (ServerMessage.READY,))
 
     def reap() -> None:
-        for pid in list(children):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            if done:
-                children.discard(pid)
-                code = os.waitstatus_to_exitcode(status)
-                _write_frame(stdout, ("exited", pid, code, time.time()))
+        for pid, code in reaper.reap():
+            _write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
+        reaper.end_orphans()  # after the report: a rank's death is never held up by its orphans
 
     try:
         while True:
-            ready, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+            due = reaper.next_due()
+            wait = 1.0 if due is None else min(1.0, due + 0.01)
+            ready, _, _ = select.select([stdin, wake_r], [], [], wait)
             if wake_r in ready:
                 os.read(wake_r, 4096)
             reap()
@@ -143,23 +208,20 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                     request = _read_frame(stdin)
                 except EOFError:
                     break
-                if request[0] == "preload":
+                if request[0] == ServerMessage.PRELOAD:
                     _preload(request[1], strict=False)
                     continue
-                _, request_id, spec_bytes = request
-                pid = os.fork()
-                if pid == 0:
-                    _child_main(spec_bytes, (wake_r, wake_w, stdout))
-                children.add(pid)
-                _write_frame(stdout, ("started", request_id, pid))
+                if _cuda_culprit is not None:
+                    refusal = cuda_refusal(_cuda_culprit)
+                    _write_frame(stdout, (ServerMessage.REFUSED, request[1], refusal))
+                    continue
+                _fork_rank(request, stdout, (wake_r, wake_w, stdout), reaper)
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        reaper.kill_all()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown of torch: the kernel may be waiting on this exit
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -220,7 +282,8 @@ class ForkServer:
     """
 
     def __init__(self, preload: Iterable[str] = (), fork: bool = False) -> None:
-        bootstrap = (
+        bootstrap = (  # the stop button (SIGINT to the process group) must not hit the imports
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
             "from nbaccel.launch.launchers.forkserver import serve; "
             "serve(json.loads(sys.argv[2]))"
@@ -240,11 +303,17 @@ class ForkServer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,
+                # A session of its own: the stop button (SIGINT to the kernel's process group)
+                # reaches the ranks through the driver, never the server's imports; and the
+                # kernel's shutdown, which signals and then waits on its process group, does
+                # not wait on the server and its ranks (they end when the kernel's pipe closes).
+                start_new_session=True,
             )
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
-        self._started: dict[int, int] = {}
+        # request -> pid, or (FAILED or REFUSED, why) when the server did not fork
+        self._started: dict[int, int | tuple[str, str]] = {}
         self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
@@ -266,11 +335,13 @@ class ForkServer:
             except (EOFError, OSError):
                 break
             with self._cond:
-                if message[0] == "ready":
+                if message[0] == ServerMessage.READY:
                     self._ready = True
-                elif message[0] == "started":
+                elif message[0] == ServerMessage.STARTED:
                     self._started[message[1]] = message[2]
-                elif message[0] == "exited":
+                elif message[0] in (ServerMessage.FAILED, ServerMessage.REFUSED):
+                    self._started[message[1]] = (message[0], message[2])
+                elif message[0] == ServerMessage.EXITED:
                     self._exits[message[1]] = (message[2], message[3])
                 self._cond.notify_all()
             self._wake_all()
@@ -316,22 +387,34 @@ class ForkServer:
         missing = sorted(set(modules) - self.preloaded)
         if missing:
             with self._lock:
-                _write_frame(self._proc.stdin.fileno(), ("preload", missing))
+                _write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
-        """Fork one worker running ``spec``; return its pid."""
+        """Fork one worker running ``spec``; return its pid.
+
+        Raises :class:`CudaInitializedInServer` when a preloaded module initialised CUDA."""
         self.wait_ready()
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            _write_frame(self._proc.stdin.fileno(), ("spawn", request_id, spec_bytes))
+            _write_frame(self._proc.stdin.fileno(), (ServerMessage.SPAWN, request_id, spec_bytes))
         with self._cond:
             while request_id not in self._started:
                 if not self.alive():
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
                 self._cond.wait(0.1)
-            return self._started.pop(request_id)
+            pid = self._started.pop(request_id)
+        if isinstance(pid, tuple):
+            kind, why = pid
+            if kind == ServerMessage.REFUSED:
+                raise CudaInitializedInServer(why)
+            raise ProcessStartError(
+                f"the system refused a new rank process ({why}): the process limit (ulimit -u, "
+                "kernel.pid_max) or the memory is exhausted. Use fewer processes, or end "
+                "processes that are no longer needed."
+            )
+        return pid
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
@@ -391,6 +474,7 @@ def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
         if _server is None or not _server.alive():
             if _server is not None:
                 _server.close()  # reap the dead one, close its pipes
+            sweep_segments()  # a new kernel: reclaim the shared memory of dead ones
             _server = ForkServer(preload)
         else:
             _server.preload(preload)
@@ -420,7 +504,7 @@ def warm_up_if_in_kernel(preload: Iterable[str] = ()) -> None:
 class ForkServerLauncher(ProcessLauncher):
     """Fork each rank from the process-wide server (torch and ``preload`` already imported)."""
 
-    name = "forkserver"
+    name = LaunchKind.FORKSERVER
 
     def __init__(self, preload: Iterable[str] = ()) -> None:
         super().__init__(preload)
@@ -436,7 +520,13 @@ class ForkServerLauncher(ProcessLauncher):
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         server = self._current()
-        return WorkerProcess(server.spawn(pickle.dumps(spec)), self.name, server=server)
+        try:
+            pid = server.spawn(pickle.dumps(spec))
+        except CudaInitializedInServer:
+            shutdown_forkserver()  # unusable for GPUs: the next launch starts a fresh server
+            self._server = None
+            raise
+        return WorkerProcess(pid, self.name, server=server)
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._current().add_wakeup(callback)

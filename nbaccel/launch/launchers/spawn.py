@@ -8,6 +8,7 @@ import sys
 
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.processes import WorkerProcess
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.spec import WorkerSpec
 
 __all__ = ["SpawnLauncher"]
@@ -22,7 +23,7 @@ _BOOTSTRAP = (
 class SpawnLauncher(ProcessLauncher):
     """Start each rank with ``subprocess``; the spec goes through the child's stdin."""
 
-    name = "spawn"
+    name = LaunchKind.SPAWN
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         path = pickle.dumps(sys.path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -127,7 +128,7 @@ class Agent:
         self.sids = itertools.count(1)
         self.ranks: dict[int, WorkerProcess] = {}
         self.reported: set[int] = set()
-        self.files: list[str] = []
+        self.files: dict[str, int] = {}  # path -> fd holding its lock (see transport's sweep)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.server.add_wakeup(self._wake)
@@ -247,9 +248,9 @@ class Agent:
             for name in header["names"]:
                 path = os.path.join(_shm_dir(), os.path.basename(name))
                 if path in self.files:
-                    self.files.remove(path)
                     with contextlib.suppress(OSError):
                         os.unlink(path)
+                    os.close(self.files.pop(path))
         elif kind == Kind.QUIT:
             return False
         return True
@@ -268,13 +269,15 @@ class Agent:
         """Write the work's shared tensors into this host's shared memory, once per host."""
         path = os.path.join(_shm_dir(), os.path.basename(name))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # ours until unlinked: another launch's sweep skips it
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-        finally:
+        except BaseException:
             os.close(fd)
-        self.files.append(path)
+            raise
+        self.files[path] = fd
 
     def report_exits(self) -> None:
         for rank, process in self.ranks.items():
@@ -307,9 +310,11 @@ class Agent:
         for relay in self.relays.values():
             relay.close()
         self.entrance.close()
-        for path in self.files:
+        for path, fd in self.files.items():
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            os.close(fd)
+        self.files.clear()
         shutil.rmtree(self.private, ignore_errors=True)
         self.link.close(0)
         self.context.term()

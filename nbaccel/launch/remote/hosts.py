@@ -55,9 +55,6 @@ class HostLayout:
     def host_of(self, rank: int) -> Host:
         return self.hosts[self.place(rank)[0]]
 
-    def first_rank(self, node: int) -> int:
-        return sum(h.slots for h in self.hosts[:node])
-
     def describe(self) -> str:
         """``nbh1:2, nbh2:2``."""
         return ", ".join(f"{h.name}:{h.slots}" for h in self.hosts)

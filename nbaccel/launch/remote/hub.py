@@ -31,7 +31,8 @@ from nbaccel.launch.remote.wire import HEARTBEAT, LOST_AFTER, Kind, decode, enco
 
 __all__ = ["Hub"]
 
-#: ``callback(node, kind, header)``; kind is a wire.Kind, or "lost" with {"why": ...}
+#: ``callback(node, kind, header)``; kind is a wire.Kind (``Kind.LOST`` with {"why": ...} when
+#: the hub gives up on a host)
 EventCallback = Callable[[int, Any, dict[str, Any]], None]
 
 
@@ -255,4 +256,4 @@ class Hub:
         self._lost.add(node)
         for key in [k for k in self._relays if k[0] == node]:
             self._relays.pop(key).close()
-        self.callback(node, "lost", {"why": why})
+        self.callback(node, Kind.LOST, {"why": why})

@@ -49,8 +49,13 @@ class AgentProcess:
     nodes: list[int]
     what: str  # "ssh nbh1", "srun"
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
+    reader: threading.Thread | None = None  # keeps ``tail``; ends with the process's output
 
-    def why_ended(self) -> str:
+    def why_ended(self, wait: float = 2.0) -> str:
+        """What the ended process said last, once its output was read (at most ``wait`` s:
+        a child of it may hold the pipe open)."""
+        if self.reader is not None:
+            self.reader.join(wait)
         code = self.popen.poll()
         said = " | ".join(line for line in self.tail if line.strip())
         return f"{self.what} exited with code {code}" + (f": {said}" if said else "")
@@ -75,13 +80,11 @@ class RemoteLauncher(ProcessLauncher):
             raise ValueError(f"the {self.name} launcher needs the hosts (RemoteOptions).")
         self.options = remote
         self.layout = remote.layout
-        self.hosts_by_rank = {
-            r: self.layout.host_of(r).name for r in range(self.layout.num_processes)
-        }
         self.channel_address = remote.channel_address or self.find_channel_address()
         self.hub: Hub | None = None
         self.agents: list[AgentProcess] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a hello, or an agent process ended
         self._hello: dict[int, dict[str, Any]] = {}
         self._lost: dict[int, str] = {}
         self._processes: dict[int, RemoteProcess] = {}
@@ -89,7 +92,6 @@ class RemoteLauncher(ProcessLauncher):
         self._work_sent: set[tuple[int, str]] = set()
         self._wakeups: list[Callable[[], None]] = []
         self._notices: list[str] = []
-        self._watcher: threading.Thread | None = None
 
     # ------------------------------------------------------------------ subclasses
     @abstractmethod
@@ -101,6 +103,10 @@ class RemoteLauncher(ProcessLauncher):
         """Start the agents, one per node, each with ``configs[node]`` (kept off argv)."""
 
     # ------------------------------------------------------------------ the interface
+    @property
+    def hosts_by_rank(self) -> dict[int, str]:
+        return {r: self.layout.host_of(r).name for r in range(self.layout.num_processes)}
+
     def describe(self) -> str:
         return (
             f" on {_hosts(len(self.layout.hosts))} ({self.layout.describe()}) over "
@@ -130,54 +136,55 @@ class RemoteLauncher(ProcessLauncher):
         try:
             self.agents = self.start_agents(configs)
             for agent in self.agents:
-                threading.Thread(
+                agent.reader = threading.Thread(
                     target=_collect, args=(agent,), daemon=True, name="nbaccel-agent-out"
+                )
+                agent.reader.start()
+                threading.Thread(
+                    target=self._watch_agent, args=(agent,), daemon=True, name="nbaccel-agent"
                 ).start()
             self._wait_for_agents()
         except BaseException:
             self.close()
             raise
-        self._watcher = threading.Thread(target=self._watch_agents, daemon=True)
-        self._watcher.start()
 
     def _wait_for_agents(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT
-        while True:
-            with self._lock:
-                if len(self._hello) == len(self.layout.hosts):
-                    return
-                waiting = [n for n in range(len(self.layout.hosts)) if n not in self._hello]
-            for agent in self.agents:
-                if agent.popen.poll() is not None:
-                    names = ", ".join(self.layout.hosts[n].name for n in agent.nodes)
-                    time.sleep(0.2)  # let the reader thread catch the last words
-                    raise RuntimeError(
-                        f"could not start nbaccel's agent on {names}: {agent.why_ended()}"
-                    )
-            if time.monotonic() > deadline:
-                names = ", ".join(self.layout.hosts[n].name for n in waiting)
+        hosts = self.layout.hosts
+        with self._changed:
+            self._changed.wait_for(
+                lambda: (
+                    len(self._hello) == len(hosts)
+                    or any(agent.popen.poll() is not None for agent in self.agents)
+                ),
+                _START_TIMEOUT,
+            )
+            waiting = [n for n in range(len(hosts)) if n not in self._hello]
+        if not waiting:
+            return
+        for agent in self.agents:
+            if agent.popen.poll() is not None:
+                names = ", ".join(hosts[n].name for n in agent.nodes)
                 raise RuntimeError(
-                    f"the agents on {names} did not connect back to {self.channel_address} "
-                    f"within {_START_TIMEOUT:.0f} s: can those hosts reach this address? Pass "
-                    "channel_address=... to choose another one."
+                    f"could not start nbaccel's agent on {names}: {agent.why_ended()}"
                 )
-            time.sleep(0.02)
+        names = ", ".join(hosts[n].name for n in waiting)
+        raise RuntimeError(
+            f"the agents on {names} did not connect back to {self.channel_address} within "
+            f"{_START_TIMEOUT:.0f} s: can those hosts reach this address? Pass "
+            "channel_address=... to choose another one."
+        )
 
-    def _watch_agents(self) -> None:
-        """An agent process that ends takes its hosts with it: name them at once."""
-        named: set[int] = set()
-        while True:
-            hub = self.hub
-            if hub is None:  # closed
-                return
-            for agent in self.agents:
-                if agent.popen.poll() is None:
-                    continue
-                for node in set(agent.nodes) - named:
-                    named.add(node)
-                    time.sleep(0.1)  # the agent's last words reach its tail first
-                    hub.lose(node, f"its agent ended ({agent.why_ended()})")
-            time.sleep(0.1)
+    def _watch_agent(self, agent: AgentProcess) -> None:
+        """An agent process that ends takes its hosts with it: name them at once (with its
+        last words)."""
+        agent.popen.wait()
+        with self._changed:
+            self._changed.notify_all()
+        why = f"its agent ended ({agent.why_ended()})"
+        hub = self.hub
+        if hub is not None:  # not closed
+            for node in agent.nodes:
+                hub.lose(node, why)
 
     @property
     def master(self) -> tuple[str, int]:
@@ -254,9 +261,10 @@ class RemoteLauncher(ProcessLauncher):
 
     # ------------------------------------------------------------------ events (hub thread)
     def _on_event(self, node: int, kind: Any, header: dict[str, Any]) -> None:
-        with self._lock:
+        with self._changed:
             if kind == Kind.HELLO:
                 self._hello[node] = header
+                self._changed.notify_all()
             elif kind == Kind.STARTED:
                 process = self._processes.get(int(header["rank"]))
                 if process is not None:
@@ -269,7 +277,7 @@ class RemoteLauncher(ProcessLauncher):
                     )
             elif kind == Kind.LOG:
                 self._notices.append(f"{self.layout.hosts[node].name}: {header.get('text', '')}")
-            elif kind == "lost":
+            elif kind == Kind.LOST:
                 self._lost[node] = header["why"]
                 for rank, process in self._processes.items():
                     if self.layout.place(rank)[0] == node:

@@ -6,11 +6,12 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.hosts import HostLayout, parse_hosts, slurm_layout
 
 __all__ = ["REMOTE_KINDS", "RemoteOptions", "remote_options"]
 
-REMOTE_KINDS = ("ssh", "slurm")
+REMOTE_KINDS = (LaunchKind.SSH.value, LaunchKind.SLURM.value)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class RemoteOptions:
             one on the route to the first host).
     """
 
-    kind: str
+    kind: LaunchKind
     layout: HostLayout
     python: str
     cwd: str
@@ -89,7 +90,7 @@ def remote_options(
     """Validate a many-hosts launch; raises ValueError naming the problem and the fix."""
     if kind not in REMOTE_KINDS:
         raise ValueError(f"launcher must be one of {', '.join(REMOTE_KINDS)}, got {kind!r}.")
-    if kind == "ssh":
+    if kind == LaunchKind.SSH:
         if hosts is None:
             raise ValueError("an ssh launch needs hosts=['node1:4', 'node2:4'].")
         layout = parse_hosts(hosts, num_processes)
@@ -105,7 +106,7 @@ def remote_options(
     if cwd is not None and (not isinstance(cwd, str) or not cwd.strip()):
         raise ValueError(f"cwd must be a directory path on the hosts, got {cwd!r}.")
     return RemoteOptions(
-        kind=kind,
+        kind=LaunchKind(kind),
         layout=layout,
         python=python or os.environ.get("NBACCEL_REMOTE_PYTHON") or _default_python(),
         cwd=cwd or os.getcwd(),

@@ -16,6 +16,7 @@ import socket
 import subprocess
 from typing import Any
 
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.launcher import (
     AGENT_MODULE,
     AgentProcess,
@@ -30,7 +31,7 @@ __all__ = ["SlurmLauncher"]
 class SlurmLauncher(RemoteLauncher):
     """Ranks on the nodes of this kernel's SLURM allocation, through srun."""
 
-    name = "slurm"
+    name = LaunchKind.SLURM
 
     def find_channel_address(self) -> str:
         """The local address on the route to the allocation's first node."""

@@ -15,6 +15,7 @@ import socket
 import subprocess
 from typing import Any
 
+from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.launcher import (
     AGENT_MODULE,
     AgentProcess,
@@ -28,7 +29,7 @@ __all__ = ["SshLauncher"]
 class SshLauncher(RemoteLauncher):
     """Ranks on the hosts of ``hosts=[...]``, through ssh."""
 
-    name = "ssh"
+    name = LaunchKind.SSH
 
     def _ssh(self, *args: str) -> list[str]:
         return ["ssh", *self.options.ssh_args, "-T", "-o", "BatchMode=yes", *args]

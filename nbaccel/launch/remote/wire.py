@@ -49,6 +49,8 @@ class Kind(bytes, Enum):
     DATA = b"data"  # {sid} + bytes of that connection
     CLOSE = b"close"  # {sid}: that connection closed
     PING = b"ping"
+    # hub -> launcher, in this kernel only (never on the wire): the host's agent is gone
+    LOST = b"lost"  # {why}
 
 
 def encode(kind: Kind, header: dict[str, Any] | None = None, payload: bytes | None = None):

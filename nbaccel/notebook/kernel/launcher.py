@@ -12,20 +12,20 @@ modules the fork server preloads; ``nbaccel.launch.plan.LaunchPlan`` decides the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
 from nbaccel.launch.child_failed import as_child_failed
-from nbaccel.launch.plan import Front, LaunchPlan, check_call, default_num_processes
-from nbaccel.launch.remote.options import remote_options
+from nbaccel.launch.plan import Front, LaunchPlan, check_call
 from nbaccel.launch.render import Renderer
+from nbaccel.launch.request import Fronts, LaunchRequest
 from nbaccel.launch.run import launch_xla, run_function
 from nbaccel.notebook.kernel.renderers import choose_renderer
 from nbaccel.notebook.preload import WORKER_PRELOAD
 from nbaccel.notebook.rank.instrumentation import worker_setup
 
-__all__ = ["debug_launcher", "notebook_launcher"]
+__all__ = ["debug_launcher", "launch_request", "notebook_launcher"]
 
 
 def _tpu_requested() -> bool:
@@ -53,104 +53,99 @@ def notebook_launcher(
     rdzv_id: str = "none",
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
-    start_method: str = "auto",
-    timeout: float | None = None,
+    log_line_prefix_template: str | None = None,
     *,
-    cpu: bool = False,
     renderer: Renderer | None = None,
-    memory: bool = True,
-    hosts: str | Sequence[str] | None = None,
-    launcher: str | None = None,
-    python: str | None = None,
-    cwd: str | None = None,
-    env: Mapping[str, str] | Sequence[str] | None = None,
-    ssh_args: Sequence[str] | None = None,
-    srun_args: Sequence[str] | None = None,
-    channel_address: str | None = None,
+    **options: Any,
 ) -> list[Any]:
     """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
 
     Output streams into the notebook as whole, rank-labelled lines while the function runs. The
     first failing rank's exception is raised here with its original type, naming the rank (and
-    an instance of torch elastic's ``ChildFailedError`` too, as Accelerate raises); the other
-    ranks are stopped. ``timeout`` (seconds) bounds the whole launch. tqdm bars on the
-    ranks become live progress; ``memory=False`` turns off the per-rank memory monitor.
-    ``num_processes`` defaults to one rank per GPU, else 1 (8 on TPUs; see
-    ``nbaccel.launch.plan``). ``rdzv_conf`` and ``rdzv_id`` are refused unless left at their
-    defaults: the world is formed through ``master_addr``/``use_port`` (or ``rdzv_endpoint``).
+    an instance of torch elastic's ``ChildFailedError`` too, as Accelerate raises); the
+    other ranks are stopped. ``num_processes`` defaults to one rank per GPU, else 1 (on TPUs
+    one per local chip; with a single chip the function runs in the kernel, see
+    ``nbaccel.launch.run.launch_xla``).
     On a TPU host the ranks are torch-xla's processes, forked so that they share the arguments.
 
-    Many hosts: ``hosts=["node1:4", "node2:4"]`` runs the ranks there through ssh (one agent per
-    host), ``launcher="slurm"`` on the nodes of the SLURM allocation this kernel runs in.
-    ``python`` (the hosts' interpreter), ``cwd`` (their working directory), ``env`` (names of
-    this kernel's variables to forward, or a dict), ``ssh_args``/``srun_args`` (extra
-    arguments) and ``channel_address`` (this machine's address the hosts reach) tune it.
+    The positional parameters are Accelerate's. Every option, these and nbaccel's own keywords
+    (``timeout``, ``start_method``, ``cpu``, ``memory``; ranks on other hosts with
+    ``hosts=["node1:4", "node2:4"]`` or ``launcher="slurm"``, tuned by ``python``, ``cwd``,
+    ``env``, ``ssh_args``, ``srun_args``, ``channel_address``), is defined, with its help and
+    checks, in :class:`nbaccel.launch.request.LaunchRequest`.
     """
     __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
+    request = LaunchRequest.create(
+        Fronts.LAUNCHER,
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template,
+        **options,
+    )
+    return launch_request(function, args, request, renderer)
+
+
+def launch_request(
+    function: Callable[..., Any],
+    args: tuple,
+    request: LaunchRequest,
+    renderer: Renderer | None = None,
+) -> list[Any]:
+    """Run ``function(*args)`` as ``request`` says, from the notebook: the ranks' results.
+
+    What the notebook adds to the engine: the renderer (widgets in Jupyter, else text), the
+    worker hooks (tqdm bridge, memory sampler) and the modules the fork server preloads.
+    """
+    __tracebackhide__ = True
     if not callable(function):
         raise TypeError(
             f"notebook_launcher needs a callable to run on each rank, got "
             f"{type(function).__name__}; pass the function itself (no parentheses)."
         )
-    args = check_call(args, timeout=timeout, max_restarts=max_restarts)
-    remote = None
-    if hosts is not None or launcher is not None:
-        remote = remote_options(
-            launcher or "ssh",
-            num_processes,
-            hosts,
-            python=python,
-            cwd=cwd,
-            env=env,
-            ssh_args=ssh_args,
-            srun_args=srun_args,
-            channel_address=channel_address,
+    args = check_call(args)
+    xla = request.remote is None and _tpu_requested()
+    if xla and (request.num_nodes != 1 or request.max_restarts):
+        raise ValueError(
+            "a TPU launch runs torch-xla's processes on this host once: leave num_nodes=1 "
+            "and max_restarts=0."
         )
-    hooks = worker_setup(memory=memory)
+    hooks = worker_setup(memory=request.memory)
     renderer = renderer or choose_renderer()
-    if remote is None and _tpu_requested():
-        if num_nodes != 1 or max_restarts:
-            raise ValueError(
-                "a TPU launch runs torch-xla's processes on this host once: leave num_nodes=1 "
-                "and max_restarts=0."
-            )
+    if xla:
         return launch_xla(
             function,
             args,
-            num_processes or default_num_processes(Front.NOTEBOOK, xla=True),
+            request.num_processes,  # default: every local XLA device
             "fork",
             renderer=renderer,
-            mixed_precision=mixed_precision,
-            timeout=timeout,
+            mixed_precision=request.mixed_precision,
+            timeout=request.timeout,
             setup=hooks,
         )
-    plan = LaunchPlan.create(
-        Front.NOTEBOOK,
-        num_processes,
-        start_method=start_method,
-        cpu=cpu,
-        mixed_precision=mixed_precision,
-        num_nodes=num_nodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        use_port=use_port,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_conf=rdzv_conf,
-        rdzv_id=rdzv_id,
-        remote=remote,
-    )
-    report = run_function(
-        plan,
-        function,
-        args,
-        renderer=renderer,
-        setup=hooks,
-        preload=WORKER_PRELOAD,
-        timeout=timeout,
-        max_restarts=max_restarts,
-        interval=monitor_interval,
-    )
+    try:
+        report = run_function(
+            LaunchPlan.create(Front.NOTEBOOK, request),
+            function,
+            args,
+            renderer=renderer,
+            setup=hooks,
+            preload=WORKER_PRELOAD,
+            timeout=request.timeout,
+            max_restarts=request.max_restarts,
+            interval=request.monitor_interval,
+        )
+    except KeyboardInterrupt:  # the stop button: the engine's frames (selectors...) are noise
+        raise KeyboardInterrupt from None
     failure = report.exception()
     if failure is not None:
         if hasattr(failure, "rank"):  # also what Accelerate's elastic launch raises

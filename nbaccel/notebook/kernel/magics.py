@@ -13,7 +13,7 @@ import re
 import sys
 import time
 from argparse import Namespace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,10 +22,9 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
-from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.launchers.forkserver import warm_up
-from nbaccel.launch.remote.options import RemoteOptions, remote_options
+from nbaccel.launch.request import Fronts, LaunchRequest
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
@@ -34,6 +33,14 @@ from nbaccel.notebook.preload import WORKER_PRELOAD
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 _NAME_ERROR = re.compile(r"name '(\w+)' is not defined")
+
+
+def _launch_options(magic: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare the launch options that apply to ``%%distributed`` (``Fronts.MAGIC`` in
+    :class:`~nbaccel.launch.request.LaunchRequest`), in their order there."""
+    for flags, keywords in reversed(LaunchRequest.arguments(Fronts.MAGIC).values()):
+        magic = argument(*flags, **keywords)(magic)
+    return magic
 
 
 @contextmanager
@@ -102,15 +109,13 @@ class DistributedMagics(Magics):
 
     # ------------------------------------------------------------------ %%distributed
     @magic_arguments()
+    @_launch_options  # -n, --mixed_precision, --backend, --timeout, --hosts ...: LaunchRequest's
     @argument(
-        "-n",
-        "--num_processes",
-        "--num-processes",
-        dest="num_processes",
-        type=int,
-        metavar="N",
-        help="number of ranks (default: the running pool's, else one per GPU, else 2). "
-        "Another number restarts the pool.",
+        "--slurm",
+        dest="launcher",
+        action="store_const",
+        const="slurm",
+        help="the same as --launcher slurm: the ranks on this SLURM allocation's nodes.",
     )
     @argument("--ranks", metavar="SPEC", help="run on these ranks only: 0, 0,2 or 1-3.")
     @argument(
@@ -118,35 +123,6 @@ class DistributedMagics(Magics):
         action="append",
         metavar="NAMES",
         help="notebook variables to send to the ranks first (comma-separated).",
-    )
-    @argument(
-        "--mixed_precision",
-        "--mixed-precision",
-        dest="mixed_precision",
-        choices=MIXED_PRECISION_CHOICES,
-        help="mixed precision of Accelerator() objects created in this cell.",
-    )
-    @argument(
-        "--backend", metavar="B", help="process-group backend (gloo, nccl...); another restarts."
-    )
-    @argument("--timeout", type=float, metavar="S", help="interrupt the cell after S seconds.")
-    @argument(
-        "--hosts",
-        metavar="H:N,...",
-        help="run the pool's ranks on these hosts through ssh (node1:4,node2:4), one agent per "
-        "host. Without --hosts or --slurm, the running pool is used as it is.",
-    )
-    @argument(
-        "--slurm",
-        action="store_true",
-        help="run the pool's ranks on the nodes of this kernel's SLURM allocation (srun).",
-    )
-    @argument("--python", metavar="PATH", help="the interpreter on the hosts (default: this one).")
-    @argument("--cwd", metavar="DIR", help="the ranks' working directory on the hosts.")
-    @argument(
-        "--env",
-        metavar="NAMES",
-        help="variables of this kernel's environment to forward to the hosts (comma-separated).",
     )
     @argument(
         "--quiet",
@@ -169,24 +145,20 @@ class DistributedMagics(Magics):
             raise UsageError(
                 "%%distributed is a cell magic: put it (with two %) on the first line of a cell."
             )
-        if args.num_processes is not None and args.num_processes < 1:
-            raise UsageError(f"-n must be at least 1, got {args.num_processes}.")
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout must be positive, got {args.timeout}.")
         with _bad_input_is_usage():
+            request = LaunchRequest.from_parsed(args, Fronts.MAGIC)
             names = parse_names(args.push)
         push = self._notebook_values(names)
         filename = self._register_source(line, cell)
         self._check_syntax(cell, filename)
         renderer = self._renderer(args.quiet)
-        remote = self._remote(args)
-        pool = self._ensure_pool(args.num_processes, args.backend, renderer, remote)
+        pool = self._ensure_pool(request, renderer)
         with _bad_input_is_usage():
             ranks = parse_ranks(args.ranks, pool.num_processes)
-        env = {"NBACCEL_MIXED_PRECISION": args.mixed_precision} if args.mixed_precision else None
+        env = {"NBACCEL_MIXED_PRECISION": request.mixed_precision} if args.mixed_precision else None
         ok = False
         try:
-            values = pool.run_cell(cell, ranks, push, args.timeout, filename, 2, env, renderer)
+            values = pool.run_cell(cell, ranks, push, request.timeout, filename, 2, env, renderer)
             ok = True
         except Exception as exc:
             _show_values(renderer, getattr(exc, "rank_results", {}))
@@ -209,56 +181,21 @@ class DistributedMagics(Magics):
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         return filename
 
-    def _remote(self, args: Namespace) -> RemoteOptions | None:
-        """The hosts of ``--hosts``/``--slurm`` (None: this machine, or the running pool's)."""
-        if args.hosts and args.slurm:
-            raise UsageError("--hosts (ssh) and --slurm are two ways to reach hosts: pick one.")
-        if not (args.hosts or args.slurm):
-            if args.python or args.cwd or args.env:
-                raise UsageError("--python, --cwd and --env go with --hosts or --slurm.")
-            return None
-        with _bad_input_is_usage():
-            return remote_options(
-                "slurm" if args.slurm else "ssh",
-                args.num_processes,
-                args.hosts,
-                python=args.python,
-                cwd=args.cwd,
-                env=args.env,
-            )
-
-    def _ensure_pool(
-        self,
-        num_processes: int | None,
-        backend: str | None,
-        renderer: CellRenderer,
-        remote: RemoteOptions | None = None,
-    ) -> pool_module.Pool:
-        pool = pool_module.get_pool()
-        if remote is not None:
-            num_processes = remote.layout.num_processes
-        if pool is not None:
-            wanted = num_processes or pool.num_processes
-            wanted_backend = backend if backend is not None else pool.backend
-            wanted_remote = remote if remote is not None else pool.remote
-            if (
-                wanted == pool.num_processes
-                and wanted_backend == pool.backend
-                and wanted_remote == pool.remote
-            ):
-                renderer.start("", pool.num_processes)
-                return pool
-            where = f" on {wanted_remote.layout.describe()}" if wanted_remote is not None else ""
-            renderer.notice(
-                f"restarting the pool ({pool.num_processes} -> {wanted} processes{where}, "
-                f"backend {pool.backend or 'default'} -> {wanted_backend or 'default'}); names "
-                "defined on the ranks are lost."
-            )
-            num_processes, backend, remote = wanted, wanted_backend, wanted_remote
+    def _ensure_pool(self, request: LaunchRequest, renderer: CellRenderer) -> pool_module.Pool:
+        """The running pool when it serves this cell (``pool_module.start_pool`` decides), else
+        a fresh one, timed."""
+        running = pool_module.get_pool()
         started = time.perf_counter()
         with _bad_input_is_usage():
-            pool = pool_module.start_pool(num_processes, backend, renderer, remote=remote)
-        if not renderer.quiet:
+            pool = pool_module.start_pool(
+                request.num_processes,
+                request.backend,
+                renderer,
+                start_method=request.start_method,
+                remote=request.remote,
+                cpu=request.cpu,
+            )
+        if pool is not running and not renderer.quiet:
             renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
         return pool
 

@@ -21,12 +21,14 @@ from typing import Any
 import psutil
 
 from nbaccel.launch.driver import POOL, CallState, run_call
+from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.group import WorkerGroup
 from nbaccel.launch.launchers import make_launcher
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.render import Renderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Mode
 from nbaccel.launch.transport import UnpicklableError, pack
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
@@ -48,7 +50,7 @@ class Pool:
             else 2).
         backend: process-group backend (default: nccl on GPUs, gloo on CPU).
         start_method: "auto" (fork server with torch preloaded), "spawn" or "fork".
-        cpu: CPU ranks even when GPUs are present (default: CPU when there is no GPU).
+        cpu: CPU ranks even when GPUs are present (without GPUs, a pool runs CPU ranks).
         remote: ranks on other hosts (``nbaccel.launch.remote.options.remote_options``): one
             agent per host stays up with the pool.
     """
@@ -58,17 +60,14 @@ class Pool:
         num_processes: int | None = None,
         backend: str | None = None,
         start_method: str = "auto",
-        cpu: bool | None = None,
+        cpu: bool = False,
         remote: RemoteOptions | None = None,
     ) -> None:
+        request = LaunchRequest(
+            num_processes=num_processes, start_method=start_method, cpu=cpu, backend=backend
+        )
         self.plan = LaunchPlan.create(
-            Front.POOL,
-            num_processes,
-            start_method=start_method,
-            cpu=cpu,
-            backend=backend,
-            extra_env={"MPLBACKEND": _MPL_BACKEND},
-            remote=remote,
+            Front.POOL, request, extra_env={"MPLBACKEND": _MPL_BACKEND}, remote=remote
         )
         self.remote = remote
         self.num_processes = self.plan.num_processes
@@ -96,6 +95,32 @@ class Pool:
         if self.remote is not None:
             return f"{self.plan.describe()} on {self.remote.layout.describe()}"
         return self.plan.describe()
+
+    @property
+    def effective_backend(self) -> str | None:
+        """The process group's backend as the ranks reported it (None before they did)."""
+        return self.backend or self.info.get(0, {}).get("backend")
+
+    def serves(
+        self,
+        num_processes: int | None = None,
+        backend: str | None = None,
+        remote: RemoteOptions | None = None,
+        cpu: bool = False,
+    ) -> bool:
+        """Whether this running pool can run what asks for these settings, so that it is kept.
+
+        The one place that decides reuse: ``None`` (``cpu=False``) means "whatever the pool
+        has"; a named backend matches the one the ranks use (``gloo`` is what a default CPU pool
+        runs). How the ranks were started does not matter to a cell.
+        """
+        return (
+            self.running
+            and num_processes in (None, self.num_processes)
+            and backend in (None, self.backend, self.effective_backend)
+            and remote in (None, self.remote)
+            and (self.cpu or not cpu)
+        )
 
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
         """Start the ranks and initialise their process group (once)."""
@@ -267,15 +292,21 @@ class Pool:
         return self.call(pool_worker.pull_name, name, ranks=ranks, renderer=renderer)
 
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """One row per rank: pid, device, memory, state (idle/busy/exited), uptime."""
+        """One row per rank: pid, device, memory, state (idle/busy/exited), uptime.
+
+        Ranks still busy after ``timeout`` seconds show what this kernel knows of them; when
+        the ranks could not answer for another reason, each row says why (``problem``)."""
         group = self.group
         rows = []
         details: dict[int, Any] = {}
+        problem = None
         if group is not None and group.alive():
             try:
                 details = self.call(pool_worker.worker_status, timeout=timeout)
-            except Exception:
-                details = {}
+            except LaunchTimeout:
+                pass  # busy ranks: their rows say so
+            except Exception as exc:  # shown in the table, not swallowed
+                problem = f"{type(exc).__name__}: {exc}"
         for rank in self.ranks:
             pid = self.pids.get(rank)
             row: dict[str, Any] = {"rank": rank, "pid": pid, **self.info.get(rank, {})}
@@ -295,6 +326,8 @@ class Pool:
                     running = False
             busy = group is not None and group.busy(rank)
             row["state"] = "exited" if not running else ("busy" if busy else "idle")
+            if problem is not None:
+                row["problem"] = problem
             rows.append(row)
         return rows
 
@@ -326,22 +359,33 @@ def start_pool(
     renderer: Renderer | None = None,
     start_method: str = "auto",
     remote: RemoteOptions | None = None,
+    cpu: bool = False,
 ) -> Pool:
-    """The running pool when it matches ``num_processes``/``backend`` (and ``remote``'s hosts),
-    else a new one (the old one is shut down). ``num_processes=None``: the running pool's, else
-    the plan's default."""
+    """The running pool when it can serve these settings (:meth:`Pool.serves`), else a new one
+    (the old one is shut down, with a notice on ``renderer``). ``None`` keeps the running pool's
+    value (``num_processes``, ``backend``, ``remote``), else takes the plan's default."""
     global _pool
     current = get_pool()
-    if current is not None:
-        wanted = num_processes or current.num_processes
-        if (
-            current.num_processes == wanted
-            and current.backend == backend
-            and current.remote == remote
-        ):
-            return current
+    if current is not None and current.serves(num_processes, backend, remote, cpu):
+        if renderer is not None:
+            renderer.start("", current.num_processes)
+        return current
+    if current is not None:  # what is not asked for stays as it is
+        if remote is None:  # new hosts bring their own number of ranks
+            num_processes = num_processes or current.num_processes
+        backend = backend if backend is not None else current.backend
+        remote = remote if remote is not None else current.remote
+        cpu = cpu or current.cpu
+    pool = Pool(num_processes, backend, start_method, cpu, remote)
+    if current is not None:  # the new settings are valid: only now stop the running pool
+        if renderer is not None:
+            where = f" on {remote.layout.describe()}" if remote is not None else ""
+            renderer.notice(
+                f"restarting the pool ({current.num_processes} -> {pool.num_processes} "
+                f"processes{where}, backend {current.effective_backend or 'default'} -> "
+                f"{backend or 'default'}); names defined on the ranks are lost."
+            )
         current.shutdown()
-    pool = Pool(num_processes, backend=backend, start_method=start_method, remote=remote)
     if renderer is not None:
         where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
         renderer.start(pool.plan.announcement(where), pool.num_processes)

@@ -15,12 +15,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.launch.labels import rank_label
-from nbaccel.launch.protocol import EventKind
+from nbaccel.launch.labels import RankLabels
+from nbaccel.launch.protocol import EventKind, Stream
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.kernel.renderers import choose_renderer
+from nbaccel.values.byte_text import human_bytes
 
-__all__ = ["CellRenderer", "format_bytes", "status_bundle"]
+__all__ = ["CellRenderer", "status_bundle"]
 
 
 class CellRenderer(Renderer):
@@ -51,23 +52,27 @@ class CellRenderer(Renderer):
         self._rich = None if inner is not None else (rich or choose_renderer)
         self._started: tuple[str, int] = ("", 0)
 
+    def use_labels(self, labels: RankLabels) -> None:
+        self.labels = labels
+        self.inner.use_labels(labels)
+
     def start(self, announcement: str, num_processes: int) -> None:
         self._started = ("" if self.quiet else announcement, num_processes)
         self.inner.start(*self._started)
 
-    def line(self, rank: int, stream: str, text: str) -> None:
-        if not (self.quiet and stream == "stdout"):
+    def line(self, rank: int, stream: Stream, text: str) -> None:
+        if not (self.quiet and stream == Stream.STDOUT):
             self.inner.line(rank, stream, text)
 
-    def overflow(self, rank: int, stream: str, text: str) -> None:
-        if not (self.quiet and stream == "stdout"):
+    def overflow(self, rank: int, stream: Stream, text: str) -> None:
+        if not (self.quiet and stream == Stream.STDOUT):
             self.inner.overflow(rank, stream, text)
 
     def notice(self, text: str) -> None:
         self.inner.notice(text)
 
-    def finish(self, ok: bool) -> None:
-        self.inner.finish(ok)
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
+        self.inner.finish(ok, failed)
 
     def _upgrade(self) -> None:
         factory, self._rich = self._rich, None
@@ -75,10 +80,11 @@ class CellRenderer(Renderer):
             return
         rich = factory()
         if not isinstance(rich, TextRenderer):
+            rich.use_labels(self.labels)
             rich.start("", self._started[1])
             self.inner = rich
 
-    def event(self, rank: int, kind: str, payload: Any) -> None:
+    def event(self, rank: int, kind: EventKind, payload: Any) -> None:
         if kind == EventKind.POOL_INFO:
             if self.on_info is not None:
                 self.on_info(rank, payload)
@@ -100,7 +106,7 @@ class CellRenderer(Renderer):
             return
         if set(data) <= {"text/plain"}:
             for text in str(data.get("text/plain", "")).splitlines() or [""]:
-                self.inner.line(rank, "stdout", text)
+                self.inner.line(rank, Stream.STDOUT, text)
             return
         try:
             from IPython import get_ipython
@@ -108,22 +114,11 @@ class CellRenderer(Renderer):
         except ImportError:  # pragma: no cover - IPython is a dependency
             get_ipython = None
         if get_ipython is None or get_ipython() is None:
-            self.inner.line(rank, "stdout", str(data.get("text/plain", sorted(data))))
+            self.inner.line(rank, Stream.STDOUT, str(data.get("text/plain", sorted(data))))
             return
-        sys.stdout.write(f"[{rank_label(rank)}]\n")
+        sys.stdout.write(f"[{self.rank_label(rank)}]\n")
         sys.stdout.flush()
         display(data, metadata=metadata, raw=True)
-
-
-def format_bytes(size: float | None) -> str:
-    """``1.5 GiB`` style sizes; ``-`` for unknown."""
-    if size is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"  # pragma: no cover
 
 
 _COLUMNS = ("rank", "pid", "device", "memory", "device memory", "state", "uptime", "names")
@@ -144,14 +139,17 @@ def status_bundle(rows: list[dict[str, Any]], header: str) -> dict[str, str]:
             str(row["rank"]),
             str(row.get("pid", "-")),
             str(row.get("device", "-")),
-            format_bytes(row.get("rss")),
-            format_bytes(row.get("device_memory")) if row.get("device_memory") is not None else "-",
+            human_bytes(row.get("rss")),
+            human_bytes(row.get("device_memory")) if row.get("device_memory") is not None else "-",
             row.get("state", "-"),
             _uptime(row.get("uptime")),
             str(row.get("names", "-")),
         ]
         for row in rows
     ]
+    problems = sorted({row["problem"] for row in rows if row.get("problem")})
+    if problems:  # the ranks could not say more: why
+        header = f"{header} (the ranks did not report their details: {'; '.join(problems)})"
     widths = [max(len(c[i]) for c in [list(_COLUMNS), *cells]) for i in range(len(_COLUMNS))]
     lines = [header, "  ".join(h.ljust(w) for h, w in zip(_COLUMNS, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)) for cell in cells]

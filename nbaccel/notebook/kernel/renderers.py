@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any
 
+from nbaccel.launch.labels import RankLabels
+from nbaccel.launch.protocol import EventKind, Stream
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
 
@@ -64,6 +66,10 @@ class WidgetRenderer(Renderer):
         self.text = TextRenderer()
         self.root: Any = None
 
+    def use_labels(self, labels: RankLabels) -> None:
+        self.labels = labels
+        self.text.use_labels(labels)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self, announcement: str, num_processes: int) -> None:
         import ipywidgets as widgets
@@ -80,9 +86,9 @@ class WidgetRenderer(Renderer):
         self._status_at = 0.0
         self.status = widgets.HTML()
         self.status.add_class("nbaccel-status")
-        self.progress = ProgressBoard()
+        self.progress = ProgressBoard(label=self.rank_label)
         self.memory = MemoryMonitor()
-        self.outputs = OutputPanel()
+        self.outputs = OutputPanel(label=self.rank_label)
         self._parts = {"progress": False, "memory": False, "outputs": False}
         self.metrics: dict[str, Any] = {}
         self.root = widgets.VBox([self.status])
@@ -92,7 +98,7 @@ class WidgetRenderer(Renderer):
         bundle["text/plain"] = f"nbaccel: {announcement} (live view: progress, memory, output)"
         self._handle = display(bundle, raw=True, display_id=True)
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
         if self.root is None:
             return
         from IPython.display import display
@@ -101,7 +107,7 @@ class WidgetRenderer(Renderer):
         self.outputs.flush(force=True)
         elapsed = time.monotonic() - self.started
         self._set_status(f"{'finished' if ok else 'failed'} after {elapsed:.1f} s", ok)
-        text, rich = self.summary(ok, elapsed)
+        text, rich = self.summary(ok, elapsed, failed)
         if text:
             display({"text/plain": text, "text/html": rich}, raw=True)
         if self.metrics:  # live plots become static images with their last values as text
@@ -109,14 +115,13 @@ class WidgetRenderer(Renderer):
             for plot in self.metrics.values():
                 display(plot.bundle(), raw=True)
 
-    def summary(self, ok: bool, elapsed: float) -> tuple[str, str]:
+    def summary(self, ok: bool, elapsed: float, failed: list[int] | None = None) -> tuple[str, str]:
         """The launch's end as (plain text, HTML): final bars and peak memory per rank."""
         bars = self.progress.summary_lines()
         memory_text = self.memory.summary_text()
         if not bars and not memory_text:
             return "", ""
-        verb = "finished" if ok else "failed"
-        head = f"nbaccel: {self.num_processes} ranks {verb} in {elapsed:.1f} s"
+        head = f"nbaccel: {_outcome(self.num_processes, ok, failed)} in {elapsed:.1f} s"
         text = "\n".join([head, *bars, *([memory_text] if memory_text else [])])
         bar_html = "".join(f"<div>{html.escape(b)}</div>" for b in bars)
         rich = (
@@ -126,17 +131,17 @@ class WidgetRenderer(Renderer):
         return text, rich
 
     # ------------------------------------------------------------------ events
-    def line(self, rank: int, stream: str, text: str) -> None:
+    def line(self, rank: int, stream: Stream, text: str) -> None:
         self.text.line(rank, stream, text)
         self.overflow(rank, stream, text)
 
-    def overflow(self, rank: int, stream: str, text: str) -> None:
+    def overflow(self, rank: int, stream: Stream, text: str) -> None:
         # beyond the output limit, the 'Output by rank' panel still shows each rank's tail
         self._attach("outputs")
         self.outputs.add(rank, stream, text[:_PANEL_LINE_CHARS])
         self._tick()
 
-    def event(self, rank: int, kind: str, payload: Any) -> None:
+    def event(self, rank: int, kind: EventKind, payload: Any) -> None:
         if kind == PROGRESS:
             self._attach("progress")
             self.progress.update(rank, payload)
@@ -190,3 +195,14 @@ class WidgetRenderer(Renderer):
             f'<span style="color:{colour}"><b>nbaccel</b> · {self.num_processes} ranks · '
             f"{html.escape(state)}</span>"
         )
+
+
+def _outcome(num_processes: int, ok: bool, failed: list[int] | None) -> str:
+    """``2 ranks finished``, ``1 rank failed (1 stopped)``, ``2 ranks stopped``."""
+    if ok or failed is None:
+        return f"{num_processes} ranks {'finished' if ok else 'failed'}"
+    if not failed:  # nobody's own failure: the stop button, or the timeout
+        return f"{num_processes} ranks stopped"
+    text = f"{len(failed)} rank{'s' if len(failed) > 1 else ''} failed"
+    others = num_processes - len(failed)
+    return text + (f" ({others} stopped)" if others > 0 else "")

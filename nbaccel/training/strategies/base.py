@@ -2,7 +2,9 @@
 
 A :class:`Strategy` is chosen once per ``Accelerator`` (:func:`~nbaccel.training.strategies.
 registry.select_strategy`, keyed by ``DistributedType``); the Accelerator, the checkpoint module
-and the optimizer wrapper call its methods instead of asking which kind of run this is.
+and the optimizer wrapper call its methods instead of asking which kind of run this is, or what
+type a model has: ``no_sync``, ``trigger_sync``, ``unwrap_model`` and ``mixed_precision_policy``
+are answered by the strategy that added the wrappers.
 
 This base class is a single process on one device: the model is placed and left unwrapped,
 gradients are clipped and stepped by torch, state dicts are the module's own. Subclasses:
@@ -13,6 +15,7 @@ gradients are clipped and stepped by torch, state dicts are the module's own. Su
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,7 +25,7 @@ from nbaccel.distributed.state import AcceleratorState
 from nbaccel.storage.weights import load_into_model
 from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
 from nbaccel.training.precision import PrecisionPolicy
-from nbaccel.training.strategies.wrappers import extract_model_from_parallel
+from nbaccel.training.strategies.repoint import remember_moves, repoint_optimizer
 
 __all__ = ["Strategy"]
 
@@ -62,6 +65,12 @@ class Strategy:
         """Whether ``join_uneven_inputs`` runs torch's ``Join`` (DDP across processes)."""
         return False
 
+    @property
+    def mixed_precision_policy(self) -> Any:
+        """The sharding engine's own mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``);
+        None where mixed precision is autocast only."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.state.distributed_type.value}, {self.device})"
 
@@ -70,9 +79,12 @@ class Strategy:
         self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool = False
     ) -> torch.nn.Module:
         """Place ``model``, add the mixed-precision forward, wrap it (not for evaluation)."""
+        before = dict(model.named_parameters()) if self.replaces_parameters else None
         if device_placement:
             model = model.to(self.device)
         self.precision.wrap_forward(model)
+        if before is not None:  # an XLA move: optimizers built earlier must follow
+            remember_moves(model, before, dict(model.named_parameters()))
         return model if evaluation_mode else self.wrap_model(model)
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -80,7 +92,9 @@ class Strategy:
         return model
 
     def prepare_optimizer(self, optimizer: Any, models: Iterable[torch.nn.Module]) -> None:
-        """Make ``optimizer`` update the parameters of the prepared ``models`` (nothing here)."""
+        """Make ``optimizer`` update the parameters of the prepared ``models`` (re-point it where
+        preparing them replaced their parameters)."""
+        repoint_optimizer(optimizer, models)
 
     def prepare_dataloader(self, dataloader: Any) -> Any:
         """The last step of preparing a (sharded) dataloader (nothing here)."""
@@ -92,8 +106,31 @@ class Strategy:
         keep_fp32_wrapper: bool = True,
         keep_torch_compile: bool = True,
     ) -> torch.nn.Module:
-        """The user's module inside the wrappers ``prepare`` added."""
-        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
+        """The user's module inside the wrappers ``prepare`` added: ``torch.compile``'s (kept
+        unless ``keep_torch_compile=False``), the strategy's own (:meth:`unwrap_parallel`) and
+        the mixed-precision forward (removed with ``keep_fp32_wrapper=False``)."""
+        compiled = model if hasattr(model, "_orig_mod") else None
+        inner = self.unwrap_parallel(model._orig_mod if compiled is not None else model)
+        if not keep_fp32_wrapper:
+            PrecisionPolicy.unwrap_forward(inner)
+        if compiled is not None and keep_torch_compile:
+            if compiled._orig_mod is not inner:
+                compiled._orig_mod = inner
+            return compiled
+        return inner
+
+    def unwrap_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` without the parallel wrapper this strategy adds (none here)."""
+        return model
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which backward passes of ``model`` do not synchronise gradients
+        (nothing to synchronise here)."""
+        return contextlib.nullcontext()
+
+    def trigger_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Make the next backward synchronise although its forward ran under :meth:`no_sync`."""
+        return contextlib.nullcontext()
 
     # -- the training step --------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -117,7 +154,7 @@ class Strategy:
     # -- state dicts --------------------------------------------------------------------------
     def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full state dict of a prepared model (collective for sharded strategies)."""
-        return (extract_model_from_parallel(model) if unwrap else model).state_dict()
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def load_model_state_dict(
         self,
@@ -127,7 +164,7 @@ class Strategy:
         strict: bool = True,
     ) -> None:
         """Load a full state dict (``aliases``: the file's tied-name record) into ``model``."""
-        load_into_model(extract_model_from_parallel(model), tensors, aliases, strict=strict)
+        load_into_model(self.unwrap_model(model), tensors, aliases, strict=strict)
 
     def optimizer_state_dict(self, optimizer: Any, model: torch.nn.Module | None) -> dict:
         """The full state dict of ``optimizer`` (``model``: the prepared model it updates)."""

@@ -1,28 +1,26 @@
 """Data parallelism (DDP across processes, nothing to wrap on one): ``DDPStrategy``.
 
 DDP itself is torch's; this module only decides the constructor options and registers the
-communication hook the user asked for. Unwrapping and ``no_sync`` are in
-:mod:`nbaccel.training.strategies.wrappers` (re-exported here).
+communication hook the user asked for, and answers ``no_sync`` / ``trigger_sync`` / unwrapping for
+the DDP wrapper it adds. Accelerate's ``extract_model_from_parallel`` is re-exported here (its
+import path), from :mod:`nbaccel.training.strategies.wrappers`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
 from nbaccel.training.strategies.base import Strategy
-from nbaccel.training.strategies.wrappers import (
-    extract_model_from_parallel,
-    no_sync_context,
-    trigger_sync_context,
-)
+from nbaccel.training.strategies.wrappers import extract_model_from_parallel
 
 __all__ = [
     "DDPStrategy",
     "extract_model_from_parallel",
-    "no_sync_context",
-    "trigger_sync_context",
     "wrap_ddp",
 ]
 
@@ -41,6 +39,23 @@ class DDPStrategy(Strategy):
     @property
     def joins_uneven_inputs(self) -> bool:
         return self.num_processes > 1
+
+    def unwrap_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
+        while isinstance(model, DistributedDataParallel):
+            model = model.module
+        return model
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        inner = getattr(model, "_orig_mod", model)
+        if isinstance(inner, DistributedDataParallel):
+            return inner.no_sync()
+        return contextlib.nullcontext()
+
+    def trigger_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        inner = getattr(model, "_orig_mod", model)
+        if isinstance(inner, DistributedDataParallel):
+            return _sync_next_backward(inner)
+        return contextlib.nullcontext()
 
 
 def wrap_ddp(
@@ -90,3 +105,17 @@ def _register_comm_hook(model: DistributedDataParallel, handler: DistributedData
         }.get(handler.comm_wrapper)
         model.register_comm_hook(state, wrapper(fn) if wrapper else fn)
         model.comm_hook_state = state  # kept for inspection (torch does not expose it)
+
+
+@contextlib.contextmanager
+def _sync_next_backward(model: DistributedDataParallel) -> Iterator[None]:
+    """Make the next backward of ``model`` synchronise, even after forwards under no_sync."""
+    old = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = True
+    model.require_forward_param_sync = True
+    # The forward ran with sync off, so the reducer was not told a backward is coming: tell it.
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = old

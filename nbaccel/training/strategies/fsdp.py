@@ -7,7 +7,8 @@ Entry points (the Accelerator calls these; each also works on its own with a pla
   Parameters become ``DTensor`` shards: each of N ranks holds about 1/N of every tensor.
 - ``rebind_optimizer(optimizer, model)``: an optimizer built *before* ``shard_model`` still
   points at the old full parameters; this re-points its param groups at the sharded ones (it
-  refuses, with a clear error, an optimizer that already has state).
+  refuses, with a clear error, an optimizer that already has state). It is
+  :func:`nbaccel.training.strategies.repoint.repoint_optimizer`, the one re-pointer.
 - ``is_fsdp_model(model)``.
 - ``FSDPStrategy``: the strategy the Accelerator uses under ``fsdp_plugin=...``.
 
@@ -26,9 +27,9 @@ re-exported here:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ from nbaccel.training.strategies.fsdp_checkpoint import (
     save_fsdp_state,
 )
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.repoint import remember_moves
+from nbaccel.training.strategies.repoint import repoint_optimizer as rebind_optimizer
 
 __all__ = [
     "FSDPStrategy",
@@ -66,8 +69,6 @@ __all__ = [
     "shard_model",
     "sharded_fraction",
 ]
-
-_PARAM_MAP = "_nbaccel_fsdp_param_map"
 
 
 def is_fsdp_model(model: Any) -> bool:
@@ -232,7 +233,7 @@ def shard_model(
 
     if full_state is not None:
         _load_rank0_weights(model, full_state, device)
-    _remember_param_map(model, old_params, dict(model.named_parameters(remove_duplicate=False)))
+    remember_moves(model, old_params, dict(model.named_parameters(remove_duplicate=False)))
     del old_params
     return model
 
@@ -244,67 +245,6 @@ def _load_rank0_weights(model: nn.Module, state: dict[str, torch.Tensor], device
         model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, dict(state), options=options)
-
-
-def _strip_wrapper_prefix(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def _remember_param_map(
-    model: nn.Module, old_params: dict[str, nn.Parameter], new_params: dict[str, nn.Parameter]
-) -> None:
-    """Keep ``id(old parameter) -> (weakref(old), new sharded parameter)`` for rebinding.
-
-    The weak reference guards against id reuse: once an old parameter is freed, a new object
-    with the same id must not be mistaken for it.
-    """
-    clean_new = {_strip_wrapper_prefix(n): p for n, p in new_params.items()}
-    mapping = {}
-    for name, old in old_params.items():
-        new = clean_new.get(_strip_wrapper_prefix(name))
-        if new is not None and new is not old:
-            mapping[id(old)] = (weakref.ref(old), new)
-    object.__setattr__(model, _PARAM_MAP, mapping)
-
-
-def rebind_optimizer(
-    optimizer: torch.optim.Optimizer, models: nn.Module | Iterable[nn.Module]
-) -> int:
-    """Point ``optimizer``'s param groups at the sharded parameters of ``models``.
-
-    An optimizer created before ``shard_model`` holds the old, full parameters; FSDP2 replaces
-    them with ``DTensor`` shards, so without this the optimizer would update tensors nobody uses.
-    Returns how many parameters were re-pointed. Raises when the optimizer already has state for
-    the old parameters (it has stepped: that state cannot be sharded consistently).
-    """
-    inner = getattr(optimizer, "optimizer", optimizer)
-    models = [models] if isinstance(models, nn.Module) else list(models)
-    mapping: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
-    for model in models:
-        mapping.update(getattr(getattr(model, "_orig_mod", model), _PARAM_MAP, {}))
-    if not mapping:
-        return 0
-
-    def new_for(p: torch.Tensor) -> nn.Parameter | None:
-        entry = mapping.get(id(p))
-        return entry[1] if entry is not None and entry[0]() is p else None
-
-    stale = [p for p in inner.state if inner.state[p] and new_for(p) is not None]
-    if stale:
-        raise RuntimeError(
-            "This optimizer already has state (it has stepped) for parameters of a model that was "
-            "then sharded with FSDP2. Create the optimizer before its first step, then call "
-            "accelerator.prepare(model, optimizer) (or shard_model before building it)."
-        )
-    count = 0
-    for group in inner.param_groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            new = new_for(p)
-            if new is not None:
-                params[i] = new
-                count += 1
-    return count
 
 
 def sharded_fraction(model: nn.Module) -> float:
@@ -332,6 +272,22 @@ class FSDPStrategy(Strategy):
 
     replaces_parameters = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # this accelerator's plugin, kept even if a later Accelerator brings another one
+        self.plugin = self.state.fsdp_plugin or FullyShardedDataParallelPlugin()
+        # Accelerate's rule: mixed_precision reaches FSDP2 as the plugin's MixedPrecisionPolicy
+        # (unless the plugin has its own); the forward's autocast stays on too
+        self.plugin.set_mixed_precision(self.precision.mode)
+
+    @property
+    def mixed_precision_policy(self) -> Any:
+        return self.plugin.mixed_precision_policy
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        inner = getattr(model, "_orig_mod", model)
+        return _no_gradient_sync(inner) if is_fsdp_model(inner) else contextlib.nullcontext()
+
     def prepare_model(
         self, model: nn.Module, device_placement: bool, evaluation_mode: bool = False
     ) -> nn.Module:
@@ -339,10 +295,7 @@ class FSDPStrategy(Strategy):
         self.precision.wrap_forward(model)
         if evaluation_mode:
             return model
-        return shard_model(model, self.state.fsdp_plugin, self.device)
-
-    def prepare_optimizer(self, optimizer: Any, models: Iterable[nn.Module]) -> None:
-        rebind_optimizer(optimizer, list(models))
+        return shard_model(model, self.plugin, self.device)
 
     def model_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -386,7 +339,17 @@ class FSDPStrategy(Strategy):
     sharded_checkpoints = True
 
     def save_sharded_checkpoint(self, objects: Any, directory: Any) -> list[str]:
-        return save_fsdp_state(objects, directory, self.state.fsdp_plugin)
+        return save_fsdp_state(objects, directory, self.plugin)
 
     def load_sharded_checkpoint(self, objects: Any, directory: Any) -> None:
-        load_fsdp_state(objects, directory, self.state.fsdp_plugin)
+        load_fsdp_state(objects, directory, self.plugin)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: Any) -> Iterator[None]:
+    """FSDP2's switch: backward leaves unsharded gradients in place of reduce-scattering them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from nbaccel.values.booleans import env_flag, parse_bool
+
 __all__ = [
     "FullyShardedDataParallelPlugin",
     "disable_fsdp_ram_efficient_loading",
@@ -33,11 +35,11 @@ _DTYPES = {
 }
 
 
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    return value.strip().lower() in ("1", "true", "yes")
+# FSDP1's sharding strategies (names or numbers) as FSDP2's one switch, reshard_after_forward
+_RESHARD_BY_STRATEGY = {
+    "FULL_SHARD": True, "1": True, "NO_SHARD": True, "3": True, "HYBRID_SHARD": True, "4": True,
+    "SHARD_GRAD_OP": False, "2": False, "_HYBRID_SHARD_ZERO2": False, "5": False,
+}  # fmt: skip
 
 
 def enable_fsdp_ram_efficient_loading() -> None:
@@ -117,7 +119,7 @@ class FullyShardedDataParallelPlugin:
         for name in ("reshard_after_forward", "cpu_offload", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}.")
-        flag = _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+        flag = env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
         if flag is not None:
             self.cpu_ram_efficient_loading = flag
         self.state_dict_type = self._check_state_dict_type(self.state_dict_type)
@@ -239,13 +241,22 @@ class FullyShardedDataParallelPlugin:
         )
 
     # -- helpers used by shard_model ------------------------------------------------------------
-    def set_mixed_precision(self, mixed_precision: str) -> None:
-        """Fill the policy from ``Accelerator(mixed_precision=...)`` when none was given."""
-        if self.mixed_precision_policy is None and mixed_precision in ("bf16", "fp16"):
-            dtype = _DTYPES[mixed_precision]
-            self.mixed_precision_policy = self._check_mixed_precision(
-                {"param_dtype": dtype, "reduce_dtype": torch.float32}
-            )
+    def set_mixed_precision(
+        self,
+        mixed_precision: str | torch.dtype,
+        buffer_autocast: bool = False,
+        override: bool = False,
+    ) -> None:
+        """Set ``mixed_precision_policy`` from ``Accelerator(mixed_precision=...)`` (the FSDP
+        strategy calls it): parameters are gathered in that dtype for forward and backward,
+        gradients reduced in float32. A policy the plugin already has is kept unless
+        ``override``; ``"no"`` sets none. ``buffer_autocast`` is FSDP1's and has no effect."""
+        if self.mixed_precision_policy is not None and not override:
+            return
+        dtype = _to_dtype(mixed_precision, "mixed_precision") if mixed_precision != "no" else None
+        self.mixed_precision_policy = self._check_mixed_precision(
+            None if dtype is None else {"param_dtype": dtype, "reduce_dtype": torch.float32}
+        )
 
     @classmethod
     def from_environment(cls) -> FullyShardedDataParallelPlugin | None:
@@ -255,7 +266,7 @@ class FullyShardedDataParallelPlugin:
         ``ACCELERATE_USE_FSDP=true`` and ``FSDP_<OPTION>`` variables; a script that builds a
         plain ``Accelerator()`` then shards its model as the command line said.
         """
-        if not any(_env_flag(name) for name in ("ACCELERATE_USE_FSDP", "NBACCEL_USE_FSDP")):
+        if not any(env_flag(name) for name in ("ACCELERATE_USE_FSDP", "NBACCEL_USE_FSDP")):
             return None
         options: dict[str, Any] = {}
         reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD") or os.environ.get(
@@ -263,14 +274,15 @@ class FullyShardedDataParallelPlugin:
         )
         if reshard:
             # FSDP1's strategy names map onto FSDP2's one switch
-            options["reshard_after_forward"] = reshard.strip().upper() not in (
-                "FALSE", "0", "NO", "SHARD_GRAD_OP", "2"
-            )  # fmt: skip
+            strategy = reshard.strip().upper()
+            options["reshard_after_forward"] = _RESHARD_BY_STRATEGY.get(strategy)
+            if options["reshard_after_forward"] is None:
+                options["reshard_after_forward"] = parse_bool(reshard, "FSDP_RESHARD_AFTER_FORWARD")
         for field_name, env_name in (
             ("cpu_offload", "FSDP_OFFLOAD_PARAMS"),
             ("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"),
         ):
-            flag = _env_flag(env_name)
+            flag = env_flag(env_name, None)
             if flag is not None:
                 options[field_name] = flag
         for field_name, env_name in (

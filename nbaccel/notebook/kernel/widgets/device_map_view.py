@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from nbaccel.notebook.events import human_bytes
+from nbaccel.values.byte_text import byte_unit, human_bytes
 
 __all__ = ["DeviceMapView", "show_device_map"]
 
@@ -66,13 +66,7 @@ def _resolve_map(
     return dict(get_device_map(model, device_map, max_memory, no_split, dtype=dtype))
 
 
-def _capacities(devices: list[Any], max_memory: Mapping | None) -> dict[Any, int | None]:
-    from nbaccel.bigmodel.memory_budgets import get_max_memory
-
-    try:
-        budgets = get_max_memory(max_memory)
-    except Exception:
-        budgets = {}
+def _capacities(devices: list[Any], budgets: Mapping[Any, int]) -> dict[Any, int | None]:
     return {d: budgets.get(d) if d != "disk" or "disk" in budgets else None for d in devices}
 
 
@@ -86,8 +80,10 @@ class DeviceMapView:
         max_memory: Mapping[int | str, int | str] | None = None,
         dtype: Any = None,
     ) -> None:
+        from nbaccel.bigmodel.memory_budgets import get_max_memory
         from nbaccel.bigmodel.module_sizes import compute_module_sizes
 
+        budgets = get_max_memory(max_memory)  # a bad max_memory is an error before any work
         self.model = model
         self.device_map = _resolve_map(model, device_map, max_memory, dtype)
         self.sizes = compute_module_sizes(model, dtype=dtype)
@@ -95,7 +91,7 @@ class DeviceMapView:
         for name, device in self.device_map.items():
             self.entries.setdefault(device, []).append((name, self.sizes.get(name, 0)))
         self.devices = sorted(self.entries, key=_device_order)
-        self.capacity = _capacities(self.devices, max_memory)
+        self.capacity = _capacities(self.devices, budgets)
         self._skip_display = False
 
     # ------------------------------------------------------------------ numbers
@@ -222,11 +218,7 @@ class DeviceMapView:
         ax = fig.add_subplot()
         caps = {d: c for d, c in self.capacity.items() if c and d != "disk"}
         top = max([self.used(d) for d in self.devices] + list(caps.values()) + [1])
-        unit, scale = next(
-            (u, s)
-            for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-            if top >= s
-        )
+        unit, scale = byte_unit(top)
         for row, device in enumerate(self.devices):
             left = 0.0
             for i, (_name, size) in enumerate(self.entries[device]):

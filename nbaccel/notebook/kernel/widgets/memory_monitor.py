@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import ipywidgets as widgets
 
-from nbaccel.notebook.events import MemorySample, human_bytes
+from nbaccel.notebook.events import MemorySample
+from nbaccel.values.byte_text import human_bytes
 
 __all__ = ["MemoryMonitor", "sparkline"]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import html
 import time
 from collections import deque
+from collections.abc import Callable
 
 import ipywidgets as widgets
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import LOCAL_LABELS
+from nbaccel.launch.protocol import Stream
 
 __all__ = ["OutputPanel"]
 
@@ -45,7 +47,13 @@ class _Pane:
 class OutputPanel:
     """Tabs ``all | rank 0 | rank 1 | ...`` inside a collapsed accordion."""
 
-    def __init__(self, max_lines: int = 500, interval: float = 0.25) -> None:
+    def __init__(
+        self,
+        max_lines: int = 500,
+        interval: float = 0.25,
+        label: Callable[[int], str] = LOCAL_LABELS.label,
+    ) -> None:
+        self.label = label  # how the merged view names a rank (its renderer's labels)
         self.max_lines = max_lines
         self.interval = interval
         self._merged = _Pane(2 * max_lines)
@@ -64,10 +72,10 @@ class OutputPanel:
             self.tabs.children = (self._merged.widget, *(self._ranks[r].widget for r in ranks))
             self.tabs.titles = ("all ranks", *(f"rank {r}" for r in ranks))
         line = html.escape(text)
-        if stream == "stderr":
+        if stream == Stream.STDERR:
             line = _STDERR.format(line)
         pane.add(line)
-        self._merged.add(f"<b>[{html.escape(rank_label(rank))}]</b> {line}")
+        self._merged.add(f"<b>[{html.escape(self.label(rank))}]</b> {line}")
 
     def flush(self, force: bool = False) -> None:
         """Redraw the views that changed, unless the last redraw was under ``interval`` ago."""

@@ -8,10 +8,11 @@ launch summary (text and HTML twins of the widgets).
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 
 import ipywidgets as widgets
 
-from nbaccel.launch.labels import rank_label
+from nbaccel.launch.labels import LOCAL_LABELS
 from nbaccel.notebook.events import ProgressUpdate
 
 __all__ = ["ProgressBoard"]
@@ -81,7 +82,8 @@ class _BarRow:
 class ProgressBoard:
     """All bars of a launch, ordered by rank, then by creation on that rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: Callable[[int], str] = LOCAL_LABELS.label) -> None:
+        self.label = label  # how the summary names a rank (its renderer's labels)
         self.box = widgets.VBox([])
         self.box.add_class("nbaccel-progress")
         self._rows: dict[tuple[int, int], _BarRow] = {}
@@ -116,6 +118,6 @@ class ProgressBoard:
     def summary_lines(self) -> list[str]:
         """The final state of every bar, as tqdm prints it."""
         return [
-            f"[{rank_label(rank)}] {self.finals[rank, bar].meter()}"
+            f"[{self.label(rank)}] {self.finals[rank, bar].meter()}"
             for rank, bar in sorted(self.finals)
         ]

@@ -1,0 +1,160 @@
+"""How a worker group's ranks end: seen from their exit status, and brought about by signals.
+
+A rank's death is known from its process (the exit code its launcher reports), never from the
+end of its output: a process the rank started may hold its stdout open and keep writing. Once
+dead, its streams are read to their end or for a bounded time (:data:`DRAIN_IDLE` of silence,
+at most :data:`DRAIN_MAX`), so its last words and its result still arrive, and then its crash is
+recorded as the outcome of the call it had not answered. Stopping is the other direction:
+a signal to every rank and its descendants, escalated to SIGKILL after a grace period.
+
+:class:`RankEnds` is the part of :class:`~nbaccel.launch.group.WorkerGroup` that does both.
+"""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import time
+from collections.abc import Callable, Iterable
+
+from nbaccel.launch.channel import Listener, readable
+from nbaccel.launch.protocol import Message, OutcomeKind
+from nbaccel.launch.rank_state import Outcome, RankState
+
+__all__ = ["DRAIN_IDLE", "DRAIN_MAX", "EVENTS", "OUTPUT", "RankEnds"]
+
+DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
+# at most this long after its death is seen, a dead rank's output is waited for: a process it
+# started may hold its stdout open and keep writing (its death comes from its exit status)
+DRAIN_MAX = 1.5
+# what a ready selector key carries for a rank's connections (the key's data: (kind, rank, ...))
+EVENTS, OUTPUT = "events", "output"
+
+
+class RankEnds:
+    """Death detection and stopping, for a group holding ``_ranks`` and a ``_selector``."""
+
+    _ranks: list[RankState]
+    _by_rank: dict[int, RankState]
+    _selector: selectors.BaseSelector
+    _listener: Listener | None
+    _current_call: int | None
+
+    def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ ends seen
+    def _check_processes(self) -> None:
+        for state in self._ranks:
+            if state.process is None or state.process.poll() is None:
+                continue
+            # The process is gone: its sockets hit EOF shortly; drain them first.
+            if not state.finished_io and not self._drained(state):
+                continue
+            code = state.process.poll()
+            crash = Outcome(
+                OutcomeKind.CRASH,
+                code,
+                state.process.ended_at or time.time(),  # when it died, not when drained
+                secondary=state.stopped,
+                detail=self._crash_detail(state),
+                lost=bool(state.process.lost),
+            )
+            pending = self._current_call if state.busy_since is not None else None
+            if pending is not None and pending not in state.outcomes:
+                state.outcomes[pending] = crash
+                state.busy_since = None
+            if not state.ready and not state.outcomes:
+                state.outcomes[0] = crash
+
+    def _drained(self, state: RankState) -> bool:
+        """True once a dead process's streams were read to the end, or stayed silent for
+        ``DRAIN_IDLE`` seconds with nothing waiting. Each read moves that deadline, so a slow
+        renderer still gets every message (the result included) that the rank sent before it
+        ended; but output from a process the rank started, holding its stdout open, is waited
+        for at most ``DRAIN_MAX`` seconds: the rank's death is known from its exit status."""
+        now = time.monotonic()
+        if state.drain_deadline is None:
+            state.drain_deadline = now + DRAIN_IDLE
+            state.drain_limit = now + DRAIN_MAX
+            return False
+        if state.finished_io:
+            return True
+        if now <= state.drain_deadline and now <= state.drain_limit:
+            return False
+        # a slow renderer may have kept the loop from reading: data waiting is not drained
+        # (past the limit, only the rank's own event stream counts; a child may write forever)
+        late = now > state.drain_limit
+        kinds = (EVENTS,) if late else (EVENTS, OUTPUT)
+        waiting = [
+            key.fileobj
+            for key in self._selector.get_map().values()
+            if key.data[0] in kinds and key.data[1] == state.rank
+        ]
+        if readable(waiting):
+            self._still_draining(state)
+            return False
+        return True
+
+    def _crash_detail(self, state: RankState) -> str:
+        """What is known beyond the exit code: the fork server's death, or the reason a rank
+        wrote down when it could not connect to this driver."""
+        if state.process is not None and state.process.lost:
+            return state.process.lost
+        if self._listener is None or state.connected:
+            return ""
+        try:
+            with open(self._listener.private_path(f"rank-{state.rank}.error")) as handle:
+                return handle.read(2000).strip()
+        except OSError:
+            return ""
+
+    def dead_unreported(self, call_id: int) -> list[int]:
+        """Ranks whose process has ended without an outcome for ``call_id`` recorded yet."""
+        return [
+            r.rank
+            for r in self._ranks
+            if call_id not in r.outcomes and r.process is not None and r.process.poll() is not None
+        ]
+
+    @staticmethod
+    def _still_draining(state: RankState) -> None:
+        if state.drain_deadline is not None:
+            state.drain_deadline = time.monotonic() + DRAIN_IDLE
+
+    # ------------------------------------------------------------------ stopping
+    def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:
+        targets = self.ranks if ranks is None else ranks
+        for rank in targets:
+            state = self._by_rank[rank]
+            if state.process is not None:
+                if state.process.poll() is None:
+                    state.stopped = True
+                state.process.signal_tree(sig)
+
+    def release(self) -> None:
+        """Tell one-shot ranks that every rank has reported: they may exit now."""
+        for state in self._ranks:
+            if state.events is not None and not state.events_closed:
+                try:
+                    state.events.send((Message.RELEASE,))
+                except OSError:
+                    pass
+
+    def wait_exit(self, timeout: float) -> bool:
+        return self.pump_until(
+            lambda: all(r.process is None or r.process.poll() is not None for r in self._ranks),
+            timeout,
+        )
+
+    def stop(self, grace: float = 2.0, first: int = signal.SIGTERM) -> None:
+        """Stop every rank: ``first`` signal, then SIGKILL after ``grace`` seconds."""
+        if first == signal.SIGINT:
+            self.signal_all(signal.SIGINT)
+            if self.wait_exit(grace):
+                return
+            first = signal.SIGTERM
+        self.signal_all(first)
+        if not self.wait_exit(grace):
+            self.signal_all(signal.SIGKILL)
+            self.wait_exit(5.0)

@@ -1,0 +1,413 @@
+"""Every option a launch takes, defined once: :class:`LaunchRequest`.
+
+Each field of :class:`LaunchRequest` carries its type, default, help, the fronts it applies to
+(:class:`Fronts`: ``notebook_launcher``'s keywords, the ``%%distributed`` options, ``nbaccel
+launch``'s flags, the remote options) and its validation. The fronts are derived from it: the
+magic and the command line build their flags from :meth:`LaunchRequest.options`, the launcher
+function takes its keywords into :meth:`LaunchRequest.create`, ``RemoteOptions`` is built from
+the request, and ``LaunchPlan.create`` takes it. ``tests/test_launch_request.py`` fails when a
+front lacks an option that applies to it.
+
+Adding an option is one edit, a field here::
+
+    log_every: float = option(
+        10.0, "seconds between progress summaries", Fronts.LAUNCHER | Fronts.MAGIC,
+        check=positive_number,
+    )
+
+and ``notebook_launcher(..., log_every=5)``, ``%%distributed --log_every 5`` and
+``nbaccel launch --log_every 5`` accept it, checked before anything starts; the engine reads
+``request.log_every``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Flag, auto
+from typing import Any
+
+from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+from nbaccel.launch.labels import check_line_prefix
+from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
+
+__all__ = ["START_METHODS", "Fronts", "LaunchRequest", "Option", "option"]
+
+START_METHODS = ("auto", "forkserver", "spawn", "fork")
+
+
+class Fronts(Flag):
+    """Where an option can be given."""
+
+    LAUNCHER = auto()  # notebook_launcher(..., name=value)
+    MAGIC = auto()  # %%distributed --name value
+    CLI = auto()  # nbaccel launch --name value
+    REMOTE = auto()  # a field of RemoteOptions (the hosts and how their agents start)
+    ALL = LAUNCHER | MAGIC | CLI
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a :class:`LaunchRequest` field is to the fronts.
+
+    Args:
+        help: one line for ``--help`` and the docs.
+        fronts: where it can be given.
+        check: validates (and normalises) a given value; raises ValueError naming the fix.
+        parse: text -> value for the text fronts (the magic, the command line).
+        choices: the allowed values, shown in the help.
+        flags: the text fronts' spellings, by front (default ``--name``); the command line
+            keeps Accelerate's names (``--num_machines`` is ``num_nodes``).
+        metavar: the value's name in the help.
+    """
+
+    help: str
+    fronts: Fronts
+    check: Callable[[Any], Any] | None = None
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    flags: Mapping[Fronts, tuple[str, ...]] = field(default_factory=dict)
+    metavar: str | None = None
+
+    def spellings(self, name: str, front: Fronts) -> tuple[str, ...]:
+        """The flags of this option on a text front (``--name``, its hyphenated twin, ...)."""
+        flags = list(self.flags.get(front, (f"--{name}",)))
+        for flag in list(flags):
+            twin = flag.replace("_", "-")
+            if flag.startswith("--") and twin not in flags:
+                flags.append(twin)
+        return tuple(flags)
+
+    def dest(self, name: str, front: Fronts) -> str:
+        """Where a text front's parser keeps the value: ``name``, or the first long flag's
+        name where the front spells it its own way (``--num_machines``: ``num_machines``)."""
+        given = self.flags.get(front)
+        if given is None:
+            return name
+        return next(f for f in given if f.startswith("--"))[2:].replace("-", "_")
+
+    def argparse(self, name: str, default: Any, front: Fronts) -> dict[str, Any]:
+        """``add_argument`` keywords for a text front; not given stays None (the request's
+        default applies), so a front can tell what was asked for."""
+        dest = self.dest(name, front)
+        if isinstance(default, bool) and self.parse is None:
+            return {"dest": dest, "action": "store_true", "default": None, "help": self.help}
+        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": self.help}
+        if self.parse is not None:
+            kwargs["type"] = self.parse
+        if self.choices is not None:
+            kwargs["choices"] = self.choices
+        if self.metavar is not None:
+            kwargs["metavar"] = self.metavar
+        return kwargs
+
+
+def option(
+    default: Any, help: str, fronts: Fronts, **spec: Any
+) -> Any:  # a dataclass field: typed as its value for the checker
+    """A :class:`LaunchRequest` field with its :class:`Option` (``spec``: its other fields)."""
+    meta = {"option": Option(help, fronts, **spec)}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------- checks
+def _integer(name: str, value: Any, low: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+    return value
+
+
+def _positive_or_none(name: str) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else _integer(name, v, 1, "a positive integer")
+
+
+def positive_number(name: str, none_means: str = "") -> Callable[[Any], Any]:
+    """A check: a positive number of seconds (or None, meaning ``none_means``)."""
+
+    def check(value: Any) -> Any:
+        if value is None and none_means:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            alt = f" (or None for {none_means})" if none_means else ""
+            raise ValueError(f"{name} must be a positive number of seconds{alt}, got {value!r}.")
+        return value
+
+    return check
+
+
+def _choice(name: str, choices: Sequence[str], lower: bool = False) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        text = str(value).lower() if lower else value
+        if text not in choices:
+            raise ValueError(f"Unknown {name} {value!r}; choose one of {', '.join(choices)}.")
+        return text
+
+    return check
+
+
+def _text(name: str, optional: bool = True) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}.")
+        return value
+
+    return check
+
+
+def _port(value: Any) -> int | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(
+            f"use_port must be a TCP port number between 1 and 65535 (an int or a string of "
+            f"digits such as '29500'), got {value!r}; pass use_port=None to let nbaccel pick "
+            "a free port."
+        )
+    return int(text)
+
+
+def _flag(name: str) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
+        return value
+
+    return check
+
+
+def _no_rdzv_conf(value: Any) -> None:
+    """Only an empty ``rdzv_conf`` (None, ``{}``) is taken: it becomes None."""
+    if value:
+        raise ValueError(
+            f"rdzv_conf={value!r} is not supported: nbaccel forms the world through "
+            "MASTER_ADDR/MASTER_PORT. Pass master_addr and use_port (or "
+            "rdzv_endpoint='host:port') instead, and leave rdzv_conf unset."
+        )
+
+
+def _no_rdzv_id(value: Any) -> str:
+    if value not in ("none", "", None):
+        raise ValueError(
+            f"rdzv_id={value!r} is not supported: every launch is its own run, told "
+            "apart by its port. Leave rdzv_id at its default ('none')."
+        )
+    return "none"
+
+
+def _key_values(text: str) -> dict[str, str]:
+    """``a=1,b=2`` -> ``{"a": "1", "b": "2"}`` (the command line's ``--rdzv_conf``)."""
+    return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+
+
+_LOCAL, _REMOTE = Fronts.ALL, Fronts.ALL | Fronts.REMOTE
+_WORLD = Fronts.LAUNCHER | Fronts.CLI  # a world formed by this launch alone, maybe multi-node
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What was asked of one launch (or pool), every option validated when it is created.
+
+    Build it with :meth:`create` (keywords, from ``notebook_launcher``) or
+    :meth:`from_parsed` (a text front's parsed flags). ``remote`` (not an option: derived from
+    ``hosts``/``launcher`` and the options that tune them) puts the ranks on other hosts.
+    """
+
+    num_processes: int | None = option(
+        None, "number of ranks (default: one per GPU, else 1 for a launch and 2 for a pool; "
+        "with hosts, their ranks)", _REMOTE, check=_positive_or_none("num_processes"),
+        parse=int, metavar="N", flags={Fronts.MAGIC: ("-n", "--num_processes")},
+    )  # fmt: skip
+    mixed_precision: str = option(
+        "no", "mixed precision of the Accelerator on each rank", _LOCAL,
+        check=_choice("mixed_precision", MIXED_PRECISION_CHOICES, lower=True),
+        choices=MIXED_PRECISION_CHOICES,
+    )  # fmt: skip
+    use_port: int | str | None = option(
+        None, "rendezvous port on node 0 (default: a free one)", _WORLD, check=_port,
+        parse=int, metavar="PORT", flags={Fronts.CLI: ("--main_process_port",)},
+    )  # fmt: skip
+    master_addr: str = option(
+        "127.0.0.1", "address of node 0", _WORLD, check=_text("master_addr", optional=False),
+        metavar="ADDR", flags={Fronts.CLI: ("--main_process_ip",)},
+    )  # fmt: skip
+    node_rank: int = option(
+        0, "rank of this node", _WORLD, check=lambda v: _integer("node_rank", v, 0, "an integer"),
+        parse=int, flags={Fronts.CLI: ("--machine_rank",)},
+    )  # fmt: skip
+    num_nodes: int = option(
+        1, "number of nodes", _WORLD, check=lambda v: _integer("num_nodes", v, 1, "an integer"),
+        parse=int, flags={Fronts.CLI: ("--num_machines",)},
+    )  # fmt: skip
+    rdzv_backend: str = option(
+        "static", "rendezvous backend", _WORLD,
+        check=_choice("rdzv_backend", ("static", "c10d")), choices=("static", "c10d"),
+    )  # fmt: skip
+    rdzv_endpoint: str = option(
+        "", "rendezvous 'host:port' (instead of master_addr and use_port)", Fronts.LAUNCHER,
+        check=_text("rdzv_endpoint", optional=False),
+    )  # fmt: skip
+    rdzv_conf: dict[str, Any] | None = option(
+        None, "not supported (refused unless empty)", _WORLD, check=_no_rdzv_conf,
+        parse=_key_values, metavar="K=V,...",
+    )  # fmt: skip
+    rdzv_id: str = option("none", "not supported (leave 'none')", Fronts.LAUNCHER,
+                          check=_no_rdzv_id)  # fmt: skip
+    max_restarts: int = option(
+        0, "restarts of a failed world", _WORLD, parse=int,
+        check=lambda v: _integer("max_restarts", v, 0, "a non-negative integer (0: no restart)"),
+    )  # fmt: skip
+    monitor_interval: float = option(
+        0.1, "seconds between checks of the ranks", _WORLD,
+        check=positive_number("monitor_interval"), parse=float, metavar="S",
+    )  # fmt: skip
+    log_line_prefix_template: str | None = option(
+        None, "prefix of each output line; ${rank}, ${local_rank} and ${role_name} are "
+        "replaced (default: [rank N])", Fronts.LAUNCHER,
+        check=check_line_prefix,
+    )  # fmt: skip
+    start_method: str = option(
+        "auto", "how ranks start: auto (fork server with torch preloaded), spawn or fork",
+        _LOCAL, check=_choice("start_method", START_METHODS), choices=START_METHODS,
+    )  # fmt: skip
+    timeout: float | None = option(
+        None, "stop after this many seconds (a pool: interrupt the cell)", _LOCAL,
+        check=positive_number("timeout", "no limit"), parse=float, metavar="S",
+    )  # fmt: skip
+    cpu: bool = option(False, "CPU ranks (gloo), even with GPUs", _LOCAL, check=_flag("cpu"))
+    backend: str | None = option(
+        None, "process-group backend of the pool (gloo, nccl...; default: the device's)",
+        Fronts.MAGIC, check=_text("backend"), metavar="B",
+    )  # fmt: skip
+    memory: bool = option(True, "the per-rank memory monitor", Fronts.LAUNCHER,
+                          check=_flag("memory"))  # fmt: skip
+    hosts: str | Sequence[str] | None = option(
+        None, "run the ranks on these hosts through ssh, one agent per host: node1:4,node2:4",
+        _REMOTE, metavar="H:N,...",
+    )  # fmt: skip
+    launcher: str | None = option(
+        None, "how the hosts' agents start: ssh (with hosts) or slurm (this allocation's nodes)",
+        _REMOTE, choices=REMOTE_KINDS,
+    )  # fmt: skip
+    python: str | None = option(None, "the interpreter on the hosts (default: this one)",
+                                _REMOTE, metavar="PATH")  # fmt: skip
+    cwd: str | None = option(None, "the ranks' working directory on the hosts", _REMOTE,
+                             metavar="DIR")  # fmt: skip
+    env: Mapping[str, str] | Sequence[str] | str | None = option(
+        None, "variables of this environment forwarded to the hosts (names, comma-separated)",
+        _REMOTE, metavar="NAMES", flags={Fronts.CLI: ("--forward_env",)},
+    )  # fmt: skip
+    ssh_args: Sequence[str] | None = option(
+        None, "extra ssh arguments ('-p 2222 -i key')", _REMOTE, parse=shlex.split,
+        metavar="ARGS",
+    )  # fmt: skip
+    srun_args: Sequence[str] | None = option(
+        None, "extra srun arguments", _REMOTE, parse=shlex.split, metavar="ARGS"
+    )
+    channel_address: str | None = option(
+        None, "this machine's address that the hosts connect back to (default: the one on the "
+        "route to the first host)", _REMOTE, metavar="ADDR",
+    )  # fmt: skip
+    remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            spec = item.metadata.get("option")
+            if spec is not None and spec.check is not None:
+                object.__setattr__(self, item.name, spec.check(getattr(self, item.name)))
+        self._check_world()
+        object.__setattr__(self, "remote", self._remote())
+
+    def _check_world(self) -> None:
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(
+                f"node_rank must be in [0, num_nodes={self.num_nodes}), got {self.node_rank}."
+            )
+        if self.num_nodes > 1 and self.use_port is None and not self.rdzv_endpoint:
+            raise ValueError("a multi-node launch needs use_port (the same on every node).")
+
+    def _remote(self) -> RemoteOptions | None:
+        """The hosts' options, checked here (before anything starts), or None."""
+        tuning = [
+            name
+            for name in ("python", "cwd", "env", "ssh_args", "srun_args", "channel_address")
+            if getattr(self, name) is not None
+        ]
+        if self.hosts is None and self.launcher is None:
+            if tuning:
+                raise ValueError(
+                    f"{', '.join(tuning)} tune a launch over hosts: add hosts (ssh) or "
+                    "launcher='slurm', or leave them out."
+                )
+            return None
+        if self.num_nodes != 1 or self.use_port is not None:
+            raise ValueError(
+                "a launch over hosts forms its world itself (MASTER_ADDR is the first host, "
+                "MASTER_PORT a free port there): leave num_nodes and use_port out."
+            )
+        return remote_options(
+            self.launcher or "ssh",
+            self.num_processes,
+            self.hosts,
+            **{name: getattr(self, name) for name in tuning},
+        )
+
+    # ------------------------------------------------------------------ the fronts
+    @classmethod
+    def options(cls, front: Fronts = Fronts.ALL | Fronts.REMOTE) -> dict[str, Option]:
+        """The options that apply to ``front`` (any of several), by field name, in order."""
+        return {
+            item.name: item.metadata["option"]
+            for item in dataclasses.fields(cls)
+            if "option" in item.metadata and item.metadata["option"].fronts & front
+        }
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every option's default value, by name."""
+        return {
+            item.name: item.default_factory()
+            if item.default_factory is not dataclasses.MISSING
+            else item.default
+            for item in dataclasses.fields(cls)
+            if "option" in item.metadata
+        }
+
+    @classmethod
+    def create(cls, front: Fronts = Fronts.LAUNCHER, **given: Any) -> LaunchRequest:
+        """A request from keywords; a name that ``front`` does not take is a TypeError naming
+        the ones it does."""
+        known = cls.options(front)
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise TypeError(
+                f"unknown launch option(s) {', '.join(unknown)}; the options are: "
+                f"{', '.join(known)}."
+            )
+        return cls(**given)
+
+    @classmethod
+    def from_parsed(cls, parsed: Any, front: Fronts, **overrides: Any) -> LaunchRequest:
+        """A request from a text front's parsed flags (``argparse.Namespace``): the options
+        given there (not None), then ``overrides``."""
+        given = {
+            name: getattr(parsed, spec.dest(name, front))
+            for name, spec in cls.options(front).items()
+            if getattr(parsed, spec.dest(name, front), None) is not None
+        }
+        return cls.create(front, **{**given, **overrides})
+
+    @classmethod
+    def arguments(cls, front: Fronts) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+        """``front``'s options as ``add_argument`` calls: name -> (flags, keywords)."""
+        defaults = cls.defaults()
+        return {
+            name: (spec.spellings(name, front), spec.argparse(name, defaults[name], front))
+            for name, spec in cls.options(front).items()
+        }
