@@ -54,3 +54,32 @@ def test_magic_help_alone_and_headless_numbers_match_tracebacks(tmp_path, capsys
     shown = re.findall(r"^In \[(\d+)\]: 1 / 0", out, re.M)
     named = re.findall(r"Cell In\[(\d+)\]", out)
     assert shown and named and shown[0] == named[0], (shown, named)
+
+
+def test_one_extra_and_one_missing_key_give_one_report_listing_both(tmp_path, caplog):
+    import logging
+
+    import torch
+    from safetensors.torch import save_file
+
+    from nbaccel import init_empty_weights, load_checkpoint_and_dispatch
+    from nbaccel.utils import CheckpointMismatchError
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2)
+            self.b = torch.nn.Linear(2, 2, bias=False)
+
+    state = {k: v for k, v in Two().state_dict().items() if k != "b.weight"}
+    state["extra.weight"] = torch.ones(2)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with init_empty_weights():
+        model = Two()
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointMismatchError) as caught:
+        load_checkpoint_and_dispatch(model, str(tmp_path), device_map={"": "cpu"})
+    assert "missing keys (in the model, not in the checkpoint): b.weight; " in str(caught.value)
+    assert "unexpected keys (in the checkpoint, not in the model): extra.weight" in str(
+        caught.value
+    )
+    assert "extra.weight" not in caplog.text  # no separate, partial report before the error
