@@ -42,13 +42,18 @@ def test_magic_help_alone_and_headless_numbers_match_tracebacks(tmp_path, capsys
         nbformat.v4.new_markdown_cell("# a title"),
         nbformat.v4.new_code_cell("%load_ext nbaccel"),
         nbformat.v4.new_code_cell("%%distributed --help"),
-        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("%%distributed -n 2\nx = 1"),
         nbformat.v4.new_code_cell("1 / 0", metadata={"tags": ["raises-exception"]}),
+        nbformat.v4.new_code_cell("%dist_shutdown"),
     ]
     path = tmp_path / "first.ipynb"
     nbformat.write(nb, str(path))
-    assert run_headless([str(path), "--timeout", "120"]) == 0
+    executed = tmp_path / "executed.ipynb"
+    assert run_headless([str(path), "--timeout", "120", "--output", str(executed)]) == 0
     out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    pool_cell = nbformat.read(str(executed), as_version=4).cells[3]
+    ready = [o for o in pool_cell.outputs if "pool ready in" in o.get("text", "")]
+    assert [o.name for o in ready] == ["stdout"]  # news, not shown as an error
     assert "usage: %%distributed" in out and "UsageError" not in out
     assert "cell body is empty" not in out
     shown = re.findall(r"^In \[(\d+)\]: 1 / 0", out, re.M)
@@ -83,3 +88,26 @@ def test_one_extra_and_one_missing_key_give_one_report_listing_both(tmp_path, ca
         caught.value
     )
     assert "extra.weight" not in caplog.text  # no separate, partial report before the error
+
+
+def _quick():
+    return 1
+
+
+def test_a_quick_launch_reports_every_ranks_memory():
+    from nbaccel import notebook_launcher
+    from nbaccel.launch.render import TextRenderer
+    from nbaccel.notebook.events import MEMORY
+
+    class Samples(TextRenderer):
+        def __init__(self):
+            super().__init__(quiet=True)
+            self.ranks: set[int] = set()
+
+        def event(self, rank, kind, payload):
+            if kind == MEMORY:
+                self.ranks.add(rank)
+
+    renderer = Samples()
+    assert notebook_launcher(_quick, num_processes=2, cpu=True, renderer=renderer) == [1, 1]
+    assert renderer.ranks == {0, 1}  # the memory-peak summary lists every rank

@@ -195,8 +195,8 @@ class DistributedMagics(Magics):
                 remote=request.remote,
                 cpu=request.cpu,
             )
-        if pool is not running and not renderer.quiet:
-            renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
+        if pool is not running and not renderer.quiet:  # news, not a warning: stdout
+            print(f"[nbaccel] pool ready in {time.perf_counter() - started:.1f} s.", flush=True)
         return pool
 
     def _hint_push(self, exc: NameError) -> None:
