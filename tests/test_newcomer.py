@@ -111,3 +111,19 @@ def test_a_quick_launch_reports_every_ranks_memory():
     renderer = Samples()
     assert notebook_launcher(_quick, num_processes=2, cpu=True, renderer=renderer) == [1, 1]
     assert renderer.ranks == {0, 1}  # the memory-peak summary lists every rank
+
+
+def test_paths_the_docs_name_exist():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    missing = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # not code blocks
+        for span in re.findall(r"`([^`]+)`", prose, re.S):
+            path = re.sub(r"\s*\n\s*", "", span).split("::")[0].split(":")[0]
+            roots = ("nbaccel/", "notebooks/", "scripts/", "docs/", "tests/", "benchmarks/")
+            named = path.startswith(roots) and re.fullmatch(r"[\w./-]+", path) is not None
+            if named and not (root / path.rstrip("/")).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing
