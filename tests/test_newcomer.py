@@ -127,3 +127,15 @@ def test_paths_the_docs_name_exist():
             if named and not (root / path.rstrip("/")).exists():
                 missing.append(f"{doc.name}: {path}")
     assert not missing, missing
+
+
+def test_a_first_launch_says_why_it_waits(capsys):
+    from nbaccel import notebook_launcher
+    from nbaccel.launch.launchers.forkserver import shutdown_forkserver
+
+    shutdown_forkserver()  # as in a fresh kernel: the next launch starts the server
+    assert notebook_launcher(_quick, num_processes=2, cpu=True) == [1, 1]
+    first = capsys.readouterr().out
+    assert "starting the fork server (it imports torch once per kernel" in first
+    assert notebook_launcher(_quick, num_processes=2, cpu=True) == [1, 1]
+    assert "fork server" not in capsys.readouterr().out  # a warm launch only forks

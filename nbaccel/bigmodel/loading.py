@@ -219,9 +219,12 @@ class _CheckpointLoad:
                 "meta device): use a checkpoint that holds them, or build those modules with "
                 "real weights."
             )
-        logger.warning(
-            "Checkpoint %s does not match %s: %s.", self.checkpoint, model_name, self.problem
-        )
+        if self.unexpected:  # Accelerate's phrase, which scripts and tests match
+            head = f"Some weights of the model checkpoint at {self.checkpoint} were not used when"
+            head += f" initializing {model_name}"
+        else:
+            head = f"Checkpoint {self.checkpoint} does not fill {model_name}"
+        logger.warning("%s: %s.", head, self.problem)
 
     def load_file(self, path: str, keys: list[str], handle: Any) -> dict[str, torch.Tensor]:
         """Load every expected tensor of one file; return the ``.bin`` tensors mapped to disk
