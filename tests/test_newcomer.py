@@ -44,6 +44,14 @@ def test_magic_help_alone_and_headless_numbers_match_tracebacks(tmp_path, capsys
         nbformat.v4.new_code_cell("%%distributed --help"),
         nbformat.v4.new_code_cell("%%distributed -n 2\nx = 1"),
         nbformat.v4.new_code_cell("1 / 0", metadata={"tags": ["raises-exception"]}),
+        # end_training() in a pool cell keeps the pool's group for the next cells
+        nbformat.v4.new_code_cell(
+            "%%distributed\nfrom nbaccel import Accelerator\nAccelerator().end_training()"
+        ),
+        nbformat.v4.new_code_cell(
+            "%%distributed\nimport torch.distributed as dist\n"
+            "print('group after end_training:', dist.is_initialized())"
+        ),
         nbformat.v4.new_code_cell("%dist_shutdown"),
     ]
     path = tmp_path / "first.ipynb"
@@ -54,6 +62,7 @@ def test_magic_help_alone_and_headless_numbers_match_tracebacks(tmp_path, capsys
     pool_cell = nbformat.read(str(executed), as_version=4).cells[3]
     ready = [o for o in pool_cell.outputs if "pool ready in" in o.get("text", "")]
     assert [o.name for o in ready] == ["stdout"]  # news, not shown as an error
+    assert out.count("group after end_training: True") == 2
     assert "usage: %%distributed" in out and "UsageError" not in out
     assert "cell body is empty" not in out
     shown = re.findall(r"^In \[(\d+)\]: 1 / 0", out, re.M)
