@@ -29,16 +29,11 @@ from typing import Any
 
 import torch
 
+from nbaccel.distributed.random import get_rng_states, set_rng_states
 from nbaccel.distributed.state import PartialState
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover, staging_path
 from nbaccel.storage.weights import read_weights, write_weights
-from nbaccel.training.checkpoint_layout import (
-    accelerate_manifest,
-    checkpoint_rng_states,
-    indexed_name,
-    load_pickle,
-    restore_checkpoint_rng_states,
-)
+from nbaccel.training.checkpoint_layout import accelerate_manifest, indexed_name, load_pickle
 from nbaccel.training.strategies.base import Strategy
 
 __all__ = ["CheckpointError", "Checkpointables", "load_checkpoint", "save_checkpoint"]
@@ -128,8 +123,7 @@ def save_checkpoint(
             files.append(_save(objects.scaler.state_dict(), staging / "scaler.pt"))
         for i, obj in enumerate(objects.custom):
             files.append(_save(obj.state_dict(), staging / f"custom_checkpoint_{i}.pkl"))
-    rng = checkpoint_rng_states(step, state.communicator.device_rng_states())
-    _save(rng, staging / f"random_states_{state.process_index}.pkl")
+    _save(get_rng_states(step), staging / f"random_states_{state.process_index}.pkl")
     state.wait_for_everyone()
     if writer:
         manifest = {
@@ -258,7 +252,7 @@ def load_checkpoint(
         obj.load_state_dict(_load(input_dir / f"custom_checkpoint_{i}.pkl", trusted=True))
     rng_path = input_dir / f"random_states_{state.process_index}.pkl"
     if rng_path.exists():
-        restore_checkpoint_rng_states(_load(rng_path))
+        set_rng_states(_load(rng_path))
     else:
         warnings.warn(
             f"{rng_path.name} is not in the checkpoint (saved with {manifest['num_processes']} "

@@ -5,7 +5,8 @@ A checkpoint folder uses Accelerate's names, so either library resumes what the 
 ``optimizer.bin``, ``scheduler.bin``, ``dl_state_dict.bin`` (stateful loaders), ``scaler.pt``,
 ``custom_checkpoint_<i>.pkl`` and one ``random_states_<rank>.pkl`` per process holding
 ``step``, ``random_state``, ``numpy_random_seed``, ``torch_manual_seed`` (and
-``torch_cuda_manual_seed`` / ``xm_seed``) as Accelerate reads them.
+``torch_cuda_manual_seed`` / ``xm_seed``) as Accelerate reads them
+(:func:`nbaccel.distributed.random.get_rng_states`).
 
 nbaccel adds, and Accelerate ignores: ``dataloader_<i>.bin`` (the position of a plain prepared
 loader: epoch, batches read, shuffling state) and the manifest ``nbaccel_checkpoint.json``
@@ -16,21 +17,15 @@ objects need must be there (a missing one is named).
 from __future__ import annotations
 
 import codecs
-import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nbaccel.distributed import xla_runtime
-from nbaccel.distributed.random import set_rng_states
-
 __all__ = [
     "accelerate_manifest",
-    "checkpoint_rng_states",
     "indexed_name",
     "load_pickle",
-    "restore_checkpoint_rng_states",
 ]
 
 
@@ -59,46 +54,6 @@ def load_pickle(path: Path, trusted: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     with torch.serialization.safe_globals(_numpy_globals()):
         return torch.load(path, map_location="cpu", weights_only=True)
-
-
-# -- random states ------------------------------------------------------------------------------
-def checkpoint_rng_states(step: int, device_states: dict[str, Any]) -> dict[str, Any]:
-    """This process's generators in Accelerate's record (``device_states``: the runtime's own,
-    e.g. ``{"xla": ...}``, stored as ``xm_seed``)."""
-    states: dict[str, Any] = {
-        "step": int(step),
-        "random_state": random.getstate(),
-        "torch_manual_seed": torch.get_rng_state(),
-    }
-    try:
-        import numpy as np
-
-        states["numpy_random_seed"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    if "xla" in device_states:
-        states["xm_seed"] = device_states["xla"]
-    return states
-
-
-def restore_checkpoint_rng_states(states: dict[str, Any]) -> None:
-    """Restore a record of :func:`checkpoint_rng_states` (or nbaccel's earlier
-    ``{python, numpy, torch}`` one)."""
-    if "python" in states:  # nbaccel checkpoints before the shared layout
-        set_rng_states(states)
-        return
-    random.setstate(states["random_state"])
-    torch.set_rng_state(states["torch_manual_seed"])
-    if "numpy_random_seed" in states:
-        import numpy as np
-
-        np.random.set_state(states["numpy_random_seed"])
-    if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
-    if "xm_seed" in states:
-        xla_runtime.set_rng_state(states["xm_seed"])
 
 
 # -- a folder Accelerate wrote ------------------------------------------------------------------
