@@ -46,9 +46,13 @@ def test_tensorboard_keeps_the_hyperparameters_in_a_yaml_file(tmp_path):
 def test_set_module_tensor_to_device_shape_mismatch_says_what_accelerate_says():
     from nbaccel.utils import set_module_tensor_to_device
 
-    model = torch.nn.Linear(3, 2)
-    with pytest.raises(ValueError, match=r'Trying to set a tensor of shape .* in "weight"'):
-        set_module_tensor_to_device(model, "weight", "cpu", value=torch.ones(5, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(ValueError) as caught:
+        set_module_tensor_to_device(model, "0.weight", "cpu", value=torch.ones(5, 5))
+    assert str(caught.value) == (
+        'Trying to set a tensor of shape torch.Size([5, 5]) in "weight" (which has shape '
+        "torch.Size([2, 3])), this looks incorrect."
+    )
     with torch.device("meta"):
         empty = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=r"\(which has shape torch.Size\(\[2, 3\]\)\)"):
@@ -64,3 +68,14 @@ def test_recursively_apply_names_the_unsupported_type_as_accelerate_does():
         "Unsupported types (<class 'int'>) passed to `neg`. Only nested list/tuple/dicts of "
         "objects that are valid for `is_torch_tensor` should be passed."
     )
+
+
+def test_unwrap_model_removes_a_users_data_parallel_under_torch_compile():
+    from nbaccel import Accelerator
+
+    model = torch.nn.Linear(2, 4)
+    compiled = torch.compile(torch.nn.DataParallel(model))  # compiles lazily: nothing runs
+    accelerator = Accelerator()
+    assert accelerator.unwrap_model(compiled, keep_torch_compile=False) is model
+    kept = accelerator.unwrap_model(torch.compile(torch.nn.DataParallel(model)))
+    assert kept._orig_mod is model

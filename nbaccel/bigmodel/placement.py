@@ -82,11 +82,10 @@ def set_module_tensor_to_device(
             )
         value = old
     elif old is not None and old.shape != value.shape:
-        # Accelerate's wording (code written for it matches it), then what to check
+        # Accelerate's sentence exactly (the leaf's name): code written for it compares it
         raise ValueError(
-            f'Trying to set a tensor of shape {value.shape} in "{tensor_name}" (which has shape '
-            f"{old.shape}), this looks incorrect. Check that the checkpoint matches the model's "
-            "configuration."
+            f'Trying to set a tensor of shape {value.shape} in "{leaf}" (which has shape '
+            f"{old.shape}), this looks incorrect."
         )
     if dtype is not None and value.is_floating_point():
         value = value.to(dtype)
