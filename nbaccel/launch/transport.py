@@ -15,6 +15,10 @@ A segment outlives nobody: its owner (the kernel) holds a shared ``flock`` on it
 until it unlinks it, and every launch and every new fork server sweeps the segments whose lock
 is free, i.e. whose owner died (SIGKILL, OOM) before it could unlink them. Segments are named
 ``nbaccel-<owner pid>-<random>``.
+
+Objects multiprocessing shares only by inheritance (a ``multiprocessing.Queue``, ``Lock``,
+``Event``, ``Value``...) cannot travel in a pickle: forked ranks (``start_method="fork"``) inherit
+them as they are, and any other launch refuses them before it starts, naming the fix.
 """
 
 from __future__ import annotations
@@ -53,6 +57,31 @@ class UnpicklableError(TypeError):
     """An argument cannot be sent to the ranks; the message names it and its path."""
 
 
+# objects forked ranks inherit from the driver instead of unpickling them: id -> object
+_INHERITED: dict[int, Any] = {}
+
+
+def _inheritance_only() -> tuple[type, ...]:
+    """multiprocessing's types that reach another process only by inheritance."""
+    from multiprocessing import queues, sharedctypes, synchronize
+
+    return (
+        queues.Queue,
+        queues.SimpleQueue,
+        synchronize.SemLock,
+        synchronize.Condition,
+        synchronize.Event,
+        synchronize.Barrier,
+        sharedctypes.SynchronizedBase,
+    )
+
+
+class _InheritanceOnly(Exception):
+    def __init__(self, obj: Any) -> None:
+        super().__init__(type(obj).__name__)
+        self.obj = obj
+
+
 @dataclass
 class _StorageRecord:
     """One storage's bytes: at ``offset`` in the shared file, or inline when small."""
@@ -84,6 +113,13 @@ class Packed:
     segment: str | None = None
     records: list[_TensorRecord] = field(default_factory=list)
     storages: list[_StorageRecord] = field(default_factory=list)
+    inherited: list[int] = field(default_factory=list)  # keys of _INHERITED it refers to
+
+    def forget_inherited(self) -> None:
+        """Drop the driver's references to the objects the forked ranks inherited."""
+        for key in self.inherited:
+            _INHERITED.pop(key, None)
+        self.inherited = []
 
 
 def _shm_dir() -> str:
@@ -203,12 +239,21 @@ class SharedTensors:
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, buffer: io.BytesIO) -> None:
+    def __init__(self, buffer: io.BytesIO, inherit: bool = False) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.shared: list[torch.Tensor] = []
         self._ids: dict[int, int] = {}
+        self._inherit = inherit
+        self._inheritance_only = _inheritance_only()
+        self.inherited: list[int] = []
 
     def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, self._inheritance_only):
+            if not self._inherit:
+                raise _InheritanceOnly(obj)
+            _INHERITED[id(obj)] = obj
+            self.inherited.append(id(obj))
+            return ("nbaccel-inherited", id(obj))
         if (
             type(obj) in (torch.Tensor, torch.nn.Parameter)
             and obj.device.type == "cpu"
@@ -262,18 +307,51 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Ex
         return path, obj, exc
 
 
+def _find_inheritance_only(obj: Any, path: str, depth: int = 0) -> str | None:
+    if isinstance(obj, _inheritance_only()):
+        return path
+    for child_path, child in _walk(obj, path, depth):
+        found = _find_inheritance_only(child, child_path, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_inheritance_only(exc: _InheritanceOnly, obj: Any, name: str, names: Any) -> None:
+    where = None
+    if names is not None:
+        for item, item_name in zip(obj, names):
+            where = where or _find_inheritance_only(item, item_name)
+    where = where or _find_inheritance_only(obj, name) or name
+    kind = type(exc.obj).__name__
+    raise UnpicklableError(
+        f"{where} (a multiprocessing {kind}) reaches other processes only by inheritance, and "
+        "these ranks are started from a fork server, not forked from this process. Launch with "
+        f"start_method='fork' (the ranks inherit the {kind} as they would under Accelerate's "
+        f"fork), or pass a manager proxy, which travels: multiprocessing.Manager().{kind}()."
+    ) from None
+
+
 def pack(
-    obj: Any, name: str = "args", element_names: tuple[str, ...] | None = None
+    obj: Any,
+    name: str = "args",
+    element_names: tuple[str, ...] | None = None,
+    inherit: bool = False,
 ) -> tuple[Packed, SharedTensors | None]:
     """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
 
     ``element_names`` names the items of a top-level tuple in error messages (for example
     ``("function", "args", "kwargs")``), so the path printed is the one the user typed.
+    ``inherit``: the ranks are forked from this process after packing, so multiprocessing's
+    inheritance-only objects stay here and the ranks inherit them (``Packed.forget_inherited``
+    when the launch is over).
     """
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer)
+    pickler = _Pickler(buffer, inherit=inherit)
     try:
         pickler.dump(obj)
+    except _InheritanceOnly as exc:
+        _refuse_inheritance_only(exc, obj, name, element_names)
     except Exception as exc:
         found = None
         if element_names is not None:
@@ -288,6 +366,7 @@ def pack(
         ) from exc
     shared = SharedTensors(pickler.shared) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)
+    packed.inherited = pickler.inherited
     if shared:
         packed.records, packed.storages = shared.records, shared.storages
     return packed, shared
@@ -300,6 +379,13 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         tag, index = pid
+        if tag == "nbaccel-inherited":
+            if index not in _INHERITED:
+                raise pickle.UnpicklingError(
+                    "an inherited multiprocessing object is missing: this process was not "
+                    "forked from the one that packed it."
+                )
+            return _INHERITED[index]
         if tag != "nbaccel-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         return self._tensors[index]

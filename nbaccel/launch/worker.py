@@ -27,7 +27,7 @@ from nbaccel.launch.protocol import EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
 from nbaccel.launch.transport import unpack
 
-__all__ = ["current_rank", "emit", "flush_output", "on_worker", "run_worker"]
+__all__ = ["after_each_call", "current_rank", "emit", "flush_output", "on_worker", "run_worker"]
 
 _events: Connection | None = None
 _send_lock = threading.Lock()
@@ -109,13 +109,34 @@ def _watch_driver(commands: queue.Queue) -> None:
         commands.put(message)
 
 
+_after_call: list[Callable[[], None]] = []
+
+
+def after_each_call(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` on this rank when each call ends, before its result or error is sent
+    (worker hooks use it for a last event, e.g. a final memory sample, that quick calls would
+    otherwise never send)."""
+    if hook not in _after_call:
+        _after_call.append(hook)
+
+
+def _call_ended() -> None:
+    for hook in _after_call:
+        try:
+            hook()
+        except Exception:  # a hook's failure must not replace the call's own outcome
+            pass
+
+
 def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bool:
     try:
         value = function(*args, **kwargs)
     except BaseException as exc:
+        _call_ended()
         _flush_all()
         _send((Message.ERROR, call_id, describe_exception(exc)))
         return False
+    _call_ended()
     _flush_all()
     try:
         data = cloudpickle.dumps(value)

@@ -372,9 +372,18 @@ class ForkServer:
             self._listeners.remove(callback)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        told = False
         with self._cond:
             while not self._ready:
+                if not told and time.monotonic() - started > _TELL_WAIT_AFTER:
+                    told = True  # the first launch of a kernel: say why it takes a moment
+                    print(
+                        "[nbaccel] starting the fork server (it imports torch once per kernel; "
+                        "later launches take a fork)...",
+                        flush=True,
+                    )
                 if not self.alive() or time.monotonic() > deadline:
                     raise RuntimeError(
                         "nbaccel's fork server did not start (is torch importable in this "
@@ -479,6 +488,9 @@ def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
         else:
             _server.preload(preload)
         return _server
+
+
+_TELL_WAIT_AFTER = 0.25  # seconds a launch waits for the server before it says so
 
 
 def warm_up(preload: Iterable[str] = ()) -> None:
