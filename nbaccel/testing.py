@@ -50,17 +50,19 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
+    cpu: bool = True,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``num_processes`` real ranks; return results indexed by rank.
 
     ``fn`` and ``args`` travel with cloudpickle (functions defined in a test module or locally
     travel by value, as in a notebook). ``env`` adds variables to every rank's environment.
+    ``cpu=False`` puts each rank on its GPU (``cuda:LOCAL_RANK``, nccl), for the GPU lane.
     Raises :class:`RankFailures` naming every failing rank.
     """
     args = check_call(args)
     plan = LaunchPlan.create(
         Front.TESTING,
-        LaunchRequest(num_processes=num_processes, cpu=True, timeout=timeout),
+        LaunchRequest(num_processes=num_processes, cpu=cpu, timeout=timeout),
         extra_env={"OMP_NUM_THREADS": "1", **(env or {})},
     )
     report = run_function(

@@ -26,3 +26,18 @@ def _fresh_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    reason = (
+        f"no CUDA device: torch {torch.__version__} reports torch.cuda.is_available() == False "
+        "(run the GPU lane, scripts/test-gpu, on a machine with an NVIDIA GPU)"
+    )
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -136,3 +136,12 @@ def test_results_are_freed_once_the_caller_drops_them():
     time.sleep(0.3)  # the fork server's reader thread has seen the workers end
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_gpu_ranks_above_the_gpu_count_are_refused_with_the_count():
+    from nbaccel.launch.plan import check_gpu_count
+
+    check_gpu_count(2, 2)
+    check_gpu_count(8, 0)  # no GPU: CPU ranks, nothing to check
+    with pytest.raises(ValueError, match=r"num_processes=3 but this machine has 2 GPU\(s\)"):
+        check_gpu_count(3, 2)

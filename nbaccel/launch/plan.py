@@ -28,11 +28,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_DEFAULT_NUM_PROCESSES",
     "START_METHODS",
-    "XLA_DEFAULT_NUM_PROCESSES",
     "Front",
     "LaunchPlan",
     "check_call",
     "check_cwd",
+    "check_gpu_count",
     "check_port",
     "default_num_processes",
     "free_port",
@@ -52,17 +52,29 @@ class Front(str, Enum):
 # with GPUs (and not ``cpu``), one rank per GPU; on CPU, the number below (the launcher runs the
 # function once, as Accelerate's does; the pool and the test harness want a real world of 2).
 CPU_DEFAULT_NUM_PROCESSES = {Front.NOTEBOOK: 1, Front.POOL: 2, Front.TESTING: 2}
-# On XLA devices, Accelerate's TPU default; torch-xla itself always uses every device it sees
-# (a different count is run anyway, with a warning naming both).
-XLA_DEFAULT_NUM_PROCESSES = 8
+# On XLA devices: every local device (one per TPU chip, CPU_NUM_DEVICES on the CPU), read without
+# starting the XLA runtime; torch-xla itself always uses every device it sees (a different count
+# is run anyway, with a warning naming both).
 
 
 def default_num_processes(front: Front, cpu: bool = False, xla: bool = False) -> int:
     """How many ranks ``front`` starts when ``num_processes`` is not given."""
     if xla:
-        return XLA_DEFAULT_NUM_PROCESSES
+        from nbaccel.launch.launchers.xla import local_device_count
+
+        return local_device_count()
     gpus = 0 if cpu else torch.cuda.device_count()
     return gpus or CPU_DEFAULT_NUM_PROCESSES[Front(front)]
+
+
+def check_gpu_count(num_processes: int, gpus: int) -> None:
+    """ValueError naming the count when GPU ranks (one per GPU) outnumber this machine's GPUs
+    (``CUDA_VISIBLE_DEVICES`` decides what is visible); nothing to check without a GPU."""
+    if gpus and num_processes > gpus:
+        raise ValueError(
+            f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
+            f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -198,11 +210,8 @@ class LaunchPlan:
         defaulted = num_processes is None
         if num_processes is None:
             num_processes = default_num_processes(front, cpu, xla)
-        if not xla and not cpu and gpus and num_processes > gpus:
-            raise ValueError(
-                f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
-                f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
-            )
+        if not xla and not cpu:
+            check_gpu_count(num_processes, gpus)
         kind = resolve_kind(request.start_method, xla)
         check_capacity(num_processes, forked=kind != LaunchKind.SPAWN)
         check_cwd()

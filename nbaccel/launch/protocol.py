@@ -90,3 +90,4 @@ class ServerMessage(Word):
     STARTED = "started"  # server -> driver: (STARTED, request_id, pid)
     FAILED = "failed"  # server -> driver: (FAILED, request_id, why) the fork was refused
     EXITED = "exited"  # server -> driver: (EXITED, pid, returncode)
+    REFUSED = "refused"  # server -> driver: (REFUSED, request_id, reason) no fork (CUDA is up)

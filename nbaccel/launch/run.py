@@ -16,8 +16,14 @@ from typing import Any
 
 from nbaccel.launch.driver import ONE_SHOT, CallReport, CallState, Settle, run_once
 from nbaccel.launch.group import WorkerGroup
+from nbaccel.launch.host_ram import estimate_host_ram, warn_if_short
 from nbaccel.launch.launchers import make_launcher
-from nbaccel.launch.launchers.xla import XlaLauncher, local_process_count, run_xla_process
+from nbaccel.launch.launchers.xla import (
+    XlaLauncher,
+    local_layout,
+    run_xla_process,
+    use_compile_cache,
+)
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
 from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.render import Renderer, TextRenderer
@@ -115,26 +121,42 @@ def launch_xla(
 ) -> list[Any]:
     """Run ``function(*args)`` on every XLA device; the results by global rank (ordinal).
 
-    ``num_processes=1`` runs on one device (torch-xla's ``nprocs=1``); any other value uses
+    ``num_processes`` defaults to the local devices (one per TPU chip; ``CPU_NUM_DEVICES`` on
+    the CPU). With one device and no ``num_processes`` the function runs here, in this process
+    (a TPU v5e-1: there is nothing to fork), and the announcement says so. ``num_processes=1``
+    runs on one device in a forked process (torch-xla's ``nprocs=1``); any other value uses
     every device torch-xla sees (it cannot use a subset: limit devices with
     ``TPU_NUM_DEVICES`` / ``CPU_NUM_DEVICES`` instead), with a warning when the numbers differ.
     With ``start_method="fork"`` (the Colab/Kaggle default) the processes inherit the function
-    and its arguments (a model passed in ``args`` is shared, not copied).
+    and its arguments (a model passed in ``args`` is shared, not copied). Before anything
+    starts: an XLA runtime already initialised here is refused (a forked process could not use
+    it), and a :class:`~nbaccel.launch.host_ram.HostRamWarning` is given when the ranks would
+    need more host RAM than is available.
     """
     __tracebackhide__ = True
     request = LaunchRequest(
         num_processes=num_processes, start_method=start_method, mixed_precision=mixed_precision
     )
     plan = LaunchPlan.create(front, request, xla=True)
+    renderer = renderer or TextRenderer()
+    processes, per_process = local_layout()  # ImportError naming torch-xla when it is absent
+    from torch_xla import runtime as xr
+
+    single = plan.num_processes == 1
+    devices = 1 if single else processes * per_process
+    warn_if_short(
+        estimate_host_ram(args, devices, device_copies_in_host_ram=xr.device_type() == "CPU"),
+        "TPU_NUM_DEVICES / CPU_NUM_DEVICES",
+    )
+    if plan.defaulted and devices == 1:
+        return [_run_in_this_process(function, args, renderer)]
     if plan.kind == LaunchKind.XLA:
         XlaLauncher().prepare()  # refuse an initialised runtime before asking torch-xla anything
-    single = plan.num_processes == 1
-    processes = 1 if single else local_process_count()
     report = run_function(
-        dataclasses.replace(plan, num_processes=processes),
+        dataclasses.replace(plan, num_processes=1 if single else processes),
         run_xla_process,
         (function, tuple(args), 0 if single else processes),
-        renderer=renderer or TextRenderer(),
+        renderer=renderer,
         setup=setup,
         preload=preload,
         timeout=timeout,
@@ -149,3 +171,20 @@ def launch_xla(
             stacklevel=2,
         )
     return [results[rank] for rank in sorted(results)]
+
+
+def _run_in_this_process(function: Callable[..., Any], args: tuple, renderer: Renderer) -> Any:
+    """One XLA device: run the function here (the XLA runtime then lives in this process)."""
+    renderer.start(
+        "Running in this process on its one XLA device (one chip: nothing to fork); the XLA "
+        "runtime now stays initialised here.",
+        1,
+    )
+    ok = False
+    try:
+        use_compile_cache(0)
+        (result,) = run_xla_process(function, tuple(args), 0).values()
+        ok = True
+        return result
+    finally:
+        renderer.finish(ok)

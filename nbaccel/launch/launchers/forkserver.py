@@ -11,10 +11,14 @@ Protocol on the server's stdin/stdout pipes (private to the kernel): length-pref
 tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
   driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
   server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
-                    | (EXITED, pid, returncode, at)
+                    | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
 the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
 workers and exits at once; SIGTERM does the same.
+A module whose import initialises CUDA (a library doing ``torch.cuda.init()`` at import, or one
+that torch's backend autoload pulls in) would leave every forked rank unable to use the GPU
+("Cannot re-initialize CUDA in forked subprocess"): the server notices it after each import and
+refuses to fork (REFUSED), naming the module and the fix (:class:`CudaInitializedInServer`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from nbaccel.launch.transport import sweep_segments
 
 __all__ = [
     "ENGINE_PRELOAD",
+    "CudaInitializedInServer",
     "ForkServer",
     "ForkedServerProcess",
     "ProcessStartError",
@@ -108,7 +113,32 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
         os._exit(code)
 
 
+class CudaInitializedInServer(RuntimeError):
+    """The fork server's process initialised CUDA (a preloaded module did it at import), so
+    ranks forked from it could not use the GPU; raised before any rank starts."""
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def cuda_refusal(module: str) -> str:
+    """Why the server refuses to fork once ``module``'s import initialised CUDA, and the fix."""
+    return (
+        f"importing {module!r} in nbaccel's fork server initialised CUDA, so ranks forked from "
+        "it could not use the GPU (CUDA cannot be re-initialised in a forked child). Make that "
+        "library initialise CUDA lazily (or import it inside the launched function, not at "
+        "the top of a preloaded module), or pass start_method='spawn' to start each rank "
+        "fresh."
+    )
+
+
+_cuda_culprit: str | None = None  # server side: the first module whose import initialised CUDA
+
+
 def _preload(modules: Iterable[str], strict: bool) -> None:
+    global _cuda_culprit
     for module in modules:
         try:
             __import__(module)
@@ -117,6 +147,8 @@ def _preload(modules: Iterable[str], strict: bool) -> None:
                 raise
             # Preloading only saves time: the worker imports the module itself and fails there.
             print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
+        if _cuda_culprit is None and _cuda_initialized():
+            _cuda_culprit = module
 
 
 def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> None:
@@ -178,6 +210,10 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                     break
                 if request[0] == ServerMessage.PRELOAD:
                     _preload(request[1], strict=False)
+                    continue
+                if _cuda_culprit is not None:
+                    refusal = cuda_refusal(_cuda_culprit)
+                    _write_frame(stdout, (ServerMessage.REFUSED, request[1], refusal))
                     continue
                 _fork_rank(request, stdout, (wake_r, wake_w, stdout), reaper)
     finally:
@@ -276,7 +312,8 @@ class ForkServer:
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
-        self._started: dict[int, int | str] = {}  # request -> pid, or why the fork failed
+        # request -> pid, or (FAILED or REFUSED, why) when the server did not fork
+        self._started: dict[int, int | tuple[str, str]] = {}
         self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
@@ -300,8 +337,10 @@ class ForkServer:
             with self._cond:
                 if message[0] == ServerMessage.READY:
                     self._ready = True
-                elif message[0] in (ServerMessage.STARTED, ServerMessage.FAILED):
+                elif message[0] == ServerMessage.STARTED:
                     self._started[message[1]] = message[2]
+                elif message[0] in (ServerMessage.FAILED, ServerMessage.REFUSED):
+                    self._started[message[1]] = (message[0], message[2])
                 elif message[0] == ServerMessage.EXITED:
                     self._exits[message[1]] = (message[2], message[3])
                 self._cond.notify_all()
@@ -352,7 +391,9 @@ class ForkServer:
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
-        """Fork one worker running ``spec``; return its pid."""
+        """Fork one worker running ``spec``; return its pid.
+
+        Raises :class:`CudaInitializedInServer` when a preloaded module initialised CUDA."""
         self.wait_ready()
         with self._lock:
             request_id = self._next_id
@@ -364,9 +405,12 @@ class ForkServer:
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
                 self._cond.wait(0.1)
             pid = self._started.pop(request_id)
-        if isinstance(pid, str):
+        if isinstance(pid, tuple):
+            kind, why = pid
+            if kind == ServerMessage.REFUSED:
+                raise CudaInitializedInServer(why)
             raise ProcessStartError(
-                f"the system refused a new rank process ({pid}): the process limit (ulimit -u, "
+                f"the system refused a new rank process ({why}): the process limit (ulimit -u, "
                 "kernel.pid_max) or the memory is exhausted. Use fewer processes, or end "
                 "processes that are no longer needed."
             )
@@ -476,7 +520,13 @@ class ForkServerLauncher(ProcessLauncher):
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         server = self._current()
-        return WorkerProcess(server.spawn(pickle.dumps(spec)), self.name, server=server)
+        try:
+            pid = server.spawn(pickle.dumps(spec))
+        except CudaInitializedInServer:
+            shutdown_forkserver()  # unusable for GPUs: the next launch starts a fresh server
+            self._server = None
+            raise
+        return WorkerProcess(pid, self.name, server=server)
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._current().add_wakeup(callback)

@@ -7,6 +7,12 @@ Colab/Kaggle TPU situation). Inside each process, :func:`run_xla_process` runs t
 every device of that process through torch-xla's own thread-per-device runner and returns the
 results by global ordinal. Everything else (output, events, crash reports naming the signal and
 the host-RAM hint, timeouts, interrupt) is the engine's, as for any other launcher.
+
+Neither the kernel nor nbaccel's fork server initialises the XLA runtime: :func:`local_layout`
+reads the host's chips without it. Each XLA process points torch-xla's persistent compile cache
+at :func:`compile_cache_dir` before its runtime starts, so the next launch of the same code
+finds its compiled graphs on disk instead of recompiling them (``NBACCEL_XLA_CACHE`` sets the
+folder, ``NBACCEL_XLA_CACHE=off`` turns it off).
 """
 
 from __future__ import annotations
@@ -18,10 +24,22 @@ from typing import Any
 from nbaccel.launch.launchers.fork import ForkLauncher
 from nbaccel.launch.protocol import LaunchKind
 
-__all__ = ["XLA_PROCESS_VAR", "XlaLauncher", "local_process_count", "run_xla_process"]
+__all__ = [
+    "XLA_CACHE_VAR",
+    "XLA_PROCESS_VAR",
+    "XlaLauncher",
+    "compile_cache_dir",
+    "local_device_count",
+    "local_layout",
+    "local_process_count",
+    "run_xla_process",
+    "use_compile_cache",
+]
 
 #: The local index of an XLA process (set by the plan in each rank's environment).
 XLA_PROCESS_VAR = "NBACCEL_XLA_PROCESS"
+#: The persistent compile cache's folder (``off`` to turn it off).
+XLA_CACHE_VAR = "NBACCEL_XLA_CACHE"
 
 
 def _require_torch_xla() -> None:
@@ -47,6 +65,64 @@ def local_process_count() -> int:
     if plugins is not None and plugins.using_dynamic_plugins():
         return plugins.default().physical_chip_count()
     return tpu.num_local_processes() if xr.device_type() == "TPU" else 1
+
+
+def local_layout() -> tuple[int, int]:
+    """``(processes, devices per process)`` torch-xla uses on this host, read without starting
+    the XLA runtime: one process per TPU chip (2 devices per chip up to TPU v3); on the CPU one
+    process with ``CPU_NUM_DEVICES`` devices (threads)."""
+    processes = local_process_count()
+    from torch_xla import runtime as xr
+
+    kind = xr.device_type()
+    if kind == "CPU":
+        return processes, max(1, int(os.environ.get("CPU_NUM_DEVICES", "1")))
+    if kind == "TPU":
+        from torch_xla._internal import tpu
+
+        try:
+            return processes, tpu.num_logical_cores_per_chip()
+        except Exception:  # no TPU metadata (an odd host): one device per chip
+            return processes, 1
+    return processes, 1
+
+
+def local_device_count() -> int:
+    """XLA devices on this host (the ranks of a launch): chips, or CPU_NUM_DEVICES on the CPU."""
+    processes, per_process = local_layout()
+    return processes * per_process
+
+
+def compile_cache_dir() -> str | None:
+    """Where the XLA processes keep compiled graphs between launches (None: turned off).
+
+    ``$NBACCEL_XLA_CACHE``, else ``$XDG_CACHE_HOME/nbaccel/xla`` (``~/.cache/...``), one folder
+    per device type and torch-xla version (entries of another version would not load)."""
+    chosen = os.environ.get(XLA_CACHE_VAR)
+    if chosen is not None and chosen.strip().lower() in ("", "0", "off", "none"):
+        return None
+    import torch_xla
+    from torch_xla import runtime as xr
+
+    if chosen:
+        return chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    kind = (xr.device_type() or "xla").lower()
+    return os.path.join(base, "nbaccel", "xla", f"{kind}-torch_xla-{torch_xla.__version__}")
+
+
+def use_compile_cache(local_index: int) -> str | None:
+    """Point torch-xla's persistent compile cache at :func:`compile_cache_dir` (before this
+    process's runtime starts; only local process 0 writes, the others read). Returns the folder."""
+    import torch_xla
+    from torch_xla import runtime as xr
+
+    path = compile_cache_dir()
+    if path is None or torch_xla._XLAC._xla_computation_cache_is_initialized():
+        return None
+    os.makedirs(path, exist_ok=True)
+    xr.initialize_cache(path, readonly=local_index != 0)
+    return path
 
 
 class XlaLauncher(ForkLauncher):
@@ -90,8 +166,10 @@ def run_xla_process(
     """Run ``function(*args)`` on every XLA device of this process; results by global ordinal.
 
     ``local_processes`` is 0 for torch-xla's single-process mode (``nprocs=1``: one device).
+    The persistent compile cache is set up first (:func:`use_compile_cache`).
     """
     device = _Device(function, tuple(args))
+    use_compile_cache(int(os.environ.get(XLA_PROCESS_VAR, "0")))
     if local_processes == 0:
         import torch_xla.distributed.xla_multiprocessing as xmp
         import torch_xla.runtime as xr

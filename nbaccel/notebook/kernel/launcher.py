@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
-from nbaccel.launch.plan import Front, LaunchPlan, check_call, default_num_processes
+from nbaccel.launch.plan import Front, LaunchPlan, check_call
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import Fronts, LaunchRequest
 from nbaccel.launch.run import launch_xla, run_function
@@ -61,7 +61,9 @@ def notebook_launcher(
 
     Output streams into the notebook as whole, rank-labelled lines while the function runs. The
     first failing rank's exception is raised here with its original type, naming the rank; the
-    other ranks are stopped. ``num_processes`` defaults to one rank per GPU, else 1 (8 on TPUs).
+    other ranks are stopped. ``num_processes`` defaults to one rank per GPU, else 1 (on TPUs
+    one per local chip; with a single chip the function runs in the kernel, see
+    ``nbaccel.launch.run.launch_xla``).
     On a TPU host the ranks are torch-xla's processes, forked so that they share the arguments.
 
     The positional parameters are Accelerate's. Every option, these and nbaccel's own keywords
@@ -121,7 +123,7 @@ def launch_request(
         return launch_xla(
             function,
             args,
-            request.num_processes or default_num_processes(Front.NOTEBOOK, xla=True),
+            request.num_processes,  # default: every local XLA device
             "fork",
             renderer=renderer,
             mixed_precision=request.mixed_precision,
