@@ -50,7 +50,8 @@ __all__ = [
 _SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
 _ALIGN = 64
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-_SEGMENT_NAME = re.compile(r"nbaccel-\d+-[0-9a-f]{16}")  # nbaccel-<owner pid>-<random>
+# nbaccel-<owner pid>-<random>, and ``.new`` while it is created (then renamed, once locked)
+_SEGMENT_NAME = re.compile(r"nbaccel-(\d+)-[0-9a-f]{16}(\.new)?")
 
 
 class UnpicklableError(TypeError):
@@ -134,12 +135,14 @@ def sweep_segments() -> list[str]:
     """Unlink the shared tensor files whose owner died before unlinking them; their paths."""
     folder = _shm_dir()
     try:
-        names = [n for n in os.listdir(folder) if _SEGMENT_NAME.fullmatch(n)]
+        names = [m for m in map(_SEGMENT_NAME.fullmatch, os.listdir(folder)) if m]
     except OSError:
         return []
     swept = []
-    for name in names:
-        path = os.path.join(folder, name)
+    for match in names:
+        if match.group(2) and _pid_alive(int(match.group(1))):
+            continue  # being created: not locked yet, but its owner lives
+        path = os.path.join(folder, match.group(0))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -158,6 +161,16 @@ def sweep_segments() -> list[str]:
         finally:
             os.close(fd)
     return swept
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_segment(fd: int) -> bool:
@@ -206,9 +219,13 @@ class SharedTensors:
         if offset == 0:
             return  # every storage is small: nothing to share
         sweep_segments()
-        self.path = os.path.join(_shm_dir(), f"nbaccel-{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # held until release(): a sweep leaves the file alone
+        path = os.path.join(_shm_dir(), f"nbaccel-{os.getpid()}-{secrets.token_hex(8)}")
+        # created under a name a sweep skips while this process lives, locked (until release():
+        # a sweep leaves a locked file alone), then given its name
+        fd = os.open(path + ".new", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(path + ".new", path)
+        self.path = path
         self._lock_fd = fd
         try:
             os.ftruncate(fd, max(offset, 1))
