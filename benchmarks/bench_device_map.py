@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 SIZES = {  # label: (layers, experts); tensors = layers * (7 + 3 * experts) + 3
-    "3k": (30, 32),
-    "12k": (62, 64),
-    "37k": (94, 128),
+    "3k": (16, 64),  # 3,187 tensors
+    "37k": (48, 256),  # 37,203 tensors: 12x the tensors of 3k
 }
 
 
@@ -81,6 +80,22 @@ def build(layers: int, experts: int) -> nn.Module:
         return MoeModel(layers, experts)
 
 
+def bare_walk(model: nn.Module) -> int:
+    """Sum of tensor bytes, nothing kept: what touching every module once costs (memory-bound
+    on 10^5 modules), for scale against a planner's time."""
+    total, stack = 0, [model]
+    while stack:
+        module = stack.pop()
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                total += tensor.nbytes
+        for tensor in module._buffers.values():
+            if tensor is not None:
+                total += tensor.nbytes
+        stack.extend(module._modules.values())
+    return total
+
+
 def timed(fn, repeats: int) -> tuple[float, float, dict]:
     """Best wall time and best CPU time of this process (the CPU time is robust to other jobs
     sharing the machine), and the result."""
@@ -107,6 +122,8 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
     max_memory = {0: int(0.3 * total), 1: int(0.3 * total), 2: int(0.3 * total), "cpu": total}
     kwargs = {"no_split_module_classes": ["DecoderLayer"]}
     nb_t, nb_cpu, nb_map = timed(lambda: nb_infer(model, dict(max_memory), **kwargs), args.repeats)
+    # The floor of any planner: one bare walk reading each module's tensors and children.
+    _, floor_cpu, _ = timed(lambda: bare_walk(model), args.repeats)
     acc_t, acc_cpu, acc_map = timed(
         lambda: acc_infer(model, dict(max_memory), **kwargs), args.accelerate_repeats
     )
@@ -125,12 +142,17 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
         "nbaccel_cpu_s": round(nb_cpu, 4),
         "accelerate_cpu_s": round(acc_cpu, 4),
         "speedup_cpu": round(acc_cpu / nb_cpu, 1),
+        "bare_walk_cpu_s": round(floor_cpu, 4),
+        "accelerate_over_bare_walk": round(acc_cpu / floor_cpu, 1),
         "nbaccel_layers_per_device": layers_on(nb_map),
         "accelerate_layers_per_device": layers_on(acc_map),
+        "same_map": dict(nb_map) == dict(acc_map),
     }
     print(
         f"{label:>4} {tensors:>6} tensors  wall: nbaccel {nb_t:6.3f} s, accelerate {acc_t:6.3f} s,"
         f" x{acc_t / nb_t:.1f} | cpu: {nb_cpu:6.3f} s vs {acc_cpu:6.3f} s, x{acc_cpu / nb_cpu:.1f}"
+        f"\n      bare walk of the model: {floor_cpu:.3f} s CPU (accelerate = "
+        f"{acc_cpu / floor_cpu:.1f}x that)"
         f"\n      layers per device: nbaccel {row['nbaccel_layers_per_device']}  "
         f"accelerate {row['accelerate_layers_per_device']}",
         flush=True,
@@ -138,26 +160,37 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
     return row
 
 
+def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
+    """Both sizes, both libraries; the report (also for benchmarks/gate)."""
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
+    import accelerate
+
+    args = argparse.Namespace(repeats=repeats, accelerate_repeats=accelerate_repeats)
+    rows = [measure(label, layers, experts, args) for label, (layers, experts) in SIZES.items()]
+    first, last = rows[0], rows[-1]
+    growth = {"tensors": round(last["tensors"] / first["tensors"], 2)}
+    for tool in ("nbaccel", "accelerate"):
+        growth[f"{tool}_cpu"] = round(last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"], 2)
+        growth[f"{tool}_wall"] = round(last[f"{tool}_s"] / first[f"{tool}_s"], 2)
+        print(
+            f"{tool}: {growth['tensors']:.1f}x the tensors -> {growth[f'{tool}_cpu']:.1f}x the "
+            "CPU time"
+        )
+    return {
+        "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "accelerate": accelerate.__version__,
+        "rows": rows,
+        "growth": growth,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--accelerate-repeats", type=int, default=1)
     args = parser.parse_args()
-    logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
-    import accelerate
-
-    rows = [measure(label, layers, experts, args) for label, (layers, experts) in SIZES.items()]
-    first, last = rows[0], rows[-1]
-    growth_t = last["tensors"] / first["tensors"]
-    for tool in ("nbaccel", "accelerate"):
-        g = last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"]
-        print(f"{tool}: {growth_t:.1f}x the tensors -> {g:.1f}x the CPU time")
-    out = {
-        "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
-        "accelerate": accelerate.__version__,
-        "rows": rows,
-    }
+    out = run(args.repeats, args.accelerate_repeats)
     path = Path(__file__).parent / "results" / "device_map.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

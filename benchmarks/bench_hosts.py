@@ -3,19 +3,23 @@
 Run as root with the hosts lane up (``sudo bash scripts/hosts/up 2``), then
 ``.venv/bin/python benchmarks/bench_hosts.py``. In one real Jupyter kernel (nbclient):
 
-- launch-to-return of a no-op on 2 namespace hosts x 2 ranks (ssh, one agent per host) vs the
-  same 4 ranks on this machine (fork server), medians of REPEATS each, alternated;
+- launch-to-return of a no-op on 2 namespace hosts x 2 ranks over ssh: the first launch (it
+  starts each host's agent, which imports torch) and warm launches (the agents kept from the
+  first), vs the same 4 ranks on this machine (fork server), medians of REPEATS each, alternated;
 - a warm empty ``%%distributed`` cell on a pool across the 2 hosts (median of CELLS);
 - time from the stop button (SIGINT in the kernel) to the launch's return, every rank stopped;
 - time from killing a host's agent (SIGKILL over ssh) to the error naming that host.
 
-Results go to benchmarks/results/hosts.json. Never run in CI.
+Results go to benchmarks/results/hosts.json. Never run in CI. ``measure_cross_host()`` measures
+the launch figures alone (first, warm, one host, ratio) for ``benchmarks/gate``;
+``hosts_lane_up()`` says whether it can run here.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,15 +42,24 @@ def noop():
 notebook_launcher(noop, num_processes=4, renderer=Renderer())  # warm the local fork server
 """
 
-LAUNCH = f"""
+FIRST = """
+t0 = time.perf_counter()
+notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())  # starts the agents
+first_s = time.perf_counter() - t0
+"""
+
+LAUNCH = """
 remote_s, local_s = [], []
-for _ in range({REPEATS}):
+for _ in range({repeats}):
     t0 = time.perf_counter()
     notebook_launcher(noop, num_processes=4, hosts=HOSTS, renderer=Renderer())
     remote_s.append(time.perf_counter() - t0)
     t0 = time.perf_counter(); notebook_launcher(noop, num_processes=4, renderer=Renderer())
     local_s.append(time.perf_counter() - t0)
-"""
+print(json.dumps(dict(first_launch_s=first_s, warm_launch_s=statistics.median(remote_s),
+                      one_host_s=statistics.median(local_s), warm_all=remote_s,
+                      one_host_all=local_s)))
+"""  # .format(repeats=...)
 
 POOL = f"""
 %load_ext nbaccel
@@ -100,25 +113,52 @@ except Exception as exc:
     lost_s = time.perf_counter() - marks["kill"]
     lost_error = f"{{type(exc).__name__}}: {{exc}}"
 print(json.dumps(dict(
-    remote_launch_s=statistics.median(remote_s), local_launch_s=statistics.median(local_s),
-    remote_all=remote_s, local_all=local_s,
+    first_launch_s=first_s, remote_launch_s=statistics.median(remote_s),
+    local_launch_s=statistics.median(local_s), remote_all=remote_s, local_all=local_s,
     pool_start_s=pool_start_s, warm_cell_ms=1000 * statistics.median(cell_s),
-    interrupt_to_return_s=interrupt_s, python_left_on_hosts=left,
+    interrupt_to_return_s=interrupt_s,
+    python_on_hosts_after_interrupt=left,  # 2 each: the warm agent and its fork server
     killed_host_reported_s=lost_s, killed_host_error=lost_error[:300],
 )))
 """
 
 
-def main() -> int:
+def hosts_lane_up() -> bool:
+    """Whether the namespace hosts answer over ssh (``sudo bash scripts/hosts/up 2``)."""
+    if not Path(SSH_CONFIG).is_file():
+        return False
+    probe = subprocess.run(
+        ["ssh", "-F", SSH_CONFIG, HOSTS[0].split(":")[0], "true"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0
+
+
+def _run(sources: list[str]) -> dict:
+    """Run ``sources`` as the cells of one fresh kernel; the JSON its last cell printed."""
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in (SETUP, LAUNCH, POOL, FAULTS)]
-    env = {**os.environ, "NBACCEL_RENDERER": "text"}
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in sources]
+    env = {**os.environ, "NBACCEL_RENDERER": "text", "NBACCEL_NO_WARMUP": "1"}
     client = NotebookClient(nb, timeout=900, kernel_name="python3")
     with client.setup_kernel(env=env):
         for index, cell in enumerate(nb.cells):
             client.execute_cell(cell, index)
     out = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
-    result = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure_cross_host(repeats: int = REPEATS) -> dict:
+    """First and warm launch of a no-op on 2 hosts x 2 ranks vs the same 4 ranks on this
+    machine, in one fresh kernel: ``{first_launch_s, warm_launch_s, one_host_s,
+    ratio_warm_to_one_host, ...}`` (warm and one host: medians of ``repeats``, alternated).
+    Needs the hosts lane (:func:`hosts_lane_up`)."""
+    result = _run([SETUP, FIRST, LAUNCH.format(repeats=repeats)])
+    result["ratio_warm_to_one_host"] = result["warm_launch_s"] / result["one_host_s"]
+    result["ratio_first_to_one_host"] = result["first_launch_s"] / result["one_host_s"]
+    return result
+
+
+def main() -> int:
+    result = _run([SETUP, FIRST, LAUNCH.format(repeats=REPEATS), POOL, FAULTS])
     result["ratio_remote_to_local"] = result["remote_launch_s"] / result["local_launch_s"]
     result["machine"] = f"{os.cpu_count()} cores; hosts are network namespaces on this machine"
     path = ROOT / "benchmarks" / "results" / "hosts.json"

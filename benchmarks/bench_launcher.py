@@ -18,8 +18,11 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 8
 
-CELLS = [
-    """
+
+def cells(ranks: tuple[int, ...], repeats: int, ram: bool) -> list[str]:
+    """The notebook: import + first launch, then both launchers alternated at each rank count,
+    then (``ram``) the RAM added while 2 ranks read a 1 GiB tensor passed in ``args``."""
+    setup = """
 import time, json, statistics, os, threading
 t0 = time.perf_counter()
 import nbaccel
@@ -31,21 +34,30 @@ def noop():
 t0 = time.perf_counter()
 notebook_launcher(noop, num_processes=2, renderer=Renderer())
 first_s = time.perf_counter() - t0
-""",
-    f"""
+result = {"import_s": import_s, "first_launch_s": first_s}
+"""
+    alternate = f"""
 import accelerate
 from accelerate import notebook_launcher as acc_launcher
 import contextlib, io
-nb_times, acc_times = [], []
-for i in range({REPEATS}):
-    t0 = time.perf_counter(); notebook_launcher(noop, num_processes=2, renderer=Renderer())
-    nb_times.append(time.perf_counter() - t0)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        t0 = time.perf_counter(); acc_launcher(noop, num_processes=2)
-        acc_times.append(time.perf_counter() - t0)
-""",
-    """
+result["accelerate_version"] = accelerate.__version__
+for ranks in {tuple(ranks)!r}:
+    nb_times, acc_times = [], []
+    for i in range({repeats}):
+        t0 = time.perf_counter(); notebook_launcher(noop, num_processes=ranks, renderer=Renderer())
+        nb_times.append(time.perf_counter() - t0)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            t0 = time.perf_counter(); acc_launcher(noop, num_processes=ranks)
+            acc_times.append(time.perf_counter() - t0)
+    suffix = "" if ranks == 2 else f"_{{ranks}}"
+    result["nbaccel_median_s" + suffix] = statistics.median(nb_times)
+    result["accelerate_median_s" + suffix] = statistics.median(acc_times)
+    result["nbaccel_times" + suffix], result["accelerate_times" + suffix] = nb_times, acc_times
+    result["ratio_nbaccel_over_accelerate" + suffix] = (
+        statistics.median(nb_times) / statistics.median(acc_times))
+"""
+    memory = """
 import psutil, torch
 big = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
 def touch(t):
@@ -62,25 +74,22 @@ base = psutil.virtual_memory().available
 th = threading.Thread(target=sample); th.start()
 out = notebook_launcher(touch, args=(big,), num_processes=2, renderer=Renderer())
 stop.set(); th.join()
-added_gib = (base - min(samples)) / 2**30
-print(json.dumps({
-    "import_s": import_s, "first_launch_s": first_s,
-    "nbaccel_median_s": statistics.median(nb_times),
-    "accelerate_median_s": statistics.median(acc_times),
-    "nbaccel_times": nb_times, "accelerate_times": acc_times,
-    "ratio_nbaccel_over_accelerate": statistics.median(nb_times) / statistics.median(acc_times),
-    "ram_added_gib_1gib_tensor_2_ranks": added_gib, "accelerate_version": accelerate.__version__,
-}))
-""",
-]
+result["ram_added_gib_1gib_tensor_2_ranks"] = (base - min(samples)) / 2**30
+"""
+    return [setup, alternate, *([memory] if ram else []), "print(json.dumps(result))"]
+
+
+def measure(ranks: tuple[int, ...] = (2,), repeats: int = REPEATS, ram: bool = True) -> dict:
+    """Run the notebook in a fresh kernel and return its figures (also for benchmarks/gate)."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells(ranks, repeats, ram)]
+    NotebookClient(nb, timeout=900, kernel_name="python3").execute()
+    text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
 def main() -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
-    NotebookClient(nb, timeout=600, kernel_name="python3").execute()
-    text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
-    result = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+    result = measure()
     out = ROOT / "benchmarks" / "results" / "launcher.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     for key in (

@@ -234,41 +234,24 @@ def run_forwards(variants: list[str], folder: Path, blocks: int, d: int, rounds:
     } | {"load_average": [round(x, 1) for x in os.getloadavg()]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--small", action="store_true")
-    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "nbaccel-bench"))
-    parser.add_argument("--prepare")
-    parser.add_argument("--forwards")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--variants",
-        default="memory,nbaccel_disk,nbaccel_no_prefetch,nbaccel_disk_keep_mapped,"
-        "nbaccel_all_disk,accelerate_disk",
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: robust timings)")
-    args = parser.parse_args()
-    blocks, d = shape(args.small)
-    folder = Path(args.dir) / ("small" if args.small else "full")
-    torch.set_num_threads(args.threads)
-    if args.prepare:
-        print(json.dumps(run_prepare(args.prepare, folder, blocks, d)))
-        return
-    if args.forwards:
-        variants = args.forwards.split(",")
-        print(json.dumps(run_forwards(variants, folder, blocks, d, args.rounds)))
-        return
+def measure(
+    small: bool, directory: str | Path, rounds: int, variants: list[str], threads: int = 1
+) -> dict:
+    """Write the checkpoint once, prepare each variant in a fresh process, then time forwards
+    of all variants interleaved in one process. Returns the report (also for benchmarks/gate)."""
+    blocks, d = shape(small)
+    folder = Path(directory) / ("small" if small else "full")
     start = time.perf_counter()
-    write_checkpoint(folder, blocks, d, shard_bytes=(100 if args.small else 500) * 2**20)
+    write_checkpoint(folder, blocks, d, shard_bytes=(100 if small else 500) * 2**20)
     files = sorted(folder.glob("*.safetensors"))
     sizes = [f.stat().st_size for f in files]
     print(
         f"checkpoint: {len(files)} shards, {sum(sizes) / 1e9:.2f} GB "
         f"(largest {max(sizes) / 1e6:.0f} MB), ready in {time.perf_counter() - start:.1f} s"
     )
-    base = [sys.executable, __file__, "--dir", args.dir, "--rounds", str(args.rounds)]
-    base += ["--threads", str(args.threads)]
-    base += ["--small"] if args.small else []
+    base = [sys.executable, __file__, "--dir", str(directory), "--rounds", str(rounds)]
+    base += ["--threads", str(threads)]
+    base += ["--small"] if small else []
 
     def child(*extra: str) -> dict:
         proc = subprocess.run(base + list(extra), capture_output=True, text=True)
@@ -277,7 +260,6 @@ def main() -> None:
             return {"error": proc.stderr[-500:]}
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    variants = args.variants.split(",")
     prepared = {}
     for variant in variants:
         prepared[variant] = child("--prepare", variant)
@@ -314,11 +296,39 @@ def main() -> None:
             "largest_shard_bytes": max(sizes),
         },
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
-        "torch_threads": args.threads,
+        "torch_threads": threads,
         "prepare": prepared,
         "forwards": forwards,
         "summary": summary,
     }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "nbaccel-bench"))
+    parser.add_argument("--prepare")
+    parser.add_argument("--forwards")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--variants",
+        default="memory,nbaccel_disk,nbaccel_no_prefetch,nbaccel_disk_keep_mapped,"
+        "nbaccel_all_disk,accelerate_disk",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: robust timings)")
+    args = parser.parse_args()
+    blocks, d = shape(args.small)
+    folder = Path(args.dir) / ("small" if args.small else "full")
+    torch.set_num_threads(args.threads)
+    if args.prepare:
+        print(json.dumps(run_prepare(args.prepare, folder, blocks, d)))
+        return
+    if args.forwards:
+        variants = args.forwards.split(",")
+        print(json.dumps(run_forwards(variants, folder, blocks, d, args.rounds)))
+        return
+    out = measure(args.small, args.dir, args.rounds, args.variants.split(","), args.threads)
     name = "offload_small.json" if args.small else "offload.json"
     path = HERE / "results" / name
     path.write_text(json.dumps(out, indent=1))

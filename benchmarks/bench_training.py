@@ -72,7 +72,7 @@ def _mlp():
     return make, data, torch.nn.functional.cross_entropy, steps
 
 
-def _rank_main(workload: str) -> dict:
+def _rank_main(workload: str, rounds_chunk: tuple[int, int] | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -142,7 +142,7 @@ def _rank_main(workload: str) -> dict:
         "accelerate_num_processes": hf.num_processes,
         "batches_per_epoch": [len(hand_loader), len(nb_loader), len(hf_loader)],
     }
-    rounds, chunk = ROUNDS[workload]
+    rounds, chunk = rounds_chunk or ROUNDS[workload]
     for run, batches in loops.values():  # warm-up chunk each
         run(batches, chunk)
     times: dict[str, list[float]] = {name: [] for name in loops}
@@ -159,12 +159,16 @@ def _rank_main(workload: str) -> dict:
     return {"steps_per_s": times, "checks": checks, "rank": state.process_index}
 
 
-def main() -> None:
+def measure(
+    workloads: tuple[str, ...] = ("transformer", "mlp"),
+    rounds_chunk: tuple[int, int] | None = None,
+) -> dict:
+    """Run each workload on 2 ranks and return the report (also for benchmarks/gate)."""
     from nbaccel.testing import run_on_ranks
 
     report: dict = {"rounds": ROUNDS, "batch_per_rank": BATCH, "ranks": 2, "workloads": {}}
-    for workload in ("transformer", "mlp"):
-        result = run_on_ranks(_rank_main, args=(workload,), timeout=900)[0]
+    for workload in workloads:
+        result = run_on_ranks(_rank_main, args=(workload, rounds_chunk), timeout=900)[0]
         rates = result["steps_per_s"]
         med = {k: statistics.median(v) for k, v in rates.items()}
 
@@ -182,7 +186,7 @@ def main() -> None:
             "checks": result["checks"],
         }
         report["workloads"][workload] = entry
-        rounds, chunk = ROUNDS[workload]
+        rounds, chunk = rounds_chunk or ROUNDS[workload]
         print(f"== {workload}: {rounds} rounds of {chunk} steps per loop, 2 ranks")
         for name, value in med.items():
             print(f"  {name:11s} median {value:8.2f} steps/s")
@@ -194,6 +198,11 @@ def main() -> None:
             f"  nbaccel / accelerate  paired {entry['paired_nbaccel_over_accelerate']:.3f}\n"
             f"  checks {result['checks']}"
         )
+    return report
+
+
+def main() -> None:
+    report = measure()
     out = ROOT / "benchmarks" / "results" / "training.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -301,7 +301,7 @@ def run_day(steps: int, chunk: int = 25, timeout: int = 900, env: dict | None = 
         cells.append(f"run({KINDS!r}, {first}, {min(chunk, steps - first)})")
     cells.append("print('DAY-JSON ' + json.dumps(report()))")
     try:
-        nb = run_notebook(cells, timeout=timeout, env=env)
+        nb = run_notebook(cells, timeout=timeout, env=env, shutdown=True)
     except Exception as exc:  # nbclient's CellTimeoutError: a hang
         return {"steps": steps, "results": {"hung": 1}, "error": f"{type(exc).__name__}: {exc}"}
     for index, cell in enumerate(nb.cells):

@@ -1,11 +1,18 @@
 """Imported first by ``nbaccel/__init__.py``: in a Jupyter kernel, start the fork server now.
 
 The server's ``import torch`` then runs on the other core while the kernel imports torch for
-nbaccel itself, so the first launch does not wait for it. Only the standard library is imported
+nbaccel itself, so the first launch does not wait for it; and the kernel will exit as fast as a
+plain one despite torch (``notebook.kernel.quick_exit``). Only the standard library is imported
 here; outside a kernel (scripts, workers, tests) nothing happens.
 """
 
+import os
+import sys
+
 from nbaccel.launch.launchers.forkserver import warm_up_if_in_kernel
+from nbaccel.notebook.kernel.quick_exit import exit_quickly
 from nbaccel.notebook.preload import WORKER_PRELOAD
 
 warm_up_if_in_kernel(WORKER_PRELOAD)
+if "ipykernel" in sys.modules and not os.environ.get("NBACCEL_LAUNCHER"):
+    exit_quickly()

@@ -1,8 +1,9 @@
 """The ``nbaccel`` command line: a small dispatcher over ``nbaccel/commands/``.
 
-Every module in :mod:`nbaccel.commands` whose name does not start with ``_`` is a subcommand. It
-defines ``register(subparsers)``, which adds its parser and sets ``handler`` (a function taking
-the parsed arguments and returning an exit code) with ``parser.set_defaults(handler=...)``.
+Every module in :mod:`nbaccel.commands` whose name does not start with ``_`` and that defines
+``register(subparsers)`` is a subcommand (helpers such as ``commands/parser.py`` define none):
+``register`` adds its parser and sets ``handler`` (a function taking the parsed arguments and
+returning an exit code) with ``parser.set_defaults(handler=...)``.
 A handler's ``ValueError``/``OSError``/``NotImplementedError`` (bad input) is printed as one
 line naming the command, with exit code 2.
 Adding a command means adding a file; this module does not change. Command modules import heavy
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         try:
             module = importlib.import_module(f"nbaccel.commands.{info.name}")
+            if not hasattr(module, "register"):  # a helper of the commands, not a command
+                continue
             module.register(subparsers)
         except Exception as exc:  # one broken command must not take `nbaccel env` down with it
             name = info.name.replace("_", "-")

@@ -58,11 +58,14 @@ def run_notebook(
     interrupt_after: dict[int, float] | None = None,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
+    shutdown: bool = False,
 ) -> Any:
     """Execute ``cells`` (code sources) in a fresh kernel; the executed notebook.
 
     Errors in cells are kept as outputs (check them with :func:`cell_errors`); ``timeout`` is
-    per cell; ``env`` adds variables to the kernel's environment.
+    per cell; ``env`` adds variables to the kernel's environment. ``shutdown``: end the kernel
+    as Jupyter does (a shutdown request) before returning; otherwise it lives until this process
+    ends (nbclient leaves a kernel whose manager it was given running).
     """
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
@@ -77,9 +80,7 @@ def run_notebook(
             resources={"metadata": {"path": cwd or os.getcwd()}},
         )
         kernel_env = {**os.environ, **(env or {})}
-        # cleanup_kc: shut the kernel down gracefully at the end (its atexit hooks run), as
-        # Jupyter does; without it the kernel lingers until this process exits
-        with client.setup_kernel(env=kernel_env, cleanup_kc=True):
+        with client.setup_kernel(env=kernel_env, cleanup_kc=shutdown):
             for index, cell in enumerate(nb.cells):
                 done = threading.Event()
                 presser = None

@@ -1,6 +1,7 @@
 """Agents on this machine for the default suite: the remote launch without ssh or srun.
 
-``LocalAgentsLauncher`` starts each "host"'s agent as a real subprocess
+``LocalAgentsLauncher`` starts each "host"'s agent (once; it stays warm, like the lanes' agents)
+as a real subprocess
 (``python -m nbaccel.launch.remote.agent``, configuration on its stdin, as ssh would deliver it)
 that connects to the CURVE hub on 127.0.0.1. Everything but the transport that starts the agent
 is the real thing; the ssh and SLURM transports themselves are tested in the lanes
@@ -16,8 +17,9 @@ import sys
 from nbaccel.launch.launchers import LAUNCHERS
 from nbaccel.launch.plan import Front, LaunchPlan
 from nbaccel.launch.remote.hosts import parse_hosts
-from nbaccel.launch.remote.launcher import AGENT_MODULE, AgentProcess, RemoteLauncher
+from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions
+from nbaccel.launch.remote.warm import AgentProcess
 from nbaccel.launch.request import LaunchRequest
 
 KIND = "local-agents"
@@ -29,20 +31,20 @@ class LocalAgentsLauncher(RemoteLauncher):
     def find_channel_address(self) -> str:
         return "127.0.0.1"
 
-    def start_agents(self, configs):
-        agents = []
-        for config in configs:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", AGENT_MODULE],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            popen.stdin.write(json.dumps(config).encode() + b"\n")
-            popen.stdin.flush()
-            agents.append(AgentProcess(popen, [config["node"]], f"agent {config['name']}"))
-        return agents
+    def agent_key(self, host):
+        return (KIND, host.name, sys.executable)
+
+    def start_agent(self, host, config):
+        popen = subprocess.Popen(
+            [sys.executable, "-m", AGENT_MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        popen.stdin.write(json.dumps(config).encode() + b"\n")
+        popen.stdin.flush()
+        return AgentProcess(popen, f"agent {host.name}")
 
 
 LAUNCHERS[KIND] = LocalAgentsLauncher

@@ -187,7 +187,7 @@ def test_trackers_profile_and_free_memory(tmp_path):
     with acc.profile(ProfileKwargs(output_trace_dir=str(trace_dir))) as prof:
         model(torch.randn(3, 2))
     assert "aten::addmm" in prof.key_averages().table()
-    assert (trace_dir / "trace_rank_0.json").exists()
+    assert (trace_dir / "profile_0.json").exists()
     assert acc._models
     acc.free_memory()
     assert acc._models == [] and acc.step == 0

@@ -117,7 +117,8 @@ def test_auto_with_small_cpu_budget_spills_to_disk(checkpoints, ref):
         empty(),
         checkpoints["safetensors"],
         device_map="auto",
-        max_memory={"cpu": 6000},
+        # Accelerate's plan keeps the largest block (4.5 kB) free on the CPU.
+        max_memory={"cpu": 12000},
         no_split_module_classes=["Block"],
     )
     assert "disk" in model.hf_device_map.values() and "cpu" in model.hf_device_map.values()
@@ -148,7 +149,7 @@ def test_non_strict_warns_and_dispatch_names_the_meta_tensors(tmp_path, ref, cap
     with caplog.at_level(logging.WARNING):
         load_checkpoint_in_model(model, path)
     assert "norm.weight" in caplog.text
-    with pytest.raises(ValueError, match="norm.weight"):
+    with pytest.raises(CheckpointMismatchError, match="missing keys .*: norm.weight; "):
         load_checkpoint_and_dispatch(empty(), path, device_map={"": "cpu"})
 
 

@@ -43,6 +43,7 @@ def test_widgets_and_logs_stay_bounded_and_logs_go_with_the_kernel(tmp_path):
             "print('kept logs:', len(sizes), sum(sizes))",
         ],
         timeout=300,
+        shutdown=True,  # as Jupyter ends a kernel: its logs go with it
         env={
             "NBACCEL_LOG_DIR": str(logs),
             "NBACCEL_LOG_BUDGET_MB": "1",

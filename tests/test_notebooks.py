@@ -7,9 +7,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_in_tmp(tmp_path, monkeypatch):
+    """The kernel's temporary folder is private to the test; the examples' own folders
+    (tempfile.mkdtemp(prefix="nbaccel-<example>-")) are gone when the notebook ends."""
+    private = tmp_path / "kernel-tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    yield
+    left = sorted(p.name for p in private.glob("nbaccel-*-*") if p.is_dir())
+    assert not [n for n in left if n.split("-")[1] in ("big", "fsdp", "training")], left
 
 
 def _run(name: str) -> list[str]:

@@ -266,7 +266,7 @@ def test_recursively_apply_rejects_nested_non_tensors_when_asked() -> None:
     data = {"a": [torch.ones(1), {"b": "text"}]}
     doubled = recursively_apply(lambda t: t * 2, data)
     assert doubled["a"][1] == {"b": "text"} and torch.equal(doubled["a"][0], torch.tensor([2.0]))
-    with pytest.raises(TypeError, match="Unsupported type str"):
+    with pytest.raises(TypeError, match=r"Unsupported types \(<class 'str'>\) passed to `"):
         recursively_apply(lambda t: t * 2, data, error_on_other_type=True)
 
 

@@ -25,6 +25,7 @@ from nbaccel.launch.errors import RankCrashed
 from nbaccel.launch.remote.hosts import parse_hosts, slurm_layout
 from nbaccel.launch.remote.hub import Hub
 from nbaccel.launch.remote.options import remote_options
+from nbaccel.launch.remote.warm import live_agents, shutdown_agents
 from nbaccel.launch.remote.wire import Kind, encode, new_keys
 from nbaccel.launch.render import TextRenderer
 from nbaccel.launch.run import run_function
@@ -32,6 +33,14 @@ from nbaccel.launch.run import run_function
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from remote_agents import local_plan  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_agents_after():
+    """Agents stay warm between this module's launches, and end with it."""
+    yield
+    shutdown_agents()
+
 
 # ----------------------------------------------------------------------------- hosts, options
 
@@ -96,11 +105,12 @@ def test_notebook_launcher_refuses_bad_hosts_before_starting():
 # ----------------------------------------------------------------------------- the hub
 
 
-def test_hub_admits_only_this_launchs_keys():
+def test_hub_admits_only_the_keys_it_made():
     """A client with the server's public key but a key pair of its own is refused by ZAP
-    before any message reaches the hub; the launch's own key gets through."""
+    before any message reaches the hub; a key the hub made for an agent gets through, until
+    that agent is counted lost (then nothing of it is heard, on any connection)."""
     heard = []
-    hub = Hub("127.0.0.1", 1, lambda node, kind, header: heard.append((node, kind, header)))
+    hub = Hub("127.0.0.1", lambda agent, kind, header: heard.append((agent, kind, header)))
     context = zmq.Context()
     try:
 
@@ -114,22 +124,30 @@ def test_hub_admits_only_this_launchs_keys():
 
         stranger = client(*new_keys())
         stranger.send_multipart(encode(Kind.LOG, {"text": "let me in"}))
-        member = client(*hub.agent_keys[0])
-        member.send_multipart(encode(Kind.LOG, {"text": "node 0 here"}))
+        hub.admit()
+        agent, public, secret = hub.admit()
+        member = client(public, secret)
+        member.send_multipart(encode(Kind.LOG, {"text": "agent 1 here"}))
         deadline = time.monotonic() + 10
         while not heard and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the stranger's message, were it admitted, would be here by now
-        assert heard == [(0, Kind.LOG, {"text": "node 0 here"})]
-        stranger.close()
-        member.close()
+        assert heard == [(1, Kind.LOG, {"text": "agent 1 here"})] and agent == 1
+        hub.lose(1, "gone")
+        again = client(public, secret)  # the lost agent, reconnecting
+        again.send_multipart(encode(Kind.LOG, {"text": "back again"}))
+        member.send_multipart(encode(Kind.LOG, {"text": "still here"}))
+        time.sleep(0.5)
+        assert heard[1:] == [(1, Kind.LOST, {"why": "gone"})]
+        for sock in (stranger, member, again):
+            sock.close()
     finally:
         context.term()
         hub.close()
 
 
 def test_hub_binds_only_the_address_it_was_given():
-    hub = Hub("127.0.0.1", 1, lambda *a: None)
+    hub = Hub("127.0.0.1", lambda *a: None)
     try:
         listening = [
             c.laddr
@@ -165,6 +183,7 @@ def _where(big):
 
 
 def test_agents_run_ranks_host_by_host(capsys):
+    shutdown_agents()
     big = torch.arange(100_000, dtype=torch.float64)  # large: through the hosts' shared memory
     before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. the fork server
     report = run_function(local_plan(["h1:2", "h2:1"]), _where, (big,), renderer=TextRenderer())
@@ -178,9 +197,43 @@ def test_agents_run_ranks_host_by_host(capsys):
     out = capsys.readouterr()
     assert "[rank 2 @ h2] on h2 as 0" in out.out
     assert "on 2 hosts (h1:2, h2:1)" in out.out and "CURVE" in out.out
+    # the ranks are gone; each host's agent and its fork server stay warm for the next launch
+    agents = _agent_pids(os.getpid())  # the agents (their fork servers share the command line)
+    assert len(agents) == 2
+    warm = {a.pid for a in agents} | {c.pid for a in agents for c in a.children()}
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not _agent_pids()  # every agent (and with it its fork server and ranks) ended
+    alive = {p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+    assert alive == warm and len(warm) == 4
+    shutdown_agents()  # what the kernel's exit does
+    assert not _agent_pids()
+    gone, still = psutil.wait_procs([psutil.Process(p) for p in warm if psutil.pid_exists(p)], 10)
+    assert not still
+
+
+def _lineage():
+    import os
+
+    import psutil
+
+    server = os.getppid()  # the rank's parent: its host's fork server, a child of the agent
+    return server, psutil.Process(server).ppid()
+
+
+def test_later_launches_reuse_the_agents_and_a_dead_one_is_restarted_with_a_notice(capsys):
+    first = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    first = first.values()
+    second = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    # the same agent and fork server on each host: no new process, no new import of torch
+    assert second.values() == first
+    assert {h.pid for h in live_agents()} >= {first[0][1], first[1][1]}
+    os.kill(first[1][1], signal.SIGKILL)  # h2's agent dies between launches (its fork server
+    # follows it); the next launch may begin before the kernel knows: it finds out, once
+    capsys.readouterr()
+    third = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    third = third.values()
+    assert third[0] == first[0] and third[1][1] != first[1][1]
+    err = capsys.readouterr().err
+    assert "h2: its agent ended (agent h2 exited with code -9); starting a new agent" in err
 
 
 def _raise_on_last():
@@ -264,7 +317,7 @@ def test_a_killed_agent_is_named_and_its_host_lost(tmp_path):
     report = _two_hosts_sleeping_while(kill_second_agent, tmp_path)
     with pytest.raises(RankCrashed, match=r"rank 1 @ h2 was lost: host h2 lost: its agent"):
         report.values()
-    assert not _agent_pids()
+    assert len(_agent_pids(os.getpid())) == 1  # h2's is gone; h1's stays warm
 
 
 _KERNEL = textwrap.dedent(
@@ -362,3 +415,39 @@ def test_a_missing_default_folder_is_a_notice_not_an_error(capsys):
     report = run_function(plan, _cwd, renderer=TextRenderer())
     assert report.values() == [os.getcwd()]  # the agent's start folder (here: this one)
     assert "h1: no /no/such/nbaccel/folder on this host" in capsys.readouterr().err
+
+
+def _hold(folder):
+    import os
+    import time
+
+    open(os.path.join(folder, os.environ["RANK"]), "w").close()
+    while not os.path.exists(os.path.join(folder, "done")):
+        time.sleep(0.05)
+    return "held", os.getppid()
+
+
+def test_two_launches_at_once_share_the_agents(tmp_path):
+    """A launch that runs while another holds its ranks on the same hosts (a pool and a
+    ``notebook_launcher`` call): each is its own session on the one agent per host."""
+    held = {}
+    thread = threading.Thread(
+        target=lambda: held.setdefault(
+            "values",
+            run_function(
+                local_plan(["h1:1", "h2:1"]), _hold, (str(tmp_path),), renderer=TextRenderer()
+            ).values(),
+        )
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        quick = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+        quick = quick.values()
+    finally:
+        (tmp_path / "done").touch()
+        thread.join(60)
+    assert held["values"] == [("held", quick[0][0]), ("held", quick[1][0])]  # same fork servers
+    assert len(_agent_pids(os.getpid())) == 2

@@ -76,8 +76,7 @@ def test_padding_gives_equal_counts_from_the_last_element(length: int, count: in
         padded = split_for_process(data, i, count, apply_padding=True)
         assert len(padded) == target
         assert padded[: len(plain)] == plain
-        filler = plain[-1] if plain else data[-1]
-        assert all(x == filler for x in padded[len(plain) :])
+        assert all(x == data[-1] for x in padded[len(plain) :])  # Accelerate pads so
 
 
 def test_padded_tensor_keeps_trailing_dimensions() -> None:
@@ -102,5 +101,13 @@ def test_dict_values_must_have_the_same_length() -> None:
 
 
 def test_unsupported_type_is_a_clear_error() -> None:
-    with pytest.raises(TypeError, match="list, tuple, dict or tensor, not set"):
+    with pytest.raises(TypeError, match="list, tuple, dict, tensor or datasets.Dataset, not set"):
         split_for_process({1, 2, 3}, 0, 2)
+
+
+def test_a_datasets_dataset_is_split_with_select() -> None:
+    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets is not installed")
+    data = datasets.Dataset.from_dict({"x": list(range(5))})
+    shares = [split_for_process(data, i, 2, apply_padding=True)["x"] for i in range(2)]
+    assert [list(s) for s in shares] == [[0, 1, 2], [3, 4, 4]]
+    assert list(split_for_process(data, 2, 3)["x"]) == [4]

@@ -1,23 +1,15 @@
 """Device maps: plan where every module lives (``infer_auto_device_map``) and validate user maps.
 
-When the model fits without offloading, the map is exactly Accelerate's (``greedy_fill``: a
-sequential fill keeping the largest layer free on the main devices). When layers must be
-offloaded to the CPU or the disk, nbaccel's own planner below is used instead. It walks the
-module tree once per pass with a stack, reading sizes from one precomputed dictionary, so it
-runs in time linear in modules and tensors. It packs devices in order (GPU 0, GPU 1, ..., cpu,
-disk) with three differences from a naive sequential fill:
-
-- the memory kept free on the execution device for offloaded layers is the size of the layers
-  that actually end up offloaded (found by re-planning, at most a few linear passes), not a guess;
-- a layer too big for a device even when that device is empty is placed further down without
-  giving up the device, so one huge first layer does not send everything after it to the CPU;
-- tied parameters are placed together and counted once.
+The plan is Accelerate's (``greedy_fill``: a sequential fill keeping the largest layer free on
+the main devices), computed in time linear in the model, so code and tests written for
+Accelerate get the same map. ``offload_aware=True`` asks for nbaccel's own plan when layers
+must be offloaded (``offload_planner``: the room kept is the size of the layers actually
+offloaded, and one huge layer does not push everything after it off the GPUs).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Mapping
 
@@ -27,6 +19,7 @@ from torch import nn
 from nbaccel.bigmodel.greedy_fill import GreedyFill, greedy_fill
 from nbaccel.bigmodel.memory_budgets import get_balanced_memory, get_max_memory
 from nbaccel.bigmodel.module_sizes import ModelScan, modules_preorder, no_gc
+from nbaccel.bigmodel.offload_planner import ancestors, plan_offloaded
 
 __all__ = [
     "DEVICE_MAP_STRINGS",
@@ -76,223 +69,14 @@ def normalize_device(device: int | str | torch.device, where: str = "") -> int |
     )
 
 
-def _ancestors(name: str):
-    """'a.b.c' -> 'a.b', 'a', '' (proper ancestors, nearest first)."""
-    end = name.rfind(".")
-    while end != -1:
-        yield name[:end]
-        end = name.rfind(".", 0, end)
-    if name:
-        yield ""
-
-
 def _lookup(name: str, device_map: Mapping[str, object]):
     """Device of tensor or module ``name``: its own entry or its nearest mapped ancestor."""
     if name in device_map:
         return device_map[name]
-    for parent in _ancestors(name):
+    for parent in ancestors(name):
         if parent in device_map:
             return device_map[parent]
     raise KeyError(name)
-
-
-class _Plan:
-    """One sequential packing pass with fixed per-device reserves."""
-
-    def __init__(self, ctx: _Context, reserves: Mapping[int | str, int]):
-        self.ctx = ctx
-        self.devices = ctx.devices
-        self.caps = [ctx.budgets[d] - reserves.get(d, 0) for d in self.devices]
-        self.used = [0] * len(self.devices)
-        self.result: dict[str, int | str] = {}
-        self.preplaced: dict[str, int] = {}
-        self.reduced: dict[str, int] = {}
-        self.sizes_by_device: dict[int | str, list[int]] = {d: [] for d in self.devices}
-
-    def eff(self, name: str, module: nn.Module | None = None) -> int:
-        """Bytes of a unit still to place (minus tied pieces already placed elsewhere)."""
-        return self.ctx.size(name, module) - self.reduced.get(name, 0)
-
-    def _inside(self, name: str, unit: str) -> bool:
-        return unit == "" or name == unit or name.startswith(unit + ".")
-
-    def _assigned(self, name: str) -> bool:
-        if name in self.result or name in self.preplaced:
-            return True
-        return any(p in self.result or p in self.preplaced for p in _ancestors(name))
-
-    def _partners(self, unit: str) -> list[str]:
-        found: list[str] = []
-        for gi in self.ctx.tied_under.get(unit, ()):
-            for other in self.ctx.tied_groups[gi]:
-                owner = self.ctx.owner[other]
-                if self._inside(owner, unit) or owner in found or self._assigned(owner):
-                    continue
-                found.append(owner)
-        return found
-
-    def _place(
-        self, unit: str, module: nn.Module | None, i: int, size: int, partners: list[str]
-    ) -> None:
-        dev = self.devices[i]
-        self.result[unit] = dev
-        self.used[i] += size
-        self.sizes_by_device[dev].append(self.eff(unit, module))
-        ctx = self.ctx
-        if dev in ctx.offload_devices and not ctx.offload_buffers and module is not None:
-            # Buffers of offloaded layers stay resident on the execution device.
-            self.used[ctx.main_index] += ctx.scan.buffers_by_id.get(id(module), 0)
-        for owner in partners:
-            owner_size = self.eff(owner)
-            self.preplaced[owner] = i
-            self.sizes_by_device[dev].append(owner_size)
-            for parent in _ancestors(owner):
-                self.reduced[parent] = self.reduced.get(parent, 0) + owner_size
-        if ctx.verbose:
-            extra = f" with tied {partners}" if partners else ""
-            print(f"Putting {unit or '(model)'} ({size} bytes){extra} on {dev!r}.")
-
-    def run(self) -> dict[str, int | str]:
-        ctx = self.ctx
-        ptr = 0
-        last = len(self.devices) - 1
-        stack: list[tuple[str, nn.Module | None]] = [("", ctx.model)]
-        while stack:
-            name, module = stack.pop()
-            if name in self.preplaced:
-                self.result[name] = self.devices[self.preplaced[name]]
-                continue
-            partners = self._partners(name) if name in ctx.tied_under else []
-            need = self.eff(name, module) + sum(self.eff(p) for p in partners)
-            must_split = name in self.reduced and module is not None
-            if not must_split and self.used[ptr] + need <= self.caps[ptr]:
-                self._place(name, module, ptr, need, partners)
-                continue
-            if module is not None and (must_split or self._splittable(module)):
-                stack.extend(reversed(self._pieces(name, module)))
-                continue
-            # An unsplittable layer that does not fit the current device.
-            for j in range(ptr + 1, last + 1):
-                if self.used[j] + need <= self.caps[j]:
-                    break
-            else:
-                raise ValueError(
-                    f"{name!r} ({need} bytes) fits on no device: raise max_memory or add 'disk' "
-                    "to it."
-                )
-            if need <= self.caps[ptr]:
-                ptr = j  # the current device is full: move on, keeping the map sequential
-            # else: the layer could never fit on the current device; keep filling it afterwards.
-            self._place(name, module, j, need, partners)
-        return self.result
-
-    def _splittable(self, module: nn.Module) -> bool:
-        # Leaves stay whole (a Linear's weight and bias must share a device).
-        return bool(module._modules) and type(module).__name__ not in self.ctx.no_split
-
-    def _pieces(self, name: str, module: nn.Module) -> list[tuple[str, nn.Module | None]]:
-        prefix = name + "." if name else ""
-        pieces: list[tuple[str, nn.Module | None]] = []
-        ctx = self.ctx
-        for store in (module._parameters, module._buffers):
-            for leaf, tensor in store.items():
-                if tensor is None:
-                    continue
-                full = prefix + leaf
-                if full not in ctx.tensor_sizes:  # only computed when a module splits
-                    ctx.tensor_sizes[full] = ctx.scan.tensor_size(full, tensor)
-                pieces.append((full, None))
-        pieces.extend((prefix + k, m) for k, m in module._modules.items() if m is not None)
-        return pieces
-
-
-class _Context:
-    """Everything a pass needs, computed once."""
-
-    def __init__(
-        self, model, max_memory, no_split, dtype, special_dtypes, offload_buffers, verbose
-    ):
-        self.model = model
-        budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
-        if "disk" not in budgets:
-            budgets["disk"] = math.inf
-        self.budgets = budgets
-        self.devices = list(budgets)
-        self.no_split = set(no_split or ())
-        self.offload_buffers = offload_buffers
-        self.verbose = verbose
-        gpu_like = [d for d in self.devices if d not in _OFFLOAD]
-        self.main = gpu_like[0] if gpu_like else "cpu"
-        if self.main not in budgets:  # no cpu budget given and no GPU: plan onto disk
-            self.main = self.devices[0]
-        self.main_index = self.devices.index(self.main)
-        self.offload_devices = {"disk"} if self.main == "cpu" else {"cpu", "disk"}
-        scan = ModelScan(model, dtype, special_dtypes)
-        self.scan = scan
-        self.tensor_sizes: dict[str, int] = {}
-        self.tied_groups = scan.tied_groups
-        self.owner: dict[str, str] = {}
-        self.tied_under: dict[str, list[int]] = {}
-        if self.tied_groups:
-            modules = dict(scan.modules)
-            for gi, group in enumerate(self.tied_groups):
-                for pname in group:
-                    self.owner[pname] = self._owner(pname, modules)
-                    for prefix in (pname, *_ancestors(pname)):
-                        self.tied_under.setdefault(prefix, []).append(gi)
-
-    def size(self, name: str, module: nn.Module | None = None) -> int:
-        """Bytes under a module (found by identity, no name needed) or a tensor unit."""
-        if module is not None:
-            return self.scan.size_by_id.get(id(module), 0)
-        found = self.tensor_sizes.get(name)
-        if found is not None:
-            return found
-        try:  # a tied owner named by the plan
-            target = self.model.get_submodule(name) if name else self.model
-            return self.scan.size_by_id.get(id(target), 0)
-        except AttributeError:
-            owner_name, _, leaf = name.rpartition(".")
-            owner = self.model.get_submodule(owner_name) if owner_name else self.model
-            tensor = owner._parameters.get(leaf)
-            if tensor is None:
-                tensor = owner._buffers[leaf]
-            self.tensor_sizes[name] = self.scan.tensor_size(name, tensor)
-            return self.tensor_sizes[name]
-
-    def _owner(self, pname: str, modules: Mapping[str, nn.Module]) -> str:
-        """The unit a tied parameter moves with: its outermost no-split ancestor, else its module
-        (or the tensor itself when that module has children and may be split)."""
-        for prefix in reversed(list(_ancestors(pname))):
-            if prefix and type(modules[prefix]).__name__ in self.no_split:
-                return prefix
-        parent = pname.rpartition(".")[0]
-        return pname if modules[parent]._modules else parent
-
-
-def _reserves(ctx: _Context, plan: _Plan) -> dict[int | str, int]:
-    offloaded = sorted(
-        (
-            s
-            for d in ctx.offload_devices
-            if d in plan.sizes_by_device
-            for s in plan.sizes_by_device[d]
-        ),
-        reverse=True,
-    )
-    if not offloaded:
-        return {}
-    reserves: dict[int | str, int] = {}
-    # A GPU executing offloaded layers holds the running layer and the one being prefetched.
-    reserves[ctx.main] = offloaded[0]
-    if isinstance(ctx.main, int) and sum(offloaded[:2]) < ctx.budgets[ctx.main]:
-        reserves[ctx.main] = sum(offloaded[:2])
-    disk = sorted(plan.sizes_by_device.get("disk", []), reverse=True)
-    if disk and "cpu" in ctx.budgets and ctx.main != "cpu":
-        reserves["cpu"] = disk[0]
-    # A layer bigger than the execution device cannot be streamed onto it whatever is kept free;
-    # reserving would only evict everything else, so such reserves are dropped.
-    return {d: r for d, r in reserves.items() if r < ctx.budgets[d]}
 
 
 def infer_auto_device_map(
@@ -305,51 +89,66 @@ def infer_auto_device_map(
     clean_result: bool = True,
     offload_buffers: bool = False,
     fallback_allocation: bool = False,
+    *,
+    offload_aware: bool = False,
 ) -> dict[str, int | str]:
-    """Map module names to devices, filling GPUs in order, then cpu, then disk.
+    """Map module names to devices, filling GPUs in order, then cpu, then disk (Accelerate's map).
 
     ``no_split_module_classes`` names blocks kept whole (residual blocks). Tied parameters share
-    a device. If the model fits on the execution devices the map is Accelerate's (the largest
-    layer kept free on GPU 0 and the CPU; ``fallback_allocation`` lets a device that would stay
-    empty take a smaller later piece). If layers must be offloaded, the room kept on the
-    execution device is the size of the layers actually offloaded (running + prefetched), and a
-    device is never left empty while a later layer fits on it.
+    a device. The largest layer is kept free on GPU 0 and the CPU in case an offloaded layer
+    runs there; ``fallback_allocation`` lets a device that would stay empty take a smaller later
+    piece. ``offload_aware=True`` (nbaccel only): when layers must be offloaded, keep only the
+    size of the layers actually offloaded (running + prefetched) free on the execution device,
+    and never leave a device empty while a later layer fits on it.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""))
     if isinstance(no_split_module_classes, str):
         no_split_module_classes = [no_split_module_classes]
+    no_split = set(no_split_module_classes or ())
     with no_gc():
         budgets = get_max_memory(max_memory)
-        ctx = _Context(
-            model, budgets, no_split_module_classes, dtype, special_dtypes, offload_buffers, verbose
-        )
-        sizes, buffer_sizes = ctx.scan.sizes, ctx.scan.buffer_sizes
+        scan = ModelScan(model, dtype, special_dtypes)
         fill = greedy_fill(
             model,
             budgets,
-            sizes,
-            buffer_sizes,
-            ctx.tied_groups,
-            ctx.no_split,
+            scan,
+            no_split,
             offload_buffers=offload_buffers,
             fallback_allocation=fallback_allocation,
             verbose=verbose,
         )
-        if any(dev in ctx.offload_devices for dev in fill.device_map.values()):
-            result = _infer(ctx)
-            used: dict[int | str, float] = {}
-            for name, dev in result.items():
-                used[dev] = used.get(dev, 0) + sizes.get(name, 0)
-            buffers = {}
-            if not offload_buffers:
-                for name, dev in result.items():
-                    buffers[dev] = buffers.get(dev, 0) + buffer_sizes.get(name, 0)
-            empty = {d: m for d, m in fill.empty_minimum.items() if d not in used}
-            fill = GreedyFill(result, used, buffers, empty)
+        if offload_aware and _offloads(fill, budgets):
+            fill = _offload_aware(model, budgets, scan, no_split, fill, offload_buffers, verbose)
         _warn(fill, budgets, offload_buffers)
         result = fill.device_map
     return clean_device_map(result) if clean_result else result
+
+
+def _offloads(fill: GreedyFill, budgets: Mapping[int | str, int]) -> bool:
+    gpu_like = any(d not in _OFFLOAD for d in budgets)
+    offload = ("cpu", "disk") if gpu_like else ("disk",)
+    return any(dev in offload for dev in fill.device_map.values())
+
+
+def _offload_aware(model, budgets, scan, no_split, fill, offload_buffers, verbose) -> GreedyFill:
+    """nbaccel's plan, with the numbers the diagnostics need."""
+    result = plan_offloaded(model, budgets, scan, no_split, offload_buffers, verbose)
+    modules = dict(scan.modules)
+    used: dict[int | str, float] = {}
+    buffers: dict[int | str, float] = {}
+    for name, dev in result.items():
+        piece = modules.get(name)
+        if piece is None:  # a tensor unit
+            owner, _, leaf = name.rpartition(".")
+            holder = modules[owner]
+            piece = holder._parameters.get(leaf)
+            piece = holder._buffers[leaf] if piece is None else piece
+        used[dev] = used.get(dev, 0) + scan.piece_size(name, piece)
+        if not offload_buffers and isinstance(piece, nn.Module):
+            buffers[dev] = buffers.get(dev, 0) + scan.piece_buffers(name, piece)
+    empty = {d: m for d, m in fill.empty_minimum.items() if d not in used}
+    return GreedyFill(result, used, buffers, empty)
 
 
 def _warn(fill: GreedyFill, budgets: Mapping[int | str, int], offload_buffers: bool) -> None:
@@ -359,9 +158,10 @@ def _warn(fill: GreedyFill, budgets: Mapping[int | str, int], offload_buffers: b
     fits_a_gpu = any(budgets[g] >= offloaded + fill.used.get(g, 0) for g in gpus)
     if offloaded > 0 and not offload_buffers and gpus and not fits_a_gpu:
         warnings.warn(
-            f"The layers offloaded to cpu/disk hold {offloaded:g} bytes of buffers, which do "
-            "not fit in the remaining memory of any GPU; they are kept on the execution "
-            "device during inference. If you run out of memory, pass offload_buffers=True.",
+            f"Current model requires {offloaded:g} bytes of buffer for offloaded layers: the "
+            "layers on cpu/disk keep their buffers on the execution device during inference, "
+            "and they do not fit in the remaining memory of any GPU. If you run out of memory, "
+            "pass offload_buffers=True.",
             stacklevel=3,
         )
     if fill.empty_minimum:
@@ -373,35 +173,21 @@ def _warn(fill: GreedyFill, budgets: Mapping[int | str, int], offload_buffers: b
         )
 
 
-def _infer(ctx: _Context) -> dict[str, int | str]:
-    plan = _Plan(ctx, {})
-    result = plan.run()
-    reserves = _reserves(ctx, plan)
-    for _ in range(4):
-        if not reserves or all(v <= 0 for v in reserves.values()):
-            break
-        plan = _Plan(ctx, reserves)
-        result = plan.run()
-        needed = _reserves(ctx, plan)
-        if all(needed.get(d, 0) <= reserves.get(d, 0) for d in needed):
-            break
-        reserves = {
-            d: max(needed.get(d, 0), reserves.get(d, 0)) for d in set(needed) | set(reserves)
-        }
-    return result
-
-
 def clean_device_map(device_map: Mapping[str, int | str]) -> dict[str, int | str]:
-    """Collapse entries: a module whose every mapped piece is on one device becomes one entry."""
+    """Collapse entries: a module with more than one mapped piece under it, all on one device,
+    becomes one entry (the outermost such module wins; ``""`` when the whole model is on one)."""
     devices_under: dict[str, set] = {}
-    for name, dev in device_map.items():
-        for prefix in (name, *_ancestors(name)):
+    count_under: dict[str, int] = {}
+    for name in device_map:
+        dev = device_map[name]
+        for prefix in ancestors(name):
             devices_under.setdefault(prefix, set()).add(dev)
+            count_under[prefix] = count_under.get(prefix, 0) + 1
     cleaned: dict[str, int | str] = {}
     for name, dev in device_map.items():
         chosen = name
-        for prefix in reversed([name, *_ancestors(name)]):  # outermost first
-            if len(devices_under[prefix]) == 1:
+        for prefix in reversed(list(ancestors(name))):  # outermost first
+            if count_under[prefix] > 1 and len(devices_under[prefix]) == 1:
                 chosen = prefix
                 break
         if chosen not in cleaned:

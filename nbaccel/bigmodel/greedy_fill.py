@@ -10,14 +10,15 @@ parameters travel with the piece that owns their first occurrence. With
 ``fallback_allocation`` a device that would stay empty first takes the first piece (found
 breadth-first) that fits.
 
-nbaccel's own planner (``device_map``) replaces the blanket reserve by the real size of the
-offloaded layers; this module exists so that a model that needs no offloading gets exactly the
-map Accelerate users expect. Written from Accelerate's documentation and observed behaviour.
+This module gives the same map in time linear in the model: sizes come from one scan
+(``ModelScan``), the largest layer under a piece is computed once per piece, and the largest
+layer still queued is read off a stack that carries its running maximum, where a literal reading
+of the algorithm re-walks the whole queue after every split. Written from Accelerate's
+documentation and observed behaviour.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,11 +26,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.module_sizes import get_max_layer_size
+from nbaccel.bigmodel.module_sizes import ModelScan
 
 __all__ = ["GreedyFill", "greedy_fill"]
 
 Piece = tuple[str, "nn.Module | torch.Tensor"]
+_NONE = (-1, 0)  # no unsplittable layer (a tensor piece, after the first measure)
 
 
 @dataclass
@@ -43,71 +45,139 @@ class GreedyFill:
 
 
 def _inside(name: str, other: str) -> bool:
-    """Is tensor/module ``other`` equal to or under ``name``?"""
-    return (other + ".").startswith(name + ".")
+    """Does Accelerate count tensor ``other`` as inside piece ``name``? It tests ``name + "."``
+    as a substring of ``other + "."``, so ``"0"`` also holds ``"3.m0.weight"``; the same test
+    keeps the same maps."""
+    return (name + ".") in (other + ".")
 
 
 def _children(piece: nn.Module | torch.Tensor) -> list[tuple[str, nn.Module]]:
-    if isinstance(piece, torch.Tensor):
+    """``named_children``: set children, each module object once."""
+    if isinstance(piece, torch.Tensor) or not piece._modules:
         return []
-    return list(piece.named_children())
+    out, seen = [], set()
+    for key, child in piece._modules.items():
+        if child is not None and id(child) not in seen:
+            seen.add(id(child))
+            out.append((key, child))
+    return out
 
 
 def _split(name: str, module: nn.Module) -> list[Piece]:
     """A split module becomes its direct parameters followed by its children."""
-    parts: list[Piece] = list(module.named_parameters(recurse=False))
-    parts += _children(module)
-    return [(f"{name}.{n}", p) for n, p in parts]
+    prefix = name + "." if name else ""
+    parts: list[Piece] = []
+    seen: set[int] = set()
+    for key, param in module._parameters.items():
+        if param is not None and id(param) not in seen:
+            seen.add(id(param))
+            parts.append((prefix + key, param))
+    parts += [(prefix + k, m) for k, m in _children(module)]
+    return parts
 
 
-def _outside_ties(name: str, tied_groups: list[list[str]]) -> list[str]:
-    """Tied names outside ``name`` whose group also has a member inside it."""
-    out: list[str] = []
-    for group in tied_groups:
-        inside = [_inside(name, p) for p in group]
-        if any(inside) and not all(inside):
-            out.extend(p for p, is_in in zip(group, inside) if not is_in)
-    return out
+def _combine(a: tuple[float, int], b: tuple[float, int]) -> tuple[float, int]:
+    """(largest size, how many layers reach it) of two groups of layers."""
+    if a[0] > b[0]:
+        return a
+    if b[0] > a[0]:
+        return b
+    return a[0], a[1] + b[1]
 
 
-def _with_ties(
-    tied: list[str], size: float, sizes: Mapping[str, float], queue: list[Piece]
-) -> tuple[float, list[str], list]:
-    """Size of a piece plus the queued pieces holding its outside tied parameters."""
-    names: list[str] = []
-    pieces: list = []
-    total = size
-    for param in tied:
-        holder = next(((n, m) for n, m in queue if param.startswith(n + ".")), None)
-        if holder is None:
-            continue
-        names.append(holder[0])
-        pieces.append(holder[1])
-        total += sizes.get(holder[0], 0) - sizes.get(param, 0)
-    return total, names, pieces
+class _Fill:
+    """State of one fill. The queue is a stack (its front is the end of the list)."""
 
+    def __init__(self, scan: ModelScan, no_split: set[str], tied_groups: list[list[str]]):
+        self.scan, self.no_split = scan, no_split
+        self.size = scan.piece_size
+        self.layer_memo: dict[str, tuple[float, int]] = {}
+        self.tied_groups = tied_groups
+        self.stack: list[Piece] = []
+        self.agg: list[tuple[float, int]] = []  # running (largest layer, count) of the stack
 
-def _largest(queue: list[Piece], sizes, no_split, modules_only=True) -> tuple[float, list[str]]:
-    """Largest unsplittable layer in the queue (the first measure also counts the model's own
-    top-level tensors; later ones only modules, as Accelerate does)."""
-    pieces = [(n, m) for n, m in queue if isinstance(m, nn.Module)] if modules_only else queue
-    return get_max_layer_size(pieces, sizes, list(no_split))
+    def splittable(self, piece: nn.Module | torch.Tensor) -> bool:
+        return bool(_children(piece)) and type(piece).__name__ not in self.no_split
 
+    def layers(self, name: str, piece: nn.Module | torch.Tensor) -> tuple[float, int]:
+        """(size, count) of the largest unsplittable layers under a module piece."""
+        found = self.layer_memo.get(name)
+        if found is not None:
+            return found
+        if not self.splittable(piece):
+            result = (self.size(name, piece), 1)
+        else:
+            result = _NONE
+            prefix = name + "." if name else ""
+            for key, child in _children(piece):
+                result = _combine(result, self.layers(prefix + key, child))
+        self.layer_memo[name] = result
+        return result
 
-def _fallback(queue, sizes, limit, no_split, tied_groups) -> tuple[Piece | None, list[Piece]]:
-    """First piece fitting in ``limit``; a piece too big is searched through before the next."""
-    search = list(queue)
-    while search:
-        name, piece = search.pop(0)
-        total, _, _ = _with_ties(
-            _outside_ties(name, tied_groups), sizes.get(name, 0), sizes, search
-        )
-        if total <= limit:
-            return (name, piece), _remove(queue, name)
-        children = _children(piece)
-        if children and type(piece).__name__ not in no_split:
-            search = _split(name, piece) + search
-    return None, queue
+    def _own(self, piece: Piece) -> tuple[float, int]:
+        return _NONE if isinstance(piece[1], torch.Tensor) else self.layers(*piece)
+
+    def push(self, piece: Piece) -> None:
+        below = self.agg[-1] if self.agg else _NONE
+        self.stack.append(piece)
+        self.agg.append(_combine(below, self._own(piece)))
+
+    def pop(self) -> Piece:
+        self.agg.pop()
+        return self.stack.pop()
+
+    def reset(self, front_first: list[Piece]) -> None:
+        """Replace the whole queue (a rare reordering): rebuild the running maxima."""
+        self.stack, self.agg = [], []
+        for piece in reversed(front_first):
+            self.push(piece)
+
+    def queue(self) -> list[Piece]:
+        return self.stack[::-1]
+
+    def largest(self) -> tuple[float, int]:
+        """Largest unsplittable module layer still queued, and how many layers reach it."""
+        size, count = self.agg[-1] if self.agg else _NONE
+        return max(size, 0), count
+
+    def outside_ties(self, name: str) -> list[str]:
+        """Tied names outside ``name`` whose group also has a member inside it."""
+        out: list[str] = []
+        for group in self.tied_groups:  # a few groups: checked one by one, as Accelerate does
+            inside = [_inside(name, p) for p in group]
+            if any(inside) and not all(inside):
+                out.extend(p for p, is_in in zip(group, inside) if not is_in)
+        return out
+
+    def with_ties(self, tied: list[str], size: float, queue: list[Piece]):
+        """Size of a piece plus the queued pieces holding its outside tied parameters."""
+        names: list[str] = []
+        pieces: list = []
+        total = size
+        for param in tied:
+            holder = next(((n, m) for n, m in queue if param.startswith(n + ".")), None)
+            if holder is None:
+                continue
+            names.append(holder[0])
+            pieces.append(holder[1])
+            total += self.size(*holder) - self.scan.sizes.get(param, 0)
+        return total, names, pieces
+
+    def fallback(self, limit: float) -> tuple[Piece | None, list[Piece]]:
+        """First piece (depth-first through split pieces) fitting in ``limit``."""
+        queue = self.queue()
+        search = queue[::-1]  # a stack again: the front is the end
+        while search:
+            name, piece = search.pop()
+            tied = self.outside_ties(name) if self.tied_groups else []
+            total = self.size(name, piece)
+            if tied:
+                total, _, _ = self.with_ties(tied, total, search[::-1])
+            if total <= limit:
+                return (name, piece), _remove(queue, name)
+            if self.splittable(piece):
+                search.extend(reversed(_split(name, piece)))
+        return None, queue
 
 
 def _remove(queue: list[Piece], name: str) -> list[Piece]:
@@ -124,125 +194,161 @@ def _remove(queue: list[Piece], name: str) -> list[Piece]:
 
 
 class _Largest:
-    """The largest unsplittable layer still queued, and the names reaching that size (kept
-    sorted, so dropping every name under a placed piece is a bisect, not a scan)."""
+    """Accelerate's "largest layer" kept free on the main devices, and when it is measured again:
+    after a split, or once every layer of that size measured last time has left the queue."""
 
-    def __init__(self, queue: list[Piece], sizes, no_split):
-        self.sizes, self.no_split = sizes, no_split
-        self.refresh(queue, modules_only=False)
+    def __init__(self, queue: _Fill, first: list[Piece]):
+        self.queue = queue
+        # The first measure also counts the model's own tensors; later ones only modules.
+        largest = (0, 0)
+        for name, piece in first:
+            if isinstance(piece, torch.Tensor):
+                own = (queue.size(name, piece), 1)
+            else:
+                own = queue.layers(name, piece)
+            largest = _combine(largest, own)
+        self.size, self.remaining = largest
+        self.first_measure = True
+        self.popped: set[str] = set()
 
-    def refresh(self, queue: list[Piece], modules_only: bool = True) -> None:
-        self.size, names = _largest(queue, self.sizes, self.no_split, modules_only)
-        self.names = sorted(names)
+    def leave(self, name: str, piece: nn.Module | torch.Tensor, size: float) -> None:
+        """``name`` left the queue: layers of the largest size under it leave the count."""
+        if self.size <= 0 or name in self.popped:
+            return
+        self.popped.add(name)
+        if isinstance(piece, torch.Tensor):
+            gone = 1 if self.first_measure and size == self.size else 0
+        else:
+            layer_size, count = self.queue.layers(name, piece)
+            gone = count if layer_size == self.size else 0
+        self.remaining -= gone
+        if self.remaining <= 0:
+            self.remeasure(name)
 
-    def drop(self, name: str, queue_front_first) -> None:
-        """Forget ``name`` and every name under it; re-measure once none is left."""
-        names = self.names
-        prefix = name + "."
-        lo = hi = bisect.bisect_left(names, prefix)
-        while hi < len(names) and names[hi].startswith(prefix):
-            hi += 1
-        del names[lo:hi]
-        at = bisect.bisect_left(names, name)
-        if at < len(names) and names[at] == name:
-            del names[at]
-        if not names:
-            self.refresh(queue_front_first())
+    def remeasure(self, just_popped: str | None = None) -> None:
+        self.size, self.remaining = self.queue.largest()
+        # A piece popped before the measure is not part of it, even if it is queued again.
+        self.first_measure = False
+        self.popped = {just_popped} if just_popped is not None else set()
+
+
+class _Devices:
+    """The devices in fill order, what each holds, and the one being filled."""
+
+    def __init__(self, budgets: Mapping[int | str, float]):
+        self.order = list(budgets)
+        self.caps = dict(budgets)
+        if "disk" not in self.caps:
+            self.order.append("disk")
+        self.caps["disk"] = math.inf  # the disk is never full
+        gpus = [d for d in self.order if d not in ("cpu", "disk")]
+        if "mps" in gpus:
+            self.main = {"mps"}
+        elif gpus:
+            self.main = {gpus[0], "cpu"}
+        else:
+            self.main = {"cpu"}
+        self.index = 0
+        self.used: dict[int | str, float] = dict.fromkeys(self.order, 0)
+        self.buffers: dict[int | str, float] = {}
+        self.empty_minimum: dict[int | str, float] = {}
+        self.result: dict[str, int | str] = {}
+
+    def current(self, largest: float) -> tuple[int | str, float, float]:
+        """(device, memory kept free on it, what may be used on it)."""
+        device = self.order[self.index]
+        reserved = largest if device in self.main else 0
+        return device, reserved, self.caps[device] - reserved
+
+    def move_on(self, device: int | str, total: float, reserved: float) -> None:
+        """Nothing more fits on ``device``: it keeps its reserve and the next one is filled."""
+        if self.used[device] == 0:
+            self.empty_minimum[device] = total + reserved
+        self.used[device] += reserved
+        self.index += 1
+
+    def report(self) -> GreedyFill:
+        used = {d: u for d, u in self.used.items() if u > 0}
+        return GreedyFill(self.result, used, self.buffers, self.empty_minimum)
+
+
+def _split_a_partner(queue: _Fill, current: Piece, tied_names: list[str], tied_pieces) -> bool:
+    """Split the first splittable tied partner in place; the current piece goes back first."""
+    for tied_name, tied_piece in zip(tied_names, tied_pieces):
+        if not queue.splittable(tied_piece):
+            continue
+        rest = queue.queue()
+        at = next(i for i, (n, _) in enumerate(rest) if n == tied_name)
+        queue.reset([current, *rest[:at], *_split(tied_name, tied_piece), *rest[at + 1 :]])
+        return True
+    return False
+
+
+def _first_pieces(model: nn.Module) -> list[Piece]:
+    """The model's own parameters, then its children, then its own buffers."""
+    first = _split("", model)
+    seen: set[int] = set()
+    for key, buffer in model._buffers.items():
+        if buffer is not None and id(buffer) not in seen:
+            seen.add(id(buffer))
+            first.append((key, buffer))
+    return first
 
 
 def greedy_fill(
     model: nn.Module,
     budgets: Mapping[int | str, float],
-    sizes: Mapping[str, float],
-    buffer_sizes: Mapping[str, float],
-    tied_groups: list[list[str]],
+    scan: ModelScan,
     no_split: set[str],
     offload_buffers: bool = False,
     fallback_allocation: bool = False,
     verbose: bool = False,
 ) -> GreedyFill:
     """Fill ``budgets`` (ordered devices, bytes) in order with the model's pieces."""
-    devices = list(budgets)
-    caps = dict(budgets)
-    if "disk" not in caps:
-        devices.append("disk")
-    caps["disk"] = math.inf  # the disk is never full
-    gpus = [d for d in devices if d not in ("cpu", "disk")]
-    if "mps" in gpus:
-        main = {"mps"}
-    elif gpus:
-        main = {gpus[0], "cpu"}
-    else:
-        main = {"cpu"}
-    first: list[Piece] = list(model.named_parameters(recurse=False))
-    first += list(model.named_children())
-    first += list(model.named_buffers(recurse=False))
-    stack: list[Piece] = first[::-1]  # the front of the queue is the end of the list
-
-    def queue() -> list[Piece]:
-        return stack[::-1]
-
-    def push_front(pieces: list[Piece]) -> None:
-        stack.extend(reversed(pieces))
-
-    result: dict[str, int | str] = {}
-    used: dict[int | str, float] = dict.fromkeys(devices, 0)
-    buffers: dict[int | str, float] = {}
-    empty_minimum: dict[int | str, float] = {}
-    index = 0
-    largest = _Largest(first, sizes, no_split)
-    while stack:
-        name, piece = stack.pop()
-        largest.drop(name, queue)
-        size = sizes.get(name, 0)
-        tied = _outside_ties(name, tied_groups) if tied_groups else []
-        device = devices[index]
-        reserved = largest.size if device in main else 0
-        cap = caps[device] - reserved
+    devices = _Devices(budgets)
+    first = _first_pieces(model)
+    queue = _Fill(scan, no_split, scan.tied_groups)
+    queue.reset(first)
+    largest = _Largest(queue, first)
+    while queue.stack:
+        name, piece = queue.pop()
+        size = scan.piece_size(name, piece)
+        largest.leave(name, piece, size)
+        tied = queue.outside_ties(name) if scan.tied_groups else []
+        device, reserved, cap = devices.current(largest.size)
         total, tied_names, tied_pieces = (
-            _with_ties(tied, size, sizes, queue()) if tied else (size, [], [])
+            queue.with_ties(tied, size, queue.queue()) if tied else (size, [], [])
         )
-        if used[device] + total <= cap:
+        used = devices.used[device]
+        if used + total <= cap:
             if verbose:
                 print(f"Putting {name} ({total} bytes) on {device}.")
-            used[device] += total
-            result[name] = device
+            devices.used[device] += total
+            devices.result[name] = device
             if tied_names:
-                stack[:] = [(n, p) for n, p in stack if n not in tied_names]
-            for tied_name in tied_names:
-                result[tied_name] = device
+                queue.reset([(n, p) for n, p in queue.queue() if n not in tied_names])
+            devices.result.update(dict.fromkeys(tied_names, device))
             if not offload_buffers and isinstance(piece, nn.Module):
-                buffers[device] = buffers.get(device, 0) + buffer_sizes.get(name, 0)
+                buffers = devices.buffers.get(device, 0) + scan.piece_buffers(name, piece)
+                devices.buffers[device] = buffers
             continue
-        if tied and used[device] + size <= cap:
-            # The piece fits without its tied partners: split a partner if one can be split.
-            split_partner = False
-            for tied_name, tied_piece in zip(tied_names, tied_pieces):
-                if not _children(tied_piece) or type(tied_piece).__name__ in no_split:
-                    continue
-                rest = queue()
-                at = next(i for i, (n, _) in enumerate(rest) if n == tied_name)
-                parts = _split(tied_name, tied_piece)
-                stack[:] = [(name, piece), *rest[:at], *parts, *rest[at + 1 :]][::-1]
-                largest.refresh(queue())
-                split_partner = True
-                break
-            if split_partner:
-                continue
-        splittable = bool(_children(piece)) and type(piece).__name__ not in no_split
-        if used[device] + size >= cap and splittable:
-            push_front(_split(name, piece))
-            largest.refresh(queue())
+        if (
+            tied
+            and used + size <= cap
+            and _split_a_partner(queue, (name, piece), tied_names, tied_pieces)
+        ):
+            largest.remeasure()
             continue
-        if used[device] == 0 and fallback_allocation and device != "disk":
-            limit = caps[device] - max(largest.size, total)
-            found, rest = _fallback(queue(), sizes, limit, no_split, tied_groups)
+        if used + size >= cap and queue.splittable(piece):
+            for part in reversed(_split(name, piece)):
+                queue.push(part)
+            largest.remeasure()
+            continue
+        if used == 0 and fallback_allocation and device != "disk":
+            found, rest = queue.fallback(devices.caps[device] - max(largest.size, total))
             if found is not None:
-                stack[:] = [found, (name, piece), *rest][::-1]
+                queue.reset([found, (name, piece), *rest])
                 continue
-        if used[device] == 0:
-            empty_minimum[device] = total + reserved
-        used[device] += reserved
-        index += 1
-        stack.append((name, piece))
-    return GreedyFill(result, {d: u for d, u in used.items() if u > 0}, buffers, empty_minimum)
+        devices.move_on(device, total, reserved)
+        queue.push((name, piece))
+    return devices.report()

@@ -93,10 +93,28 @@ def load_checkpoint_in_model(
     :class:`CheckpointMismatchError` listing missing and unexpected keys before reading tensors;
     otherwise mismatches are logged as a warning with the same lists.
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""))
     if offload_8bit_bnb:
         raise NotImplementedError("8-bit bitsandbytes offload is not supported by nbaccel.")
+    load = _load_checkpoint(
+        model, checkpoint, device_map, offload_folder, dtype, offload_buffers,
+        keep_in_fp32_modules, strict,
+    )  # fmt: skip
+    load.report_mismatch(require_data=False)
+
+
+def _load_checkpoint(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    device_map: Any,
+    offload_folder: str | os.PathLike | None,
+    dtype: torch.dtype | str | None,
+    offload_buffers: bool,
+    keep_in_fp32_modules: list[str] | None,
+    strict: bool,
+) -> _CheckpointLoad:
+    """Load what the checkpoint holds; the caller reports the key mismatches."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""))
     device_map = get_device_map(model, device_map, dtype=dtype, offload_buffers=offload_buffers)
     keep_fp32 = list(keep_in_fp32_modules or getattr(model, "_keep_in_fp32_modules", None) or [])
     load = _CheckpointLoad(
@@ -109,6 +127,7 @@ def load_checkpoint_in_model(
         load.write_bin_offload(path, load.load_file(path, keys, handle), offload_folder)
         del handle
     load.record_disk_index(offload_folder)
+    return load
 
 
 def _expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
@@ -148,6 +167,8 @@ class _CheckpointLoad:
             n: [t for t in g if t in self.owners] for n, g in twins.items() if n in self.owners
         }
         self.problem = ""  # the key lists, appended to every loading error
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
         self.disk_index: dict[str, dict] = {}
         self.placed: set[str] = set()
 
@@ -172,20 +193,38 @@ class _CheckpointLoad:
             if n not in present and not any(t in present for t in self.tied.get(n, ()))
         ]
         self.problem = _mismatch_text(missing, unexpected)
+        self.missing, self.unexpected = missing, unexpected
         model_name = type(self.model).__name__
         if strict and (missing or unexpected):
             raise CheckpointMismatchError(
                 f"Checkpoint {str(self.checkpoint)!r} does not match {model_name}: {self.problem}."
             )
-        if unexpected:
-            logger.warning(
-                "Checkpoint weights %s were not used when loading %s into %s (the model has no "
-                "such tensors).", _fmt(unexpected), self.checkpoint, model_name,
-            )  # fmt: skip
-        if missing:
-            logger.warning(
-                "Loading %s into %s: %s.", self.checkpoint, model_name, _mismatch_text(missing, [])
+
+    def _on_meta(self, name: str) -> bool:
+        mod, leaf, _ = self.owners[name]
+        return getattr(mod, leaf).device.type == "meta"
+
+    def report_mismatch(self, require_data: bool) -> None:
+        """One report of the missing and unexpected keys: an error when ``require_data`` and a
+        missing tensor is left without data (on the meta device, not offloaded), else a
+        warning."""
+        if not (self.missing or self.unexpected):
+            return
+        model_name = type(self.model).__name__
+        empty = [n for n in self.missing if n not in self.disk_index and self._on_meta(n)]
+        if require_data and empty:
+            raise CheckpointMismatchError(
+                f"Checkpoint {str(self.checkpoint)!r} does not match {model_name}: "
+                f"{self.problem}. The missing tensors have no data (the model was built on the "
+                "meta device): use a checkpoint that holds them, or build those modules with "
+                "real weights."
             )
+        if self.unexpected:  # Accelerate's phrase, which scripts and tests match
+            head = f"Some weights of the model checkpoint at {self.checkpoint} were not used when"
+            head += f" initializing {model_name}"
+        else:
+            head = f"Checkpoint {self.checkpoint} does not fill {model_name}"
+        logger.warning("%s: %s.", head, self.problem)
 
     def load_file(self, path: str, keys: list[str], handle: Any) -> dict[str, torch.Tensor]:
         """Load every expected tensor of one file; return the ``.bin`` tensors mapped to disk
@@ -343,16 +382,10 @@ def load_checkpoint_and_dispatch(
     device_map = get_device_map(
         model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers
     )
-    load_checkpoint_in_model(
-        model,
-        checkpoint,
-        device_map=device_map,
-        offload_folder=offload_folder,
-        dtype=dtype,
-        offload_state_dict=bool(offload_state_dict),
-        offload_buffers=offload_buffers,
-        strict=strict,
+    load = _load_checkpoint(
+        model, checkpoint, device_map, offload_folder, dtype, offload_buffers, None, strict
     )
+    load.report_mismatch(require_data=True)  # one report: both key lists, before dispatching
     if device_map is None:
         return model
     return dispatch_model(

@@ -135,9 +135,12 @@ class ModelScan:
     """One pass over a model: bytes under every module (ties counted once, with their first
     name) and every tensor, the same for buffers only, and the groups of tied parameter names.
 
-    ``size_by_id`` / ``buffers_by_id`` answer by module object without building any name;
-    ``sizes`` / ``buffer_sizes`` (by dotted name, as ``compute_module_sizes`` returns them) are
-    built on first use.
+    Without ``dtype``/``special_dtypes`` and without shared tensors (the usual case) the pass
+    builds no name at all: ``piece_size`` answers by module identity. A model with tied
+    weights or shared modules is scanned again with names, so every answer keeps Accelerate's
+    by-name meaning (a tie counts under its first name). ``sizes`` / ``buffer_sizes`` (by dotted
+    name, as ``compute_module_sizes`` returns them) are built on first use, or at once with
+    ``tensor_names=True``.
     """
 
     def __init__(
@@ -145,65 +148,99 @@ class ModelScan:
         model: nn.Module,
         dtype: torch.dtype | str | None = None,
         special_dtypes: Mapping[str, torch.dtype] | None = None,
-        tensor_names: bool = True,
+        tensor_names: bool = False,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.replace("torch.", ""))
+        self.model = model
         self.dtype, self.special_dtypes = dtype, special_dtypes
+        self._sizes: dict[str, int] | None = None
+        self._buffer_sizes: dict[str, int] | None = None
         with no_gc():
-            self._scan(model, tensor_names)
+            if not tensor_names and dtype is None and not special_dtypes and self._walk(model):
+                self.by_name = False
+                self.tied_groups: list[list[str]] = []
+                self.tied_dups: set[str] = set()
+                return
+            self._scan(model)
 
-    def _fast_scan(self, model: nn.Module) -> tuple[list, list[int], list[int], list]:
-        """Traversal and sizes fused in one loop, no names (the planner's path)."""
-        entries: list[tuple[nn.Module, int, str]] = []
-        totals: list[int] = []
-        buffer_totals: list[int] = []
-        seen: set[int] = set()
-        dups: list[tuple[int, str, torch.Tensor]] = []
-        add, append = seen.add, entries.append
-        stack: list[tuple[nn.Module, int, str]] = [(model, -1, "")]
-        pop, push = stack.pop, stack.append
+    def _walk(self, model: nn.Module) -> bool:
+        """Sizes by module identity in one tight loop; False if a tensor was met twice.
+
+        Only modules with children get an entry (a leaf adds its bytes to its parent and is
+        measured again on demand, which is cheaper than keeping ~10^5 entries)."""
+        modules: list[nn.Module] = []
+        parents: list[int] = []
+        totals: list[int | float] = []
+        buffer_totals: dict[int, int | float] = {}
+        tensors: list[torch.Tensor | None] = []  # ties are found once at the end, in C
+        collect = tensors.extend
+        keep, link, record = modules.append, parents.append, totals.append
+        stack, stack_parents = [model], [-1]  # two stacks: no tuple per module
+        pop, pop_parent, push, push_parent = (
+            stack.pop,
+            stack_parents.pop,
+            stack.append,
+            stack_parents.append,
+        )
+        boolean = torch.bool
         while stack:
-            item = pop()
-            module = item[0]
-            i = len(entries)
-            append(item)
+            module = pop()
+            parent = pop_parent()
             own = own_buffers = 0
             params = module._parameters
-            if params:
-                for leaf, tensor in params.items():
-                    if tensor is None:
-                        continue
-                    key = id(tensor)
-                    if key in seen:
-                        dups.append((i, leaf, tensor))
-                        continue
-                    add(key)
-                    own += _own_bytes(tensor)
+            for tensor in params.values():
+                if tensor is not None:
+                    own += tensor.nbytes if tensor.dtype is not boolean else tensor.numel() / 8
+            collect(params.values())
             if module._buffers:
                 for tensor in module._buffers.values():
-                    if tensor is not None and id(tensor) not in seen:
-                        add(id(tensor))
+                    if tensor is not None:
                         own_buffers += _own_bytes(tensor)
-            totals.append(own + own_buffers)
-            buffer_totals.append(own_buffers)
+                collect(module._buffers.values())
+                own += own_buffers
             children = module._modules
-            if children:
-                for key, child in reversed(children.items()):
+            if children or parent < 0:
+                index = len(totals)
+                keep(module)
+                link(parent)
+                record(own)
+                if own_buffers:
+                    buffer_totals[index] = own_buffers
+                for child in children.values():
                     if child is not None:
-                        push((child, i, key))
-        return entries, totals, buffer_totals, dups
+                        push(child)
+                        push_parent(index)
+            else:
+                totals[parent] += own
+                if own_buffers:
+                    buffer_totals[parent] = buffer_totals.get(parent, 0) + own_buffers
+        all_ids = list(map(id, tensors))
+        nones = all_ids.count(id(None))  # ints: list.count(None) would call Tensor.__eq__
+        if len(set(all_ids)) - (1 if nones else 0) != len(all_ids) - nones:
+            return False  # a tensor or module is shared: sizes depend on names
+        self.size_by_id = dict(zip(map(id, modules), _sum_upwards(parents, totals)))
+        self.buffers_by_id = {}
+        if buffer_totals:
+            buffers = [0] * len(totals)
+            for i, size in buffer_totals.items():
+                buffers[i] = size
+            buffers = _sum_upwards(parents, buffers)
+            self.buffers_by_id = {id(m): b for m, b in zip(modules, buffers) if b}
+        return True
 
-    def _scan(self, model: nn.Module, tensor_names: bool) -> None:
+    @staticmethod
+    def _leaf(module: nn.Module, buffers_only: bool = False) -> int | float:
+        """Bytes of a module without children (not kept by the identity walk)."""
+        total = 0
+        if not buffers_only:
+            total += sum(_own_bytes(t) for t in module._parameters.values() if t is not None)
+        return total + sum(_own_bytes(t) for t in module._buffers.values() if t is not None)
+
+    def _scan(self, model: nn.Module) -> None:
         dtype, special_dtypes = self.dtype, self.special_dtypes
-        if dtype is None and not special_dtypes and not tensor_names:
-            entries, totals, buffer_totals, dups = self._fast_scan(model)
-            self._entries, self._name_list = entries, None
-            self._finish(entries, totals, buffer_totals, {}, {}, dups)
-            return
         entries = self._entries = _preorder_keys(model)
-        names = _names(entries) if tensor_names else None
-        self._name_list = names
+        names = self._name_list = _names(entries)
         totals = [0] * len(entries)
         buffer_totals = [0] * len(entries)
         tensor_sizes: dict[str, int] = {}
@@ -224,13 +261,12 @@ class ModelScan:
                         dups.append((i, leaf, tensor))
                         continue
                     add(key)
-                    # .nbytes is one C attribute read (numel() * element_size() is 10x slower).
+                    full = _join(names[i], leaf)
                     if plain:
                         size = _own_bytes(tensor)
                     else:
-                        size = _tensor_bytes(self._name(i, leaf), tensor, dtype, special_dtypes)
-                    if names is not None:
-                        tensor_sizes[_join(names[i], leaf)] = size
+                        size = _tensor_bytes(full, tensor, dtype, special_dtypes)
+                    tensor_sizes[full] = size
                     own += size
             if module._buffers:
                 own_buffers = 0
@@ -238,39 +274,36 @@ class ModelScan:
                     if tensor is None or id(tensor) in seen:
                         continue
                     add(id(tensor))
-                    full = self._name(i, leaf)
+                    full = _join(names[i], leaf)
                     size = (
                         _own_bytes(tensor)
                         if plain
                         else _tensor_bytes(full, tensor, dtype, special_dtypes)
                     )
                     tensor_buffers[full] = size
-                    if names is not None:
-                        tensor_sizes[full] = size
+                    tensor_sizes[full] = size
                     own_buffers += size
                 own += own_buffers
                 buffer_totals[i] = own_buffers
             totals[i] = own
-        self._finish(entries, totals, buffer_totals, tensor_sizes, tensor_buffers, dups)
-
-    def _finish(self, entries, totals, buffer_totals, tensor_sizes, tensor_buffers, dups) -> None:
-        tied = self._tie_groups(entries, dups)
-        for i in range(len(entries) - 1, 0, -1):  # children come after parents: sum upwards
-            parent = entries[i][1]
-            totals[parent] += totals[i]
-            buffer_totals[parent] += buffer_totals[i]
-        self._totals, self._buffer_totals = totals, buffer_totals
         self._tensor_sizes, self._tensor_buffers = tensor_sizes, tensor_buffers
-        # First occurrence wins for a module shared under two names (its tensors count once).
+        self._finish_named(entries, totals, buffer_totals, self._tie_groups(entries, dups))
+
+    def _finish_named(self, entries, totals, buffer_totals, tied) -> None:
+        parents = [e[1] for e in entries]
+        self._totals = totals = _sum_upwards(parents, totals)
+        self._buffer_totals = buffer_totals = _sum_upwards(parents, buffer_totals)
+        # A module shared under two names counts its tensors under the first one only, so
+        # answers go by name whenever a module object appears twice.
+        self.by_name = len({id(e[0]) for e in entries}) != len(entries)
         self.size_by_id = dict(zip(map(id, (e[0] for e in reversed(entries))), reversed(totals)))
         self.buffers_by_id = {
             id(e[0]): t for e, t in zip(reversed(entries), reversed(buffer_totals)) if t
         }
-        groups = [[self._name(i, leaf) for i, leaf in pairs] for pairs in tied]
+        names = self._name_list
+        groups = [[_join(names[i], leaf) for i, leaf in pairs] for pairs in tied]
         self.tied_groups = [sorted(g) for g in groups]
         self.tied_dups = {n for g in groups for n in g[1:]}
-        self._sizes: dict[str, int] | None = None
-        self._buffer_sizes: dict[str, int] | None = None
 
     @staticmethod
     def _tie_groups(entries, dups) -> list[list[tuple[int, str]]]:
@@ -280,27 +313,19 @@ class ModelScan:
             return []
         return shared_parameters((i, e[0]) for i, e in enumerate(entries))
 
-    def _name(self, index: int, leaf: str = "") -> str:
-        if self._name_list is not None:
-            base = self._name_list[index]
-        else:
-            parts = []
-            while index > 0:
-                _, index, key = self._entries[index]
-                parts.append(key)
-            base = ".".join(reversed(parts))
-        return _join(base, leaf) if leaf else base
+    def _named(self) -> None:
+        """Switch to the by-name scan (sizes by dotted name asked for after a fast walk)."""
+        if not hasattr(self, "_entries"):
+            with no_gc():
+                self._scan(self.model)
 
     @property
     def modules(self) -> list[tuple[str, nn.Module]]:
         """(name, module) in ``named_modules`` order, shared modules under each name."""
-        if self._name_list is None:
-            self._name_list = _names(self._entries)
+        self._named()
         return list(zip(self._name_list, (e[0] for e in self._entries)))
 
     def _by_name(self, totals: list[int], tensors: dict[str, int]) -> dict[str, int]:
-        if self._name_list is None:
-            self._name_list = _names(self._entries)
         out: dict[str, int] = defaultdict(int)
         for name, total in zip(self._name_list, totals):
             out[name] += total
@@ -310,23 +335,49 @@ class ModelScan:
     @property
     def sizes(self) -> dict[str, int]:
         if self._sizes is None:
+            self._named()
             self._sizes = self._by_name(self._totals, self._tensor_sizes)
         return self._sizes
 
     @property
     def buffer_sizes(self) -> dict[str, int]:
         if self._buffer_sizes is None:
+            self._named()
             self._buffer_sizes = self._by_name(self._buffer_totals, self._tensor_buffers)
             for name in list(self._buffer_sizes):
                 if not self._buffer_sizes[name]:
                     del self._buffer_sizes[name]
         return self._buffer_sizes
 
-    def tensor_size(self, name: str, tensor: torch.Tensor) -> int:
+    def tensor_size(self, name: str, tensor: torch.Tensor) -> int | float:
         """Size of one tensor unit (0 for the second name of a tied weight)."""
         if name in self.tied_dups:
             return 0
         return _tensor_bytes(name, tensor, self.dtype, self.special_dtypes)
+
+    def piece_size(self, name: str, piece: nn.Module | torch.Tensor) -> int | float:
+        """Bytes of a module or tensor named ``name`` (Accelerate's ``module_sizes[name]``)."""
+        if isinstance(piece, torch.Tensor):
+            return self.tensor_size(name, piece)
+        if self.by_name:
+            return self.sizes.get(name, 0)
+        found = self.size_by_id.get(id(piece))
+        return self._leaf(piece) if found is None else found
+
+    def piece_buffers(self, name: str, module: nn.Module) -> int | float:
+        """Bytes of the buffers under a module (counted once, like its size)."""
+        if self.by_name:
+            return self.buffer_sizes.get(name, 0)
+        if id(module) in self.size_by_id:
+            return self.buffers_by_id.get(id(module), 0)
+        return self._leaf(module, buffers_only=True)
+
+
+def _sum_upwards(parents: list[int], totals: list) -> list:
+    """Add each entry into its parent's, deepest first (children come after their parent)."""
+    for i in range(len(totals) - 1, 0, -1):
+        totals[parents[i]] += totals[i]
+    return totals
 
 
 def _join(name: str, leaf: str) -> str:
@@ -340,7 +391,7 @@ def compute_module_sizes(
     buffers_only: bool = False,
 ) -> dict[str, int]:
     """Bytes under every module and tensor name (``""`` is the whole model); ties counted once."""
-    scan = ModelScan(model, dtype, special_dtypes)
+    scan = ModelScan(model, dtype, special_dtypes, tensor_names=True)
     return scan.buffer_sizes if buffers_only else scan.sizes
 
 

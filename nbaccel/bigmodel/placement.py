@@ -81,10 +81,11 @@ def set_module_tensor_to_device(
                 f"{tensor_name!r} is on the meta device (no data): pass value= to set it."
             )
         value = old
-    elif old is not None and old.shape != value.shape and old.device.type != "meta":
+    elif old is not None and old.shape != value.shape:
+        # Accelerate's sentence exactly (the leaf's name): code written for it compares it
         raise ValueError(
-            f"Shape mismatch for {tensor_name!r}: the model has {list(old.shape)}, the value has "
-            f"{list(value.shape)}."
+            f'Trying to set a tensor of shape {value.shape} in "{leaf}" (which has shape '
+            f"{old.shape}), this looks incorrect."
         )
     if dtype is not None and value.is_floating_point():
         value = value.to(dtype)

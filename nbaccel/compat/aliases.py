@@ -138,7 +138,7 @@ _FSDP = (
     "nbaccel.training.model_inspection:get_module_class_from_name,is_peft_model",
     "nbaccel.bigmodel.planning_helpers:get_non_persistent_buffers",
     "nbaccel.training.compile_regions:get_module_children_bottom_up",
-    "nbaccel.training.strategies.fsdp_plugin:FullyShardedDataParallelPlugin",
+    "nbaccel.training.strategies.fsdp_plugin",
     "nbaccel.training.compile_regions:is_compiled_module,compile_regions_fsdp2",
 )
 
@@ -148,6 +148,10 @@ _UTILS = (
     *_MEMORY, *_VERSIONS, *_CONSTANTS, *_DEEPSPEED, *_FP8, *_BNB,
     "nbaccel.storage.weights:SAFE_WEIGHTS_INDEX_NAME,SAFE_WEIGHTS_NAME,WEIGHTS_INDEX_NAME,WEIGHTS_NAME",
     "nbaccel.training.strategies.fsdp_checkpoint:merge_fsdp_weights",
+    "nbaccel.training.strategies.fsdp_plugin",
+    "nbaccel.training.parallelism_config:ParallelismConfig",
+    "nbaccel.launch.prepare_for_launch:PrepareForLaunch",
+    "nbaccel.launch.command_env:prepare_multi_gpu_env,prepare_simple_launcher_cmd_env,prepare_tpu",
     "nbaccel.training.trackers:GeneralTracker,LoggerType",
     "nbaccel.distributed.progress",
     "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
@@ -305,6 +309,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # Accelerate's launch helpers and test scripts (issue 16, commands part). "=module" makes the
 # façade path that very module, so mock.patch("nbaccel.utils.launch.which") reaches its code.
 ALIASES["nbaccel.utils.launch"] = ("=nbaccel.launch.command_env",)
+ALIASES["nbaccel.launchers"] = ALIASES.get("nbaccel.launchers", ()) + (
+    "nbaccel.launch.prepare_for_launch:PrepareForLaunch",
+)
 ALIASES["nbaccel.test_utils"] += (
     "nbaccel.testkit.scripts:test_cli,test_ops,test_script,test_sync",
 )

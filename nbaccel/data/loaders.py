@@ -32,6 +32,17 @@ __all__ = ["DataLoaderDispatcher", "DataLoaderShard"]
 _END = object()
 
 
+def _global_rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_global_rng_states(states: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state_all(states[1])
+
+
 class _BaseLoader:
     """``loader.base_dataloader``: the inner torchdata loader of a stateful loader, else the
     loader itself (a prepared loader *is* a DataLoader); on the class it raises AttributeError,
@@ -47,6 +58,12 @@ class _PreparedLoader:
     """Epoch bookkeeping shared by both prepared loader kinds."""
 
     base_dataloader = _BaseLoader()
+    # The next iteration continues an epoch a checkpoint interrupted (a skip_first_batches copy,
+    # a restored stateful position). The interrupted run drew from the process's generators when
+    # that epoch began (DataLoader's worker base seed, rng_types synchronisation), before its
+    # checkpoint captured them: the continuation leaves them as restored, so the resumed run
+    # equals the uninterrupted one step for step.
+    _mid_epoch_start = False
 
     device: torch.device | None
     non_blocking: bool
@@ -114,6 +131,18 @@ class _PreparedLoader:
             self.gradient_state._remove_dataloader(self)  # left active by an early close
         self.gradient_state._add_dataloader(self)
 
+    def _open(self, read: Any) -> Any:
+        """Synchronise shuffling, begin the epoch and ``read()`` the raw batch iterator."""
+        kept = _global_rng_states() if self._mid_epoch_start else None
+        self._mid_epoch_start = False
+        if getattr(self, "rng_types", None):
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        self._begin_epoch()
+        iterator = read()
+        if kept is not None:
+            _set_global_rng_states(kept)
+        return iterator
+
     def _end_epoch(self, completed: bool) -> None:
         """Leave the epoch. A loader closed early right after its last batch (``next(iter(dl))``
         on a one-batch loader) stays active, so ``gather_for_metrics`` still sees the end."""
@@ -179,6 +208,7 @@ class _PreparedLoader:
             self._stateful_base.load_state_dict(state)
             self._stateful_snapshot = state
             self._resume_batches = 0  # torchdata resumes mid-epoch by itself
+            self._mid_epoch_start = bool(position and position.get("batches_yielded"))
             return
         self._restore_position(state)
 
@@ -189,6 +219,7 @@ class _PreparedLoader:
             generator.set_state(state["generator_state"])
         self.resume_batches = int(state.get("batches_yielded", 0))
         self._resume_batches = self.resume_batches if self.use_stateful_dataloader else 0
+        self._mid_epoch_start = bool(self._resume_batches)
 
 
 class DataLoaderShard(_PreparedLoader, DataLoader):
@@ -231,14 +262,11 @@ class DataLoaderShard(_PreparedLoader, DataLoader):
             attach_stateful_base(self, dataset, kwargs)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.rng_types:
-            synchronize_rng_states(self.rng_types, self.synchronized_generator)
-        self._begin_epoch()
+        iterator = self._open(self._raw_batches)
         skip = self.skip_batches + self._resume_batches
         self._resume_batches = 0
         finished = False
         try:
-            iterator = self._raw_batches()
             current = next(iterator, _END)
             index = 0
             while current is not _END:
@@ -322,13 +350,13 @@ class DataLoaderDispatcher(_PreparedLoader, DataLoader):
         return recursively_apply(lambda t: t[lo:hi], batch)
 
     def __iter__(self) -> Iterator[Any]:
-        self._begin_epoch()
+        main = self._partial.is_main_process
+        iterator = self._open(self._raw_batches if main else lambda: None)
         self.remainder = -1
         skip = self.skip_batches + self._resume_batches
         self._resume_batches = 0
         finished = False
         try:
-            iterator = self._raw_batches() if self._partial.is_main_process else None
             current = self._fetch(iterator)
             first = current if current is not _END else None
             index = 0

@@ -49,7 +49,8 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:
 
 def _shared_seed(seed: int | None = None) -> int:
     """``seed`` (default: one drawn) as rank 0 has it, given to every rank."""
-    box = [int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)]
+    # the draw Accelerate makes for a sampler's generator: the same seeds shuffle alike
+    box = [int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else int(seed)]
     if PartialState().num_processes > 1:
         broadcast_object_list(box, from_process=0)
     return box[0]
@@ -68,6 +69,12 @@ def _reshuffler(sampler: Any, use_seedable: bool, data_seed: int | None) -> tupl
             sampler.data_source, data_seed=data_seed, generator=generator, **options
         )
         return seedable, None
+    if isinstance(sampler, SeedableRandomSampler):
+        # already reseeded from its seed + epoch at each iteration: kept as it is, so a prepared
+        # loader draws the orders a plain loop over the user's loader draws
+        if sampler.generator is None:
+            sampler.generator = torch.Generator()
+        return sampler, sampler.generator
     generator = sampler.generator
     if generator is None:
         generator = torch.Generator()
@@ -331,4 +338,5 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         new.iteration = dataloader.iteration
         new.total_batch_size = dataloader.total_batch_size
         new._parent = dataloader
+        new._mid_epoch_start = num_batches > 0
     return new

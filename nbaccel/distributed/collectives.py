@@ -17,6 +17,7 @@ import torch
 from nbaccel.distributed.state import PartialState
 
 __all__ = [
+    "DistributedOperationException",
     "ShapeMismatchError",
     "broadcast",
     "broadcast_object_list",
@@ -31,19 +32,31 @@ __all__ = [
 ]
 
 
-class ShapeMismatchError(RuntimeError):
-    """Ranks entered a collective with tensors of different shapes or structures."""
+class DistributedOperationException(Exception):
+    """A collective was called with inputs that cannot work across the ranks (shapes, device)."""
+
+
+class ShapeMismatchError(DistributedOperationException, RuntimeError):
+    """Ranks entered a collective with tensors of different shapes or structures (Accelerate's
+    debug-mode ``DistributedOperationException``, and a ``RuntimeError`` as before)."""
 
 
 def _is_namedtuple(data: Any) -> bool:
     return isinstance(data, tuple) and hasattr(data, "_fields")
 
 
+def _is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
+
+
+_is_torch_tensor.__name__ = "is_torch_tensor"  # as error messages name it
+
+
 def recursively_apply(
     func: Callable[..., Any],
     data: Any,
     *args: Any,
-    test_type: Callable[[Any], bool] = lambda t: isinstance(t, torch.Tensor),
+    test_type: Callable[[Any], bool] = _is_torch_tensor,
     error_on_other_type: bool = False,
     **kwargs: Any,
 ) -> Any:
@@ -60,9 +73,11 @@ def recursively_apply(
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
+        # Accelerate's wording, which code written for it matches
         raise TypeError(
-            f"Unsupported type {type(data).__name__} passed to {func.__name__}: only nested "
-            "lists, tuples, dicts and tensors are supported."
+            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. "
+            "Only nested list/tuple/dicts of objects that are valid for "
+            f"`{getattr(test_type, '__name__', test_type)}` should be passed."
         )
     return data
 

@@ -16,6 +16,7 @@ import torch
 
 from nbaccel.distributed.collectives import (
     CannotPadNestedTensorWarning,
+    DistributedOperationException,
     gather_object,
     recursively_apply,
     reduce,
@@ -46,10 +47,6 @@ TORCH_DISTRIBUTED_OPERATION_TYPES = [
     DistributedType.FSDP,
 ]
 _MAX_DIMS = 64
-
-
-class DistributedOperationException(Exception):
-    """A collective was called with inputs that cannot work across the ranks (shapes, device)."""
 
 
 def _debug_on(state: PartialState) -> bool:

@@ -4,8 +4,8 @@
 
 ``synchronize_rng_states`` copies rank 0's generator state to every rank (prepared dataloaders do
 it at the start of each epoch, so every rank shuffles the same way). ``get_rng_states`` /
-``set_rng_states`` capture and restore one process's generators for checkpoints, as plain
-tensors and numbers that ``torch.load(weights_only=True)`` accepts.
+``set_rng_states`` capture and restore one process's generators for checkpoints, in the record
+Accelerate writes and reads (``random_states_<rank>.pkl``).
 """
 
 from __future__ import annotations
@@ -62,47 +62,57 @@ def synchronize_rng_states(
         synchronize_rng_state(rng_type, generator=generator)
 
 
-def get_rng_states() -> dict[str, Any]:
-    """This process's python, numpy, torch (and cuda / xla) generator states."""
-    version, internal, gauss = random.getstate()
+def get_rng_states(step: int = 0) -> dict[str, Any]:
+    """This process's generators as Accelerate records them in ``random_states_<rank>.pkl``:
+    ``step``, ``random_state``, ``numpy_random_seed``, ``torch_manual_seed`` (and
+    ``torch_cuda_manual_seed``, ``xm_seed``)."""
     states: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
-        "torch": torch.get_rng_state(),
+        "step": int(step),
+        "random_state": random.getstate(),
+        "torch_manual_seed": torch.get_rng_state(),
     }
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        states["numpy"] = {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        }
+        states["numpy_random_seed"] = np.random.get_state()
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    states.update(PartialState().communicator.device_rng_states())
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    device = PartialState().communicator.device_rng_states()
+    if "xla" in device:
+        states["xm_seed"] = device["xla"]
     return states
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_states` captured."""
-    py = states["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-    torch.set_rng_state(states["torch"])
-    if "numpy" in states:
+    """Restore what :func:`get_rng_states` (or Accelerate) recorded; also reads nbaccel's earlier
+    ``{python, numpy, torch}`` record."""
+    if "python" in states:
+        py = states["python"]
+        random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+        torch.set_rng_state(states["torch"])
+        if "numpy" in states:
+            import numpy as np
+
+            n = states["numpy"]
+            keys = n["keys"].numpy().astype(np.uint32)
+            np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached"]))
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+        if "xla" in states:
+            xla_runtime.set_rng_state(states["xla"])
+        return
+    random.setstate(states["random_state"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if "numpy_random_seed" in states:
         import numpy as np
 
-        n = states["numpy"]
-        keys = n["keys"].numpy().astype(np.uint32)
-        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "xla" in states:
-        xla_runtime.set_rng_state(states["xla"])
+        np.random.set_state(states["numpy_random_seed"])
+    if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    if "xm_seed" in states:
+        xla_runtime.set_rng_state(states["xm_seed"])
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:

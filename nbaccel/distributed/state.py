@@ -326,7 +326,9 @@ class PartialState:
     # -- teardown -----------------------------------------------------------------------------
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy the process group (when this process created one)."""
-        if dist.is_initialized() and self.distributed_type != DistributedType.XLA:
+        # (also after _reset_state(): the group outlives the forgotten shared state)
+        kind = getattr(self, "distributed_type", None)
+        if dist.is_initialized() and kind != DistributedType.XLA:
             dist.destroy_process_group(group)
 
     @classmethod

@@ -17,9 +17,11 @@ import sys
 from shutil import which
 from typing import Any
 
+from nbaccel.launch.prepare_for_launch import PrepareForLaunch  # accelerate.utils.launch's too
 from nbaccel.values.booleans import parse_bool
 
 __all__ = [
+    "PrepareForLaunch",
     "convert_nargs_to_dict",
     "launch_environment",
     "prepare_multi_gpu_env",

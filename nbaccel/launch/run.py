@@ -29,7 +29,7 @@ from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.render import Renderer, TextRenderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Inline, Mode
-from nbaccel.launch.transport import pack
+from nbaccel.launch.transport import Packed, pack
 
 __all__ = ["launch_xla", "run_function"]
 
@@ -65,6 +65,7 @@ def run_function(
         work, shared = pack(
             (function, tuple(args), dict(kwargs or {})),
             element_names=("function", "args", "kwargs"),
+            inherit=launcher.forks_driver,
         )
     else:
         work = Inline(function, tuple(args), dict(kwargs or {}))
@@ -103,6 +104,8 @@ def run_function(
     finally:
         if shared is not None:
             shared.release()
+        if isinstance(work, Packed):
+            work.forget_inherited()
         renderer.finish(ok, failed)
 
 

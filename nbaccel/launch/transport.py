@@ -15,6 +15,10 @@ A segment outlives nobody: its owner (the kernel) holds a shared ``flock`` on it
 until it unlinks it, and every launch and every new fork server sweeps the segments whose lock
 is free, i.e. whose owner died (SIGKILL, OOM) before it could unlink them. Segments are named
 ``nbaccel-<owner pid>-<random>``.
+
+Objects multiprocessing shares only by inheritance (a ``multiprocessing.Queue``, ``Lock``,
+``Event``, ``Value``...) cannot travel in a pickle: forked ranks (``start_method="fork"``) inherit
+them as they are, and any other launch refuses them before it starts, naming the fix.
 """
 
 from __future__ import annotations
@@ -49,11 +53,37 @@ __all__ = [
 _SHARE_THRESHOLD = 64 * 1024  # bytes; smaller tensors are cheaper inline
 _ALIGN = 64
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-_SEGMENT_NAME = re.compile(r"nbaccel-\d+-[0-9a-f]{16}")  # nbaccel-<owner pid>-<random>
+# nbaccel-<owner pid>-<random>, and ``.new`` while it is created (then renamed, once locked)
+_SEGMENT_NAME = re.compile(r"nbaccel-(\d+)-[0-9a-f]{16}(\.new)?")
 
 
 class UnpicklableError(TypeError):
     """An argument cannot be sent to the ranks; the message names it and its path."""
+
+
+# objects forked ranks inherit from the driver instead of unpickling them: id -> object
+_INHERITED: dict[int, Any] = {}
+
+
+def _inheritance_only() -> tuple[type, ...]:
+    """multiprocessing's types that reach another process only by inheritance."""
+    from multiprocessing import queues, sharedctypes, synchronize
+
+    return (
+        queues.Queue,
+        queues.SimpleQueue,
+        synchronize.SemLock,
+        synchronize.Condition,
+        synchronize.Event,
+        synchronize.Barrier,
+        sharedctypes.SynchronizedBase,
+    )
+
+
+class _InheritanceOnly(Exception):
+    def __init__(self, obj: Any) -> None:
+        super().__init__(type(obj).__name__)
+        self.obj = obj
 
 
 @dataclass
@@ -87,6 +117,13 @@ class Packed:
     segment: str | None = None
     records: list[_TensorRecord] = field(default_factory=list)
     storages: list[_StorageRecord] = field(default_factory=list)
+    inherited: list[int] = field(default_factory=list)  # keys of _INHERITED it refers to
+
+    def forget_inherited(self) -> None:
+        """Drop the driver's references to the objects the forked ranks inherited."""
+        for key in self.inherited:
+            _INHERITED.pop(key, None)
+        self.inherited = []
 
 
 def shm_dir() -> str:
@@ -106,12 +143,14 @@ def sweep_segments() -> list[str]:
     """Unlink the shared tensor files whose owner died before unlinking them; their paths."""
     folder = shm_dir()
     try:
-        names = [n for n in os.listdir(folder) if _SEGMENT_NAME.fullmatch(n)]
+        names = [m for m in map(_SEGMENT_NAME.fullmatch, os.listdir(folder)) if m]
     except OSError:
         return []
     swept = []
-    for name in names:
-        path = os.path.join(folder, name)
+    for match in names:
+        if match.group(2) and _pid_alive(int(match.group(1))):
+            continue  # being created: not locked yet, but its owner lives
+        path = os.path.join(folder, match.group(0))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -130,6 +169,16 @@ def sweep_segments() -> list[str]:
         finally:
             os.close(fd)
     return swept
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_segment(fd: int) -> bool:
@@ -178,9 +227,13 @@ class SharedTensors:
         if offset == 0:
             return  # every storage is small: nothing to share
         sweep_segments()
-        self.path = os.path.join(shm_dir(), f"nbaccel-{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # held until release(): a sweep leaves the file alone
+        path = os.path.join(shm_dir(), f"nbaccel-{os.getpid()}-{secrets.token_hex(8)}")
+        # created under a name a sweep skips while this process lives, locked (until release():
+        # a sweep leaves a locked file alone), then given its name
+        fd = os.open(path + ".new", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(path + ".new", path)
+        self.path = path
         self._lock_fd = fd
         try:
             os.ftruncate(fd, max(offset, 1))
@@ -211,13 +264,22 @@ class SharedTensors:
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, buffer: io.BytesIO, share: bool = True) -> None:
+    def __init__(self, buffer: io.BytesIO, inherit: bool = False, share: bool = True) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.shared: list[torch.Tensor] = []
         self._ids: dict[int, int] = {}
+        self._inherit = inherit
+        self._inheritance_only = _inheritance_only()
+        self.inherited: list[int] = []
         self._share = share
 
     def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, self._inheritance_only):
+            if not self._inherit:
+                raise _InheritanceOnly(obj)
+            _INHERITED[id(obj)] = obj
+            self.inherited.append(id(obj))
+            return ("nbaccel-inherited", id(obj))
         if (
             self._share
             and type(obj) in (torch.Tensor, torch.nn.Parameter)
@@ -272,23 +334,54 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Ex
         return path, obj, exc
 
 
+def _find_inheritance_only(obj: Any, path: str, depth: int = 0) -> str | None:
+    if isinstance(obj, _inheritance_only()):
+        return path
+    for child_path, child in _walk(obj, path, depth):
+        found = _find_inheritance_only(child, child_path, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_inheritance_only(exc: _InheritanceOnly, obj: Any, name: str, names: Any) -> None:
+    where = None
+    if names is not None:
+        for item, item_name in zip(obj, names):
+            where = where or _find_inheritance_only(item, item_name)
+    where = where or _find_inheritance_only(obj, name) or name
+    kind = type(exc.obj).__name__
+    raise UnpicklableError(
+        f"{where} (a multiprocessing {kind}) reaches other processes only by inheritance, and "
+        "these ranks are started from a fork server, not forked from this process. Launch with "
+        f"start_method='fork' (the ranks inherit the {kind} as they would under Accelerate's "
+        f"fork), or pass a manager proxy, which travels: multiprocessing.Manager().{kind}()."
+    ) from None
+
+
 def pack(
     obj: Any,
     name: str = "args",
     element_names: tuple[str, ...] | None = None,
+    inherit: bool = False,
     share: bool = True,
 ) -> tuple[Packed, SharedTensors | None]:
     """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
 
     ``element_names`` names the items of a top-level tuple in error messages (for example
-    ``("function", "args", "kwargs")``), so the path printed is the one the user typed;
+    ``("function", "args", "kwargs")``), so the path printed is the one the user typed.
+    ``inherit``: the ranks are forked from this process after packing, so multiprocessing's
+    inheritance-only objects stay here and the ranks inherit them (``Packed.forget_inherited``
+    when the launch is over).
     ``share=False`` keeps every tensor inside the pickle (a reader on another host cannot map
     this host's files).
     """
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, share)
+    pickler = _Pickler(buffer, inherit=inherit, share=share)
     try:
         pickler.dump(obj)
+    except _InheritanceOnly as exc:
+        _refuse_inheritance_only(exc, obj, name, element_names)
     except Exception as exc:
         found = None
         if element_names is not None:
@@ -303,6 +396,7 @@ def pack(
         ) from exc
     shared = SharedTensors(pickler.shared) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)
+    packed.inherited = pickler.inherited
     if shared:
         packed.records, packed.storages = shared.records, shared.storages
     return packed, shared
@@ -315,6 +409,13 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         tag, index = pid
+        if tag == "nbaccel-inherited":
+            if index not in _INHERITED:
+                raise pickle.UnpicklingError(
+                    "an inherited multiprocessing object is missing: this process was not "
+                    "forked from the one that packed it."
+                )
+            return _INHERITED[index]
         if tag != "nbaccel-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         return self._tensors[index]

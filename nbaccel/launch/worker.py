@@ -26,7 +26,7 @@ from nbaccel.launch.protocol import EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
 from nbaccel.launch.transport import SharedTensors, UnpicklableError, pack, unpack
 
-__all__ = ["current_rank", "emit", "flush_output", "on_worker", "run_worker"]
+__all__ = ["after_each_call", "current_rank", "emit", "flush_output", "on_worker", "run_worker"]
 
 _events: Connection | None = None
 _send_lock = threading.Lock()
@@ -137,6 +137,25 @@ def _report_error(call_id: int, exc: BaseException) -> None:
     _send((Message.ERROR, call_id, info))
 
 
+_after_call: list[Callable[[], None]] = []
+
+
+def after_each_call(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` on this rank when each call ends, before its result or error is sent
+    (worker hooks use it for a last event, e.g. a final memory sample, that quick calls would
+    otherwise never send)."""
+    if hook not in _after_call:
+        _after_call.append(hook)
+
+
+def _call_ended() -> None:
+    for hook in _after_call:
+        try:
+            hook()
+        except Exception:  # a hook's failure must not replace the call's own outcome
+            pass
+
+
 def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bool:
     global _sigint_at
     _drop_results()
@@ -145,14 +164,17 @@ def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bo
         value = function(*args, **kwargs)
     except SystemExit as exc:
         if exc.code not in (None, 0):  # sys.exit(3): a failure with its code
+            _call_ended()
             _flush_all()
             _report_error(call_id, exc)
             return False
         value = None  # sys.exit(0) / exit(): the function is done, successfully
     except BaseException as exc:
+        _call_ended()
         _flush_all()
         _report_error(call_id, exc)
         return False
+    _call_ended()
     _flush_all()
     return _send_result(call_id, value)
 

@@ -26,6 +26,7 @@ from nbaccel.data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loa
 from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.training.accelerator_control import ProcessControlMixin
 from nbaccel.training.accelerator_io import StateIOMixin
+from nbaccel.training.accelerator_names import AcceleratorNamesMixin
 from nbaccel.training.configuration import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
@@ -90,7 +91,7 @@ def _check_parallelism(config: ParallelismConfig | None, accelerator: Any) -> An
     return config
 
 
-class Accelerator(ProcessControlMixin, StateIOMixin):
+class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
     """Distributed training, mixed precision and checkpointing with Accelerate's public API.
 
     Create one per training run (every process runs the same code), ``prepare`` the model(s),

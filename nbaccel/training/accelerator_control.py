@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from nbaccel.data import skip_first_batches as _skip_first_batches
 from nbaccel.distributed import collectives as ops
 from nbaccel.training.batch_size import release_memory
+from nbaccel.training.constants import PROFILE_PATTERN_NAME
 from nbaccel.training.kwargs_handlers import ProfileKwargs
 
 __all__ = ["ProcessControlMixin"]
@@ -115,9 +116,13 @@ class ProcessControlMixin:
         return self._trackers.get(name, unwrap)
 
     def end_training(self) -> None:
-        """Finish the trackers and wait for every process."""
+        """Finish the trackers, wait for every process and destroy the process group (as
+        Accelerate does: call it last; a ``%%distributed`` pool's group is kept for the next
+        cells)."""
         self._trackers.finish()
         self.wait_for_everyone()
+        if os.environ.get("NBACCEL_PERSISTENT_GROUP") != "1":  # a %%distributed pool keeps it
+            self.state.destroy_process_group()
 
     @contextlib.contextmanager
     def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
@@ -127,8 +132,9 @@ class ProcessControlMixin:
             yield prof
         if handler.output_trace_dir:
             os.makedirs(handler.output_trace_dir, exist_ok=True)
-            name = f"trace_rank_{self.process_index}.json"
+            name = PROFILE_PATTERN_NAME.format(suffix=self.process_index)
             prof.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
+            self.wait_for_everyone()
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared object, reset ``step`` and empty device caches."""

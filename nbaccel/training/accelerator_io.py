@@ -140,6 +140,7 @@ class StateIOMixin:
             save_on_each_node=config.save_on_each_node,
             pre_hooks=list(self._save_model_state_pre_hook.values()),
             extra={"step": self.step},
+            step=self.step,
         )
         if config.automatic_checkpoint_naming:
             if config.total_limit is not None and self.is_main_process:

@@ -3,7 +3,9 @@
 A checkpoint directory holds the models (``model.safetensors``, ``model_1.safetensors``, ...),
 optimizers (``optimizer.bin``, ...), schedulers, dataloader positions, the fp16 scaler,
 registered objects, one RNG file per rank (``random_states_<rank>.pkl``) and a manifest
-(``nbaccel_checkpoint.json``) written last. Every process calls both functions.
+(``nbaccel_checkpoint.json``) written last, in Accelerate's layout
+(:mod:`nbaccel.training.checkpoint_layout`): Accelerate resumes what nbaccel saved and nbaccel
+resumes what Accelerate saved. Every process calls both functions.
 
 The directory is built in a staging sibling and renamed into place (:mod:`nbaccel.storage.atomic`),
 so a save killed half-way leaves the previous checkpoint loadable. Loading checks the manifest
@@ -31,6 +33,7 @@ from nbaccel.distributed.random import get_rng_states, set_rng_states
 from nbaccel.distributed.state import PartialState
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover, staging_path
 from nbaccel.storage.weights import read_weights, write_weights
+from nbaccel.training.checkpoint_layout import accelerate_manifest, indexed_name, load_pickle
 from nbaccel.training.strategies.base import Strategy
 
 __all__ = ["CheckpointError", "Checkpointables", "load_checkpoint", "save_checkpoint"]
@@ -55,8 +58,13 @@ class Checkpointables:
     scaler: Any = None
 
 
-def _name(stem: str, index: int, ext: str) -> str:
-    return f"{stem}.{ext}" if index == 0 else f"{stem}_{index}.{ext}"
+_name = indexed_name
+
+
+def _loader_file(loader: Any, index: int) -> str:
+    """Accelerate's ``dl_state_dict.bin`` for a stateful loader, nbaccel's position file else."""
+    stateful = getattr(loader, "use_stateful_dataloader", False)
+    return _name("dl_state_dict" if stateful else "dataloader", index, "bin")
 
 
 # -- save ---------------------------------------------------------------------------------------
@@ -72,11 +80,12 @@ def save_checkpoint(
     save_on_each_node: bool = False,
     pre_hooks: Sequence[Callable[..., None]] = (),
     extra: dict[str, Any] | None = None,
+    step: int = 0,
 ) -> Path:
     """Write a checkpoint atomically into ``output_dir`` (every process must call this).
 
     ``strategy`` gives each model's and optimizer's full state dict (or writes them in its own
-    format); ``extra`` goes in the manifest.
+    format); ``extra`` goes in the manifest, ``step`` in the random states (Accelerate reads it).
     """
     state = PartialState()
     writer = _is_writer(state, save_on_each_node)
@@ -109,12 +118,12 @@ def save_checkpoint(
             files.append(_save(sched.state_dict(), staging / _name("scheduler", i, "bin")))
         for i, loader in enumerate(objects.dataloaders):
             if hasattr(loader, "state_dict"):
-                files.append(_save(loader.state_dict(), staging / _name("dataloader", i, "bin")))
+                files.append(_save(loader.state_dict(), staging / _loader_file(loader, i)))
         if objects.scaler is not None:
             files.append(_save(objects.scaler.state_dict(), staging / "scaler.pt"))
         for i, obj in enumerate(objects.custom):
             files.append(_save(obj.state_dict(), staging / f"custom_checkpoint_{i}.pkl"))
-    _save(get_rng_states(), staging / f"random_states_{state.process_index}.pkl")
+    _save(get_rng_states(step), staging / f"random_states_{state.process_index}.pkl")
     state.wait_for_everyone()
     if writer:
         manifest = {
@@ -127,6 +136,7 @@ def save_checkpoint(
             "dataloaders": sum(hasattr(d, "state_dict") for d in objects.dataloaders),
             "custom_objects": len(objects.custom),
             "scaler": objects.scaler is not None,
+            "step": step,
             "safe_serialization": safe_serialization,
             "files": sorted(files),
             **(extra or {}),
@@ -143,20 +153,36 @@ def _save(obj: Any, path: Path) -> str:
 
 
 # -- load ---------------------------------------------------------------------------------------
-def _load(path: Path, trusted: bool = False) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=not trusted)
+_load = load_pickle
 
 
-def read_manifest(input_dir: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint, or a ``CheckpointError`` saying what is wrong."""
+def _wanted(objects: Checkpointables) -> dict[str, int]:
+    return {
+        "models": len(objects.models),
+        "optimizers": len(objects.optimizers),
+        "schedulers": len(objects.schedulers),
+        "custom_objects": len(objects.custom),
+    }
+
+
+def read_manifest(input_dir: Path, objects: Checkpointables | None = None) -> dict[str, Any]:
+    """The manifest of a checkpoint (one stood in for a folder Accelerate wrote, checked against
+    ``objects``), or a ``CheckpointError`` saying what is wrong."""
     if not input_dir.is_dir():
         raise CheckpointError(f"No checkpoint at {input_dir}: the directory does not exist.")
     present = sorted(p.name for p in input_dir.iterdir())
     path = input_dir / MANIFEST_NAME
     if not path.exists():
+        try:
+            foreign = accelerate_manifest(input_dir, _wanted(objects or Checkpointables()))
+        except FileNotFoundError as exc:
+            raise CheckpointError(str(exc)) from None
+        if foreign is not None:
+            return foreign
         raise CheckpointError(
-            f"{input_dir} is not a complete nbaccel checkpoint: {MANIFEST_NAME} is missing (it "
-            f"is written last by Accelerator.save_state). Found: {present or 'nothing'}."
+            f"{input_dir} is not a complete checkpoint: {MANIFEST_NAME} is missing (it is "
+            "written last by Accelerator.save_state) and there are no model or random_states "
+            f"files of one Accelerate wrote. Found: {present or 'nothing'}."
         )
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
@@ -170,12 +196,7 @@ def read_manifest(input_dir: Path) -> dict[str, Any]:
 
 
 def _check_counts(manifest: dict[str, Any], objects: Checkpointables, input_dir: Path) -> None:
-    wanted = {
-        "models": len(objects.models),
-        "optimizers": len(objects.optimizers),
-        "schedulers": len(objects.schedulers),
-        "custom_objects": len(objects.custom),
-    }
+    wanted = _wanted(objects)
     wrong = [
         f"{manifest[k]} {k} saved but {v} to restore" for k, v in wanted.items() if manifest[k] != v
     ]
@@ -199,7 +220,7 @@ def load_checkpoint(
     if state.is_local_main_process:
         recover(input_dir)
     state.wait_for_everyone()
-    manifest = read_manifest(input_dir)
+    manifest = read_manifest(input_dir, objects)
     models = list(objects.models)
     for hook in pre_hooks:
         hook(models, str(input_dir))
@@ -218,10 +239,13 @@ def load_checkpoint(
             strategy.load_optimizer_state_dict(opt, sd, _model_for(opt, objects.models))
     for i, sched in enumerate(objects.schedulers):
         sched.load_state_dict(_load(input_dir / _name("scheduler", i, "bin")))
-    for i, loader in enumerate(d for d in objects.dataloaders if hasattr(d, "load_state_dict")):
-        path = input_dir / _name("dataloader", i, "bin")
-        if path.exists():
-            loader.load_state_dict(_load(path))
+    for i, loader in enumerate(objects.dataloaders):
+        if not hasattr(loader, "load_state_dict"):
+            continue
+        for name in (_loader_file(loader, i), _name("dataloader", i, "bin")):
+            if (input_dir / name).exists():  # (earlier nbaccel checkpoints: dataloader_<i>.bin)
+                loader.load_state_dict(_load(input_dir / name))
+                break
     if objects.scaler is not None and (input_dir / "scaler.pt").exists():
         objects.scaler.load_state_dict(_load(input_dir / "scaler.pt"))
     for i, obj in enumerate(objects.custom):

@@ -144,7 +144,7 @@ class ProfileKwargs(KwargsHandler):
         schedule_option: keys ``wait``, ``warmup``, ``active``, ``repeat``, ``skip_first`` for
             ``torch.profiler.schedule``; call ``prof.step()`` in the loop.
         on_trace_ready: called with the profiler each time a trace is ready.
-        output_trace_dir: write a Chrome trace per rank there (``trace_rank_<i>.json``).
+        output_trace_dir: write a Chrome trace per rank there (``profile_<i>.json``).
     """
 
     activities: list[str] | None = None

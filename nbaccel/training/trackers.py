@@ -157,15 +157,23 @@ class TensorBoardTracker(GeneralTracker):
         from torch.utils.tensorboard import SummaryWriter
 
         super().__init__(run_name)
-        self.writer = SummaryWriter(os.path.join(logging_dir, run_name), **kwargs)
+        self.logging_dir = os.path.join(logging_dir, run_name)
+        self.writer = SummaryWriter(self.logging_dir, **kwargs)
 
     @property
     def tracker(self) -> Any:
         return self.writer
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
+        """Hyperparameters to TensorBoard, and to ``<run>/<timestamp>/hparams.yml`` as
+        Accelerate keeps them for later use."""
+        import yaml
+
         self.writer.add_hparams(_plain(values), metric_dict={})
         self.writer.flush()
+        folder = Path(self.logging_dir) / str(time.time())
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hparams.yml").write_text(yaml.safe_dump(_plain(values)))
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         for key, value in _plain(dict(values)).items():

@@ -20,9 +20,16 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import cell_errors, cell_text, run_notebook
+from kernel import cell_errors, cell_text
+from kernel import run_notebook as _run_notebook
 
 pytestmark = pytest.mark.hosts
+
+
+def run_notebook(cells, **options):
+    """A fresh kernel, shut down at the end as Jupyter does: its agents end with it."""
+    return _run_notebook(cells, shutdown=True, **options)
+
 
 NO_WARMUP = {"NBACCEL_NO_WARMUP": "1", "NBACCEL_RENDERER": "text"}
 
@@ -386,3 +393,68 @@ def test_cut_network_names_the_host_and_its_agent_ends_the_ranks(clean_hosts, sh
     errors = cell_errors(nb.cells[0])
     assert [e.ename for e in errors] == ["RankCrashed"], cell_text(nb.cells[0])
     assert "rank 1 @ nbh2 was lost: host nbh2 lost: no word from its agent" in errors[0].evalue
+
+
+_LINEAGE = textwrap.dedent(
+    """
+    import os, socket, subprocess, time
+    from nbaccel import notebook_launcher
+
+    def lineage():
+        import os, socket
+        server = os.getppid()  # the host's fork server (torch imported there once)
+        with open(f"/proc/{server}/stat") as stat:
+            agent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        return socket.gethostname(), server, agent
+
+    def launch():
+        return notebook_launcher(lineage, num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+    """
+)
+
+
+def test_later_launches_reuse_each_hosts_agent(clean_hosts):
+    """The first launch starts one agent per host; the next ones fork from the same agent's
+    fork server (same pids: no new agent, no new import of torch); the agents end with the
+    kernel (clean_hosts)."""
+    cells = [
+        _LINEAGE,
+        "first = launch(); print('first', first)",
+        "second = launch(); print('same agents:', second == first)",
+        "print('third', launch() == first)",
+        "for host in ('nbh1', 'nbh2'):\n"
+        "    ps = subprocess.run(['ssh', '-F', '/var/lib/nbaccel-hosts/ssh_config', host, "
+        "'ps -eo args | grep -c [p]ython'], capture_output=True, text=True).stdout.strip()\n"
+        "    print('python processes between launches on', host, ps)",
+    ]
+    nb = run_notebook(cells, timeout=240, env=NO_WARMUP)
+    texts = [cell_text(c) for c in nb.cells]
+    assert not any(cell_errors(c) for c in nb.cells), texts
+    assert "same agents: True" in texts[2], texts
+    assert "third True" in texts[3], texts
+    assert texts[1].count("'nbh1'") == 2 and texts[1].count("'nbh2'") == 2, texts[1]
+    for host in ("nbh1", "nbh2"):  # its agent and the agent's fork server; no rank
+        assert f"python processes between launches on {host} 2" in texts[4], texts[4]
+
+
+def test_a_dead_agent_is_restarted_on_the_next_launch_with_a_notice(clean_hosts):
+    kill = (
+        "agent = next(a for h, _, a in first if h == 'nbh2')\n"
+        "subprocess.run(['ssh', '-F', '/var/lib/nbaccel-hosts/ssh_config', 'nbh2', "
+        "f'kill -KILL {agent}'], check=True)\n"
+        "time.sleep(1)"
+    )
+    cells = [
+        _LINEAGE,
+        "first = launch()",
+        kill,
+        "again = launch()\n"
+        "print('nbh1 kept:', [r for r in again if r[0] == 'nbh1'] == first[:2])\n"
+        "print('nbh2 new:', {r[2] for r in again if r[0] == 'nbh2'} != {agent})",
+    ]
+    nb = run_notebook(cells, timeout=240, env=NO_WARMUP)
+    texts = [cell_text(c) for c in nb.cells]
+    assert not any(cell_errors(c) for c in nb.cells), texts
+    assert "nbh2: its agent ended (ssh nbh2 exited with code" in texts[3], texts[3]
+    assert "starting a new agent" in texts[3]
+    assert "nbh1 kept: True" in texts[3] and "nbh2 new: True" in texts[3], texts[3]

@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import cell_errors, cell_text, run_notebook
+from kernel import cell_errors, cell_text
+from kernel import run_notebook as _run_notebook
 
 pytestmark = pytest.mark.slurm
+
+
+def run_notebook(cells, **options):
+    """A fresh kernel, shut down at the end as Jupyter does: its agents end with it."""
+    return _run_notebook(cells, shutdown=True, **options)
 
 
 @pytest.fixture
@@ -40,11 +46,35 @@ def allocation(slurm_cluster):
         "NBACCEL_NO_WARMUP": "1",
         "NBACCEL_RENDERER": "text",
     }
+    left = _agents_of(job, wait=15)  # ended with their kernel (as they end), before scancel
     subprocess.run(["scancel", job], timeout=30)
-    leftover = subprocess.run(
-        ["pgrep", "-f", "nbaccel[.]launch[.]remote[.]agent"], capture_output=True, text=True
-    ).stdout
-    assert not leftover.strip(), f"agents left after the test: {leftover}"
+    assert not left, f"agents left after the test: {left}"
+
+
+def _agents_of(job: str, wait: float) -> list[str]:
+    """The agents (and their fork servers, ranks) of SLURM job ``job`` still running after
+    ``wait`` seconds at most (other sessions' agents on this machine are not counted)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            try:
+                if "nbaccel.launch.remote.agent" not in " ".join(p.info["cmdline"] or []):
+                    continue
+                if (
+                    p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.environ().get("SLURM_JOB_ID") == job
+                ):
+                    left.append(f"{p.pid} {' '.join(p.info['cmdline'])}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 _LAUNCH = textwrap.dedent(
@@ -112,3 +142,85 @@ def test_magic_through_srun(allocation, slurm_cluster):
     assert [e.ename for e in cell_errors(nb.cells[3])] == ["KeyboardInterrupt"]
     assert f"[rank 1 @ {node}] after interrupt 1" in texts[4]
     assert "Pool shut down." in texts[5]
+
+
+_LINEAGE = textwrap.dedent(
+    """
+    import os, signal, time
+    from nbaccel import notebook_launcher
+
+    def lineage():
+        import os
+        server = os.getppid()  # the node's fork server (torch imported there once)
+        with open(f"/proc/{server}/stat") as stat:
+            agent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        return server, agent
+
+    def launch():
+        return notebook_launcher(lineage, num_processes=2, launcher="slurm")
+    """
+)
+
+
+def test_agent_step_kept_across_launches_and_restarted_with_a_notice(allocation, slurm_cluster):
+    """One srun step per node runs its agent for the kernel's life: the second launch forks
+    from the same agent; an agent that died is replaced at the next launch, with a notice."""
+    node = slurm_cluster.nodes[0]
+    cells = [
+        _LINEAGE,
+        "first = launch(); print('first', first)",
+        "print('same agent:', launch() == first)",
+        "os.kill(first[0][1], signal.SIGKILL); time.sleep(1)",
+        "again = launch(); print('new agent:', again[0][1] != first[0][1], again[0] == again[1])",
+    ]
+    nb = run_notebook(cells, timeout=240, env=allocation)
+    texts = [cell_text(c) for c in nb.cells]
+    assert not any(cell_errors(c) for c in nb.cells), texts
+    assert "same agent: True" in texts[2], texts
+    assert f"{node}: its agent ended (srun on {node} exited" in texts[4], texts[4]
+    assert "new agent: True True" in texts[4], texts[4]
+
+
+def test_kernel_death_ends_the_agent_step_and_its_ranks(allocation, tmp_path):
+    """SIGKILL the kernel mid-launch: the agent hears no heartbeat, kills its ranks, exits."""
+    import os
+    import time
+
+    import psutil
+    from jupyter_client.manager import KernelManager
+
+    folder = tmp_path / "up"
+    folder.mkdir()
+    source = textwrap.dedent(
+        f"""
+        from nbaccel import notebook_launcher
+
+        def sleep_long(folder):
+            import os, time
+            with open(os.path.join(folder, os.environ["RANK"]), "w") as handle:
+                handle.write(f"{{os.getpid()}} {{os.getppid()}}")
+            time.sleep(300)
+
+        notebook_launcher(sleep_long, ({str(folder)!r},), num_processes=2, launcher="slurm")
+        """
+    )
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(env={**os.environ, **allocation}, cwd=str(Path.cwd()))
+    try:
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(60)
+        client.execute(source)
+        deadline = time.monotonic() + 200
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(os.listdir(folder)) == 2, "the ranks never started"
+        pids = {int(p) for name in os.listdir(folder) for p in (folder / name).read_text().split()}
+        pids |= {psutil.Process(p).ppid() for p in list(pids)}  # the fork server's agent
+        os.kill(manager.provisioner.process.pid, 9)
+        client.stop_channels()
+    finally:
+        manager.cleanup_resources() if not manager.is_alive() else manager.shutdown_kernel(now=True)
+    procs = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
+    _gone, alive = psutil.wait_procs(procs, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -111,8 +112,17 @@ def config_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def config_command(args: argparse.Namespace) -> int:
-    """Ask, then save; exit code 0."""
-    config = get_user_input()
+    """Ask, then save; exit code 0 (2 when standard input ends before the answers)."""
+    try:
+        config = get_user_input()
+    except EOFError:
+        print(
+            "\nnbaccel config: standard input ended before the questions were answered (no "
+            "terminal?). Run it in a terminal, or write a config with the defaults and no "
+            "questions: nbaccel config default",
+            file=sys.stderr,
+        )
+        return 2
     path = args.config_file or default_config_file
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".json"):

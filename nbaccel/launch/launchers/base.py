@@ -26,6 +26,9 @@ class ProcessLauncher(ABC):
     name: ClassVar[str]  # its LaunchKind (a str enum); tests register their own kinds
     #: True when the work travels pickled; False when children inherit it (``fork``-based).
     pickles_work: ClassVar[bool] = True
+    #: True when the ranks are forked from the driver itself after the work is packed, so they
+    #: inherit what the pickle leaves behind (a multiprocessing.Queue in the arguments).
+    forks_driver: ClassVar[bool] = False
     #: The host the driver's listener binds for this launcher's ranks: None is a private Unix
     #: socket (ranks on this machine); a remote launcher names an address its hosts can reach.
     channel_host: str | None = None

@@ -7,18 +7,8 @@ before the next fork. Because the server never
 touches CUDA, forking it is safe even when the kernel has already initialised CUDA (the reason
 fork-based launchers refuse to start after a notebook touched the GPU).
 
-Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
-tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
-  driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
-  server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
-                    | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
-The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
-the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
-workers and exits at once; SIGTERM does the same.
-A module whose import initialises CUDA (a library doing ``torch.cuda.init()`` at import, or one
-that torch's backend autoload pulls in) would leave every forked rank unable to use the GPU
-("Cannot re-initialize CUDA in forked subprocess"): the server notices it after each import and
-refuses to fork (REFUSED), naming the module and the fix (:class:`CudaInitializedInServer`).
+The server process (its loop, its protocol) is :mod:`nbaccel.launch.launchers.forkserver_loop`;
+this module is the driver's side: start it, ask it for ranks, learn their exit codes.
 """
 
 from __future__ import annotations
@@ -27,9 +17,7 @@ import atexit
 import json
 import os
 import pickle
-import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -38,8 +26,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
-from nbaccel.launch.log_store import reclaim_after
+from nbaccel.launch.launchers.forkserver_loop import (
+    ENGINE_PRELOAD,
+    CudaInitializedInServer,
+    read_frame,
+    serve,
+    write_frame,
+)
 from nbaccel.launch.processes import WorkerProcess, describe_exit
 from nbaccel.launch.protocol import LaunchKind, ServerMessage
 from nbaccel.launch.spec import WorkerSpec
@@ -58,177 +51,11 @@ __all__ = [
     "warm_up_if_in_kernel",
 ]
 
-_HEADER = struct.Struct("!I")
-
 
 class ProcessStartError(RuntimeError):
     """The system refused to create a rank's process (process limit, memory)."""
 
 
-#: What every server imports: torch and the rank side of the engine. Fronts add their own.
-ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
-
-
-def _write_frame(fd: int, message: Any) -> None:
-    data = pickle.dumps(message)
-    view = memoryview(_HEADER.pack(len(data)) + data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _read_exact(fd: int, size: int) -> bytes:
-    chunks = []
-    while size:
-        chunk = os.read(fd, size)
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(fd: int) -> Any:
-    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
-    return pickle.loads(_read_exact(fd, size))
-
-
-# ----------------------------------------------------------------------------- server side
-def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
-    signal.set_wakeup_fd(-1)
-    for fd in server_fds:
-        os.close(fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    become_subreaper()  # what this rank starts stays below it (see launchers.reaper)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    code = 1
-    try:
-        from nbaccel.launch.worker import run_worker
-
-        code = run_worker(pickle.loads(spec_bytes))
-    finally:
-        os._exit(code)
-
-
-class CudaInitializedInServer(RuntimeError):
-    """The fork server's process initialised CUDA (a preloaded module did it at import), so
-    ranks forked from it could not use the GPU; raised before any rank starts."""
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
-
-
-def cuda_refusal(module: str) -> str:
-    """Why the server refuses to fork once ``module``'s import initialised CUDA, and the fix."""
-    return (
-        f"importing {module!r} in nbaccel's fork server initialised CUDA, so ranks forked from "
-        "it could not use the GPU (CUDA cannot be re-initialised in a forked child). Make that "
-        "library initialise CUDA lazily (or import it inside the launched function, not at "
-        "the top of a preloaded module), or pass start_method='spawn' to start each rank "
-        "fresh."
-    )
-
-
-_cuda_culprit: str | None = None  # server side: the first module whose import initialised CUDA
-
-
-def _preload(modules: Iterable[str], strict: bool) -> None:
-    global _cuda_culprit
-    for module in modules:
-        try:
-            __import__(module)
-        except Exception as exc:
-            if strict:
-                raise
-            # Preloading only saves time: the worker imports the module itself and fails there.
-            print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
-        if _cuda_culprit is None and _cuda_initialized():
-            _cuda_culprit = module
-
-
-def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> None:
-    """Fork the rank a SPAWN request asks for and say so (or why the system refused)."""
-    _, request_id, spec_bytes = request
-    try:
-        pid = os.fork()
-    except OSError as exc:  # the process limit, or no memory for a new process
-        why = f"{type(exc).__name__}: {exc}"
-        _write_frame(stdout, (ServerMessage.FAILED, request_id, why))
-        return
-    if pid == 0:
-        _child_main(spec_bytes, server_fds)
-    reaper.ranks.add(pid)
-    _write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
-
-
-def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
-    """Run the fork server loop (called in the server process)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _preload(ENGINE_PRELOAD, strict=True)
-    _preload(preload, strict=False)
-    stdin, stdout = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the pipe
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    owner = os.getppid()  # the kernel: its logs go when it does (log_store.reclaim_after)
-    reaper = Reaper()
-
-    def terminate(*_: Any) -> None:
-        # SIGTERM (Jupyter shutting the kernel down signals its process group, then polls until
-        # no child is left): end the workers and exit at once, without the interpreter's slow
-        # teardown of torch, so the kernel's shutdown does not wait on this process.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        reaper.kill_all()
-        reclaim_after(owner, wait=0.0)  # a kernel already gone leaves no logs; no waiting here
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, terminate)
-    _write_frame(stdout, (ServerMessage.READY,))
-
-    def reap() -> None:
-        for pid, code in reaper.reap():
-            _write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
-        reaper.end_orphans()  # after the report: a rank's death is never held up by its orphans
-
-    try:
-        while True:
-            due = reaper.next_due()
-            wait = 1.0 if due is None else min(1.0, due + 0.01)
-            ready, _, _ = select.select([stdin, wake_r], [], [], wait)
-            if wake_r in ready:
-                os.read(wake_r, 4096)
-            reap()
-            if stdin in ready:
-                try:
-                    request = _read_frame(stdin)
-                except EOFError:
-                    break
-                if request[0] == ServerMessage.PRELOAD:
-                    _preload(request[1], strict=False)
-                    continue
-                if _cuda_culprit is not None:
-                    refusal = cuda_refusal(_cuda_culprit)
-                    _write_frame(stdout, (ServerMessage.REFUSED, request[1], refusal))
-                    continue
-                _fork_rank(request, stdout, (wake_r, wake_w, stdout), reaper)
-    finally:
-        # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        reaper.kill_all()
-        reclaim_after(owner, wait=0.0)  # a dead kernel (killed): its logs go with it
-        sys.stderr.flush()
-        os._exit(0)  # no interpreter teardown of torch: the kernel may be waiting on this exit
-
-
-# ----------------------------------------------------------------------------- driver side
 class ForkedServerProcess:
     """The server forked from this process instead of started fresh: for a process that has
     imported torch already and started no thread yet (the remote agent), which saves a second
@@ -289,7 +116,7 @@ class ForkServer:
         bootstrap = (  # the stop button (SIGINT to the process group) must not hit the imports
             "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-            "from nbaccel.launch.launchers.forkserver import serve; "
+            "from nbaccel.launch.launchers.forkserver_loop import serve; "
             "serve(json.loads(sys.argv[2]))"
         )
         self.preloaded = set(ENGINE_PRELOAD) | set(preload)
@@ -335,7 +162,7 @@ class ForkServer:
         fd = self._proc.stdout.fileno()
         while True:
             try:
-                message = _read_frame(fd)
+                message = read_frame(fd)
             except (EOFError, OSError):
                 break
             with self._cond:
@@ -376,9 +203,18 @@ class ForkServer:
             self._listeners.remove(callback)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        told = False
         with self._cond:
             while not self._ready:
+                if not told and time.monotonic() - started > _TELL_WAIT_AFTER:
+                    told = True  # the first launch of a kernel: say why it takes a moment
+                    print(
+                        "[nbaccel] starting the fork server (it imports torch once per kernel; "
+                        "later launches take a fork)...",
+                        flush=True,
+                    )
                 if not self.alive() or time.monotonic() > deadline:
                     raise RuntimeError(
                         "nbaccel's fork server did not start (is torch importable in this "
@@ -391,7 +227,7 @@ class ForkServer:
         missing = sorted(set(modules) - self.preloaded)
         if missing:
             with self._lock:
-                _write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
+                write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
@@ -402,7 +238,7 @@ class ForkServer:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            _write_frame(self._proc.stdin.fileno(), (ServerMessage.SPAWN, request_id, spec_bytes))
+            write_frame(self._proc.stdin.fileno(), (ServerMessage.SPAWN, request_id, spec_bytes))
         with self._cond:
             while request_id not in self._started:
                 if not self.alive():
@@ -483,6 +319,9 @@ def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
         else:
             _server.preload(preload)
         return _server
+
+
+_TELL_WAIT_AFTER = 0.25  # seconds a launch waits for the server before it says so
 
 
 def warm_up(preload: Iterable[str] = ()) -> None:

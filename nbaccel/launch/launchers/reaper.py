@@ -42,8 +42,13 @@ def become_subreaper() -> bool:
 
 def _children() -> set[int]:
     """This process's direct children (every thread's, as Linux lists them)."""
+    paths = glob.glob("/proc/self/task/*/children")
+    if not paths:  # a kernel built without CONFIG_PROC_CHILDREN: scan /proc instead
+        import psutil
+
+        return {child.pid for child in psutil.Process().children()}
     pids: set[int] = set()
-    for path in glob.glob("/proc/self/task/*/children"):
+    for path in paths:
         try:
             with open(path) as handle:
                 pids.update(int(pid) for pid in handle.read().split())

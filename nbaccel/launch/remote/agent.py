@@ -1,15 +1,17 @@
-"""The per-host agent: one per host and launch, started by ``ssh`` or ``srun``.
+"""The per-host agent: one per host for the kernel's life, started by ``ssh`` or ``srun``.
 
     python -m nbaccel.launch.remote.agent          # reads its configuration from stdin (ssh)
                                                    # or NBACCEL_AGENT_CONFIG (srun's environment)
 
 It starts a fork server with torch preloaded (``nbaccel.launch.launchers.forkserver``), connects
-back to the kernel's hub over ZeroMQ CURVE (encrypted; the hub admits only this launch's client
-keys), says hello (its address as the hosts reach it, a free port, its environment and paths),
-then forks ranks when asked. The ranks connect to the notebook's channel exactly as local ranks
-do, through a Unix socket in the agent's private directory that the agent tunnels to the kernel;
-the launch's HMAC handshake runs end to end through the tunnel. Large tensors of the work arrive
-once per host and are written to this host's /dev/shm, where every rank maps them.
+back to the kernel's hub over ZeroMQ CURVE (encrypted; the hub admits only the keys it made for
+its agents), says hello (its address as the hosts reach it, its environment and paths), then
+serves one launch after another, each a :class:`Session` (``BEGIN`` ... ``END``): a later launch
+on this host costs a fork per rank, not an ``import torch``. A session's ranks connect to the
+notebook's channel exactly as local ranks do, through a Unix socket in the session's private
+directory that the agent tunnels to the kernel; the launch's HMAC handshake runs end to end
+through the tunnel. Large tensors of the work arrive once per host and are written to this
+host's /dev/shm, where every rank maps them.
 
 No orphans: when the kernel's connection is lost (ssh's stdin closes, or no message for
 ``wire.LOST_AFTER`` seconds) the agent kills its ranks and exits; when the agent itself dies,
@@ -82,53 +84,78 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+def _directory_error(path: str) -> str | None:
+    """Why ``path`` cannot be a working directory here (None: it can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    return None
+
+
+class Session:
+    """One launch's share of this host: its ranks, its channel entrance, its files."""
+
+    def __init__(self, lid: str, private: str) -> None:
+        self.lid = lid
+        self.private = private
+        os.makedirs(private, mode=0o700)
+        self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.entrance_path = os.path.join(private, "channel")
+        self.entrance.bind(self.entrance_path)
+        os.chmod(self.entrance_path, 0o600)
+        self.entrance.listen(256)
+        self.ranks: dict[int, WorkerProcess] = {}
+        self.reported: set[int] = set()
+        self.files: dict[str, int] = {}  # path -> fd holding its lock (see transport's sweep)
+
+    def unlink(self, path: str) -> None:
+        """Remove one of the launch's shared files (every rank mapped it)."""
+        if path in self.files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(self.files.pop(path))
+
+    def close(self) -> list[WorkerProcess]:
+        """Kill what is left of the ranks; remove the entrance, the files, the folder. The
+        killed ranks come back, to be polled until the fork server reports them gone."""
+        killed = [p for p in self.ranks.values() if p.poll() is None]
+        for process in killed:
+            process.signal_tree(signal.SIGKILL)
+        self.entrance.close()
+        for path in list(self.files):
+            self.unlink(path)
+        shutil.rmtree(self.private, ignore_errors=True)
+        return killed
+
+
 class Agent:
-    """One host's side of a launch."""
+    """One host's side of the kernel's launches."""
 
     def __init__(self, config: dict[str, Any], watch_stdin: bool) -> None:
         self.config = config
-        self.node = int(config["node"])
+        self.name = str(config.get("name", socket.gethostname()))
         self.watch_stdin = watch_stdin
-        self.notes: list[str] = []  # for the notebook, sent after the hello
-        cwd = config.get("cwd")
-        if cwd:
-            try:
-                os.chdir(cwd)
-            except OSError as exc:
-                # asked for: a clear error; the kernel's own folder: it may not exist here
-                if config.get("cwd_required"):
-                    raise SystemExit(
-                        f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: "
-                        f"{exc.strerror}"
-                    ) from None
-                self.notes.append(
-                    f"no {cwd} on this host ({exc.strerror}): the ranks run in {os.getcwd()}"
-                )
+        self.start_dir = os.getcwd()
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
         # forked from this process, which imported torch already (one import per host, not two);
         # before any thread or socket of the agent exists
         self.server = ForkServer(config.get("preload", ()), fork=True)
-        self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = os.path.join(self.private, "channel")
-        self.entrance.bind(path)
-        os.chmod(path, 0o600)
-        self.entrance.listen(256)
-        self.entrance_path = path
         self.context = zmq.Context()
         self.link = self.context.socket(zmq.DEALER)
         self.link.setsockopt(zmq.LINGER, 0)
         self.link.setsockopt(zmq.SNDHWM, 0)
         self.link.setsockopt(zmq.RCVHWM, 0)
-        self.link.setsockopt(zmq.ROUTING_ID, f"node-{self.node}".encode())
+        self.link.setsockopt(zmq.ROUTING_ID, f"agent-{config['id']}".encode())
         self.link.curve_serverkey = config["server_key"].encode()
         self.link.curve_publickey = config["public"].encode()
         self.link.curve_secretkey = config["secret"].encode()
         self.link.connect(config["hub"])
-        self.relays: dict[int, Relay] = {}
+        self.sessions: dict[str, Session] = {}
+        self.relays: dict[int, tuple[str, Relay]] = {}  # sid -> (lid, its connection)
         self.sids = itertools.count(1)
-        self.ranks: dict[int, WorkerProcess] = {}
-        self.reported: set[int] = set()
-        self.files: dict[str, int] = {}  # path -> fd holding its lock (see transport's sweep)
+        self.dying: list[WorkerProcess] = []  # killed at their launch's end, not yet reaped
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.server.add_wakeup(self._wake)
@@ -149,16 +176,12 @@ class Agent:
         self.send(
             Kind.HELLO,
             {
-                "node": self.node,
                 "hostname": socket.gethostname(),
                 "addr": _route_address(self.config["hub"]),
-                "port": _free_port(),
                 "pid": os.getpid(),
-                "cwd": os.getcwd(),
+                "server_pid": self.server.pid,
                 "environ": dict(os.environ),
                 "sys_path": list(sys.path),
-                "entrance": self.entrance_path,
-                "private": self.private,
                 "shm": _shm_dir(),
                 "cpus": os.cpu_count() or 1,
             },
@@ -166,23 +189,21 @@ class Agent:
 
     def run(self) -> int:
         self.hello()
-        for text in self.notes:
-            self.send(Kind.LOG, {"text": text})
         self.last_heard = time.monotonic()  # the kernel's silence counts from the hello
-        poller = zmq.Poller()
-        poller.register(self.link, zmq.POLLIN)
-        poller.register(self.entrance, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
-        if self.watch_stdin:
-            poller.register(sys.stdin.fileno(), zmq.POLLIN)
+        stdin = sys.stdin.fileno()
         while True:
-            watched = [r for r in self.relays.values() if relay_flags(r)]
-            for relay in watched:
-                poller.register(relay, relay_flags(relay))
+            poller = zmq.Poller()
+            poller.register(self.link, zmq.POLLIN)
+            poller.register(self.wake_r, zmq.POLLIN)
+            if self.watch_stdin:
+                poller.register(stdin, zmq.POLLIN)
+            entrances = {s.entrance.fileno(): s for s in self.sessions.values()}
+            for fd in entrances:
+                poller.register(fd, zmq.POLLIN)
+            for _, relay in self.relays.values():
+                if relay_flags(relay):
+                    poller.register(relay, relay_flags(relay))
             events = dict(poller.poll(int(HEARTBEAT * 1000)))
-            for relay in watched:
-                poller.unregister(relay)
-            stdin = sys.stdin.fileno()
             if self.watch_stdin and stdin in events and not os.read(stdin, 4096):
                 _log("the kernel's ssh connection closed: stopping the ranks")
                 return _EXIT_KERNEL_LOST
@@ -193,13 +214,14 @@ class Agent:
                 while self.link.poll(0):
                     if self.handle(self.link.recv_multipart()) is False:
                         return 0
-            if self.entrance.fileno() in events:
-                conn, _ = self.entrance.accept()
-                sid = next(self.sids)
-                self.relays[sid] = Relay(conn)
-                self.send(Kind.OPEN, {"sid": sid})
-            for sid, relay in list(self.relays.items()):
-                flags = events.get(relay.fileno(), 0)  # plain fds come back as numbers
+            for fd, session in entrances.items():
+                if fd in events and session.lid in self.sessions:
+                    conn, _ = session.entrance.accept()
+                    sid = next(self.sids)
+                    self.relays[sid] = (session.lid, Relay(conn))
+                    self.send(Kind.OPEN, {"lid": session.lid, "sid": sid})
+            for sid, (_, relay) in list(self.relays.items()):
+                flags = events.get(relay.fileno(), 0) if not relay.closed else 0
                 if flags & zmq.POLLOUT:
                     relay.flush()
                 if flags & zmq.POLLIN and not relay.closed and not relay.ending:
@@ -228,44 +250,85 @@ class Agent:
         """Act on one message from the kernel; False to stop."""
         self.last_heard = time.monotonic()
         kind, header, payload = decode(frames)
-        if kind == Kind.DATA:
-            relay = self.relays.get(header["sid"])
-            if relay is not None:
+        if kind in (Kind.DATA, Kind.CLOSE):
+            _, relay = self.relays.get(header["sid"], (None, None))
+            if relay is not None and kind == Kind.DATA:
                 relay.feed(payload)
-        elif kind == Kind.CLOSE:
-            relay = self.relays.get(header["sid"])
-            if relay is not None:
+            elif relay is not None:
                 relay.finish()  # written out first; then the loop forgets it
-        elif kind == Kind.SPAWN:
-            self.spawn(int(header["rank"]), payload)
-        elif kind == Kind.WORK:
-            self.store(header["name"], payload)
-        elif kind == Kind.SIGNAL:
-            process = self.ranks.get(int(header["rank"]))
-            if process is not None:
-                process.signal_tree(int(header["signal"]))
-        elif kind == Kind.UNLINK:
-            for name in header["names"]:
-                path = os.path.join(_shm_dir(), os.path.basename(name))
-                if path in self.files:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                    os.close(self.files.pop(path))
         elif kind == Kind.QUIT:
             return False
+        elif kind == Kind.BEGIN:
+            self.begin(header)
+        elif kind == Kind.END:
+            self.end(str(header["lid"]))
+        elif (session := self.sessions.get(str(header.get("lid")))) is not None:
+            if kind == Kind.SPAWN:
+                self.spawn(session, int(header["rank"]), payload)
+            elif kind == Kind.WORK:
+                self.store(session, header["name"], payload)
+            elif kind == Kind.SIGNAL:
+                process = session.ranks.get(int(header["rank"]))
+                if process is not None:
+                    process.signal_tree(int(header["signal"]))
+            elif kind == Kind.UNLINK:
+                for name in header["names"]:
+                    session.unlink(os.path.join(_shm_dir(), os.path.basename(name)))
         return True
 
-    def spawn(self, rank: int, spec_bytes: bytes) -> None:
+    # ------------------------------------------------------------------ launches
+    def begin(self, header: dict[str, Any]) -> None:
+        """A launch starts using this host: its folder checked, its modules preloaded."""
+        lid = str(header["lid"])
+        cwd = header.get("cwd") or self.start_dir
+        notes = []
+        why = _directory_error(cwd)
+        if why is not None:
+            if header.get("cwd_required"):  # asked for: a clear error
+                error = f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: {why}"
+                self.send(Kind.READY, {"lid": lid, "error": error})
+                return
+            # the kernel's own folder: it may not exist here
+            notes.append(f"no {cwd} on this host ({why}): the ranks run in {self.start_dir}")
+            cwd = self.start_dir
+        self.server.preload(header.get("preload", ()))
+        session = Session(lid, os.path.join(self.private, f"launch-{len(self.sessions)}-{lid}"))
+        self.sessions[lid] = session
+        self.send(
+            Kind.READY,
+            {
+                "lid": lid,
+                "port": _free_port(),
+                "cwd": cwd,
+                "entrance": session.entrance_path,
+                "private": session.private,
+                "notes": notes,
+            },
+        )
+
+    def end(self, lid: str) -> None:
+        session = self.sessions.pop(lid, None)
+        if session is None:
+            return
+        for sid in [sid for sid, (owner, _) in self.relays.items() if owner == lid]:
+            self.relays.pop(sid)[1].close()
+        self.dying.extend(session.close())
+
+    def spawn(self, session: Session, rank: int, spec_bytes: bytes) -> None:
+        lid = session.lid
         try:
             pid = self.server.spawn(spec_bytes)
         except RuntimeError as exc:
-            self.reported.add(rank)
-            self.send(Kind.EXITED, {"rank": rank, "code": 1, "at": time.time(), "detail": str(exc)})
+            session.reported.add(rank)
+            self.send(
+                Kind.EXITED,
+                {"lid": lid, "rank": rank, "code": 1, "at": time.time(), "detail": str(exc)},
+            )
             return
-        self.ranks[rank] = WorkerProcess(pid, "agent", server=self.server)
-        self.send(Kind.STARTED, {"rank": rank, "pid": pid})
+        session.ranks[rank] = WorkerProcess(pid, "agent", server=self.server)
+        self.send(Kind.STARTED, {"lid": lid, "rank": rank, "pid": pid})
 
-    def store(self, name: str, data: bytes) -> None:
+    def store(self, session: Session, name: str, data: bytes) -> None:
         """Write the work's shared tensors into this host's shared memory, once per host."""
         path = os.path.join(_shm_dir(), os.path.basename(name))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -277,44 +340,44 @@ class Agent:
         except BaseException:
             os.close(fd)
             raise
-        self.files[path] = fd
+        session.files[path] = fd
 
     def report_exits(self) -> None:
-        for rank, process in self.ranks.items():
-            if rank in self.reported:
-                continue
-            code = process.poll()
-            if code is None:
-                continue
-            self.reported.add(rank)
-            detail = process.lost
-            with (
-                contextlib.suppress(OSError),
-                open(os.path.join(self.private, f"rank-{rank}.error")) as handle,
-            ):
-                detail = detail or handle.read(2000).strip()
-            self.send(
-                Kind.EXITED,
-                {
-                    "rank": rank,
-                    "code": code,
-                    "at": process.ended_at or time.time(),
-                    "detail": detail,
-                },
-            )
+        self.dying = [p for p in self.dying if p.poll() is None]  # reaped: forgotten
+        for session in self.sessions.values():
+            for rank, process in session.ranks.items():
+                if rank in session.reported:
+                    continue
+                code = process.poll()
+                if code is None:
+                    continue
+                session.reported.add(rank)
+                detail = process.lost
+                with (
+                    contextlib.suppress(OSError),
+                    open(os.path.join(session.private, f"rank-{rank}.error")) as handle,
+                ):
+                    detail = detail or handle.read(2000).strip()
+                self.send(
+                    Kind.EXITED,
+                    {
+                        "lid": session.lid,
+                        "rank": rank,
+                        "code": code,
+                        "at": process.ended_at or time.time(),
+                        "detail": detail,
+                    },
+                )
 
     def close(self) -> None:
-        for process in self.ranks.values():
-            process.signal_tree(signal.SIGKILL)
+        for session in self.sessions.values():
+            for process in session.ranks.values():
+                process.signal_tree(signal.SIGKILL)
         self.server.close()
-        for relay in self.relays.values():
+        for lid in list(self.sessions):
+            self.end(lid)
+        for _, relay in self.relays.values():
             relay.close()
-        self.entrance.close()
-        for path, fd in self.files.items():
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.close(fd)
-        self.files.clear()
         shutil.rmtree(self.private, ignore_errors=True)
         self.link.close(0)
         self.context.term()
@@ -323,11 +386,8 @@ class Agent:
 def _read_config() -> tuple[dict[str, Any], bool]:
     """The configuration and whether stdin stays the kernel's lifeline (ssh) or not (srun)."""
     encoded = os.environ.pop(CONFIG_VAR, "")
-    if encoded:  # srun: one configuration for every node, keys by node id
-        config = json.loads(base64.b64decode(encoded))
-        node = int(os.environ.get("SLURM_NODEID", "0"))
-        config.update(node=node, **config["nodes"][node])
-        return config, False
+    if encoded:  # srun: one step (and one agent) per node, its configuration in the environment
+        return json.loads(base64.b64decode(encoded)), False
     line = sys.stdin.buffer.readline()
     if not line:
         raise SystemExit("nbaccel agent: no configuration on stdin")

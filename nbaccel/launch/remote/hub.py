@@ -1,19 +1,21 @@
 """The kernel's end of the hosts' connections: one ZeroMQ CURVE server, one thread.
 
 The hub binds one address the hosts reach (never every interface), admits only clients holding
-one of this launch's agent keys (a ZAP check in libzmq's handshake, before any message), and
-encrypts everything with CURVE. For each connection a rank opens on its host, the agent sends
-``OPEN`` and the hub connects a socket to the worker group's own listener (a private Unix socket
-on this machine); bytes then flow both ways untouched, so the group authenticates remote ranks
-with the launch's HMAC handshake and treats them as ordinary connections.
+a key it made for one of its agents (:meth:`Hub.admit`; a ZAP check in libzmq's handshake, before
+any message), and encrypts everything with CURVE. For each connection a rank opens on its host,
+the agent sends ``OPEN`` with the rank's launch id and the hub connects a socket to that launch's
+worker group listener (a private Unix socket on this machine, :meth:`Hub.route`); bytes then flow
+both ways untouched, so the group authenticates remote ranks with the launch's HMAC handshake and
+treats them as ordinary connections.
 
-The launcher gets everything else (hello, started, exited, log, a host lost) through one
-callback, called on the hub's thread.
+Everything else (hello, ready, started, exited, log, an agent lost) goes to one callback, called
+on the hub's thread with the agent's id.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import threading
 import time
@@ -31,13 +33,13 @@ from nbaccel.launch.remote.wire import HEARTBEAT, LOST_AFTER, Kind, decode, enco
 
 __all__ = ["Hub"]
 
-#: ``callback(node, kind, header)``; kind is a wire.Kind (``Kind.LOST`` with {"why": ...} when
-#: the hub gives up on a host)
+#: ``callback(agent id, kind, header)``; kind is a wire.Kind (``Kind.LOST`` with {"why": ...}
+#: when the hub gives up on an agent)
 EventCallback = Callable[[int, Any, dict[str, Any]], None]
 
 
 class _Keys(ThreadAuthenticator):
-    """ZAP: admit this launch's agent keys only; the ZAP user id of a connection is its node."""
+    """ZAP: admit the hub's agent keys only; the ZAP user id of a connection is its agent id."""
 
     def __init__(self, context: zmq.Context, allowed: dict[str, int]) -> None:
         super().__init__(context)
@@ -51,17 +53,16 @@ class _Keys(ThreadAuthenticator):
 
 
 class Hub:
-    """Bind ``address`` (``0`` port: any free one) and serve ``nodes`` agents."""
+    """Bind ``address`` (``0`` port: any free one) and serve the agents it admits."""
 
-    def __init__(self, address: str, nodes: int, callback: EventCallback) -> None:
+    def __init__(self, address: str, callback: EventCallback) -> None:
         self.server_public, server_secret = new_keys()
-        self.agent_keys = [new_keys() for _ in range(nodes)]
         self.callback = callback
-        self.channel: Address | None = None  # the worker group's listener, set by the launcher
+        self._allowed: dict[str, int] = {}  # agent public key -> agent id (while not lost)
+        self._ids = itertools.count()
+        self._channels: dict[str, Address] = {}  # launch id -> its worker group's listener
         self.context = zmq.Context()
-        self.auth = _Keys(
-            self.context, {pub: node for node, (pub, _) in enumerate(self.agent_keys)}
-        )
+        self.auth = _Keys(self.context, self._allowed)
         self.auth.start()
         self.auth.configure_curve_callback("nbaccel", credentials_provider=self.auth)
         self.router = self.context.socket(zmq.ROUTER)
@@ -101,20 +102,36 @@ class Hub:
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
-    def send(self, node: int, kind: Kind, header: dict | None = None, payload: bytes | None = None):
-        """Queue a message for ``node``'s agent (sent by the hub's thread)."""
-        self._outbox.append((node, encode(kind, header, payload)))
+    def admit(self) -> tuple[int, str, str]:
+        """Keys for one more agent: ``(agent id, public, secret)``; ids are never reused."""
+        public, secret = new_keys()
+        agent = next(self._ids)
+        self._allowed[public] = agent
+        return agent, public, secret
+
+    def route(self, lid: str, channel: Address | None) -> None:
+        """Tunnel the connections of launch ``lid``'s ranks to ``channel`` (None: forget it)."""
+        if channel is None:
+            self._channels.pop(lid, None)
+        else:
+            self._channels[lid] = channel
+
+    def send(
+        self, agent: int, kind: Kind, header: dict | None = None, payload: bytes | None = None
+    ):
+        """Queue a message for agent ``agent`` (sent by the hub's thread)."""
+        self._outbox.append((agent, encode(kind, header, payload)))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
-    def lose(self, node: int, why: str) -> None:
-        """Count ``node`` as lost (its agent process ended): done on the hub's thread."""
-        self._to_lose.append((node, why))
+    def lose(self, agent: int, why: str) -> None:
+        """Count agent ``agent`` as lost (its process ended): done on the hub's thread."""
+        self._to_lose.append((agent, why))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
-    def connected(self, node: int) -> bool:
-        return node in self._identity
+    def connected(self, agent: int) -> bool:
+        return agent in self._identity
 
     def close(self) -> None:
         """Stop the thread and free the sockets (agents still connected see the link drop)."""
@@ -160,7 +177,7 @@ class Hub:
             if self.router in events:
                 while self.router.poll(0):
                     self._receive(self.router.recv_multipart(copy=False))
-            for (node, sid), relay in list(self._relays.items()):
+            for (agent, sid), relay in list(self._relays.items()):
                 flags = events.get(relay.fileno(), 0)  # plain fds come back as numbers
                 if flags & zmq.POLLOUT:
                     relay.flush()
@@ -170,56 +187,55 @@ class Hub:
                     self._flush_outbox()
                     data = relay.read()
                     if data:
-                        self._send_now(node, encode(Kind.DATA, {"sid": sid}, data))
+                        self._send_now(agent, encode(Kind.DATA, {"sid": sid}, data))
                     elif data is not None:
                         relay.close()
-                        self._send_now(node, encode(Kind.CLOSE, {"sid": sid}))
+                        self._send_now(agent, encode(Kind.CLOSE, {"sid": sid}))
                 if relay.closed:
-                    del self._relays[(node, sid)]
+                    del self._relays[(agent, sid)]
             self._heartbeat()
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            node, frames = self._outbox.popleft()
-            self._send_now(node, frames)
+            agent, frames = self._outbox.popleft()
+            self._send_now(agent, frames)
 
-    def _send_now(self, node: int, frames: list) -> None:
-        identity = self._identity.get(node)
-        if identity is None or node in self._lost:
+    def _send_now(self, agent: int, frames: list) -> None:
+        identity = self._identity.get(agent)
+        if identity is None or agent in self._lost:
             return
         try:
             self.router.send_multipart([identity, *frames])
-            self._sent[node] = time.monotonic()
+            self._sent[agent] = time.monotonic()
         except zmq.ZMQError:  # the agent is gone (ROUTER_MANDATORY): the heartbeat names it
             pass
 
     def _receive(self, frames: list) -> None:
         identity, *rest = frames
         try:
-            node = int(rest[0].get("User-Id"))
+            agent = int(rest[0].get("User-Id"))
             kind, header, payload = decode([f.bytes for f in rest])
         except (ValueError, zmq.ZMQError, IndexError, KeyError):
             return  # only admitted agents reach here; a malformed message is dropped
-        if node < 0 or node in self._lost:
+        if agent < 0 or agent in self._lost:
             return
-        self._identity[node] = identity.bytes
-        self._heard[node] = time.monotonic()
+        self._identity[agent] = identity.bytes
+        self._heard[agent] = time.monotonic()
         if kind == Kind.OPEN:
-            self._open(node, int(header["sid"]))
+            self._open(agent, int(header["sid"]), self._channels.get(str(header.get("lid"))))
         elif kind == Kind.DATA:
-            relay = self._relays.get((node, int(header["sid"])))
+            relay = self._relays.get((agent, int(header["sid"])))
             if relay is not None:
                 relay.feed(payload)
         elif kind == Kind.CLOSE:
-            relay = self._relays.get((node, int(header["sid"])))
+            relay = self._relays.get((agent, int(header["sid"])))
             if relay is not None:
                 relay.finish()
         elif kind != Kind.PING:
-            self.callback(node, kind, header)
+            self.callback(agent, kind, header)
 
-    def _open(self, node: int, sid: int) -> None:
-        """A rank on ``node`` connects to the group's listener: connect here on its behalf."""
-        address = self.channel
+    def _open(self, agent: int, sid: int, address: Address | None) -> None:
+        """A rank of agent ``agent`` connects to its group's listener: connect on its behalf."""
         family = (
             socket.AF_UNIX if address is not None and address.family == "unix" else socket.AF_INET
         )
@@ -231,29 +247,31 @@ class Hub:
             sock.connect(address.location)
         except OSError:
             sock.close()
-            self._send_now(node, encode(Kind.CLOSE, {"sid": sid}))
+            self._send_now(agent, encode(Kind.CLOSE, {"sid": sid}))
             return
-        self._relays[(node, sid)] = Relay(sock)
+        self._relays[(agent, sid)] = Relay(sock)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        for node in list(self._identity):
-            if node in self._lost:
+        for agent in list(self._identity):
+            if agent in self._lost:
                 continue
-            if now - self._heard.get(node, now) > LOST_AFTER:
+            if now - self._heard.get(agent, now) > LOST_AFTER:
                 self._lose(
-                    node,
+                    agent,
                     f"no word from its agent for {LOST_AFTER:.0f} s (host down or network lost)",
                 )
                 continue
-            if now - self._sent.get(node, 0.0) > HEARTBEAT:
-                self._send_now(node, encode(Kind.PING))
+            if now - self._sent.get(agent, 0.0) > HEARTBEAT:
+                self._send_now(agent, encode(Kind.PING))
 
-    def _lose(self, node: int, why: str) -> None:
-        """Count ``node`` as lost (once): drop its connections, tell the launcher."""
-        if node in self._lost:
+    def _lose(self, agent: int, why: str) -> None:
+        """Count ``agent`` as lost (once): drop its connections, tell the callback."""
+        if agent in self._lost:
             return
-        self._lost.add(node)
-        for key in [k for k in self._relays if k[0] == node]:
+        self._lost.add(agent)
+        for key in [k for k, v in list(self._allowed.items()) if v == agent]:
+            del self._allowed[key]  # a lost agent that comes back is refused in the handshake
+        for key in [k for k in self._relays if k[0] == agent]:
             self._relays.pop(key).close()
-        self.callback(node, Kind.LOST, {"why": why})
+        self.callback(agent, Kind.LOST, {"why": why})

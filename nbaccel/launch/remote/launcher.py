@@ -1,36 +1,34 @@
 """Ranks on other hosts: the launcher variant shared by ``ssh`` and ``slurm``.
 
-``prepare`` binds the hub (``hub.py``) on the address the hosts reach, starts one agent per host
-(``ssh.py``: one ``ssh host python -m nbaccel.launch.remote.agent`` each; ``slurm.py``: one
-``srun`` with a task per node), hands each agent its keys over ssh's stdin or the job's
-environment, and waits for every agent's hello. ``start`` then turns the worker group's spec
-into the host's (its paths, its environment plus the launch's variables, the address of the
-agent's tunnel, the shared tensors in its /dev/shm), which the agent hands unchanged to its
-fork server. Host 0's agent chose ``MASTER_PORT``; its address is ``MASTER_ADDR``.
+``prepare`` takes this kernel's warm agent of every host (``warm.py``: started by the first
+launch that needs it, ``ssh.py``/``slurm.py`` say how, reused by every later one), begins a
+launch on each (``BEGIN``: its folder, its modules; each answers ``READY`` with a free port and
+its channel's entrance) and routes the launch's tunnelled connections to the worker group's
+listener. ``start`` then turns the worker group's spec into the host's (its paths, its
+environment plus the launch's variables, the address of the agent's tunnel, the shared tensors in
+its /dev/shm), which the agent hands unchanged to its fork server. Host 0's agent chose
+``MASTER_PORT``; its address is ``MASTER_ADDR``. ``close`` ends the launch on every agent; the
+agents stay for the next one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
 import secrets
 import socket
-import subprocess
 import threading
-import time
 from abc import abstractmethod
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from nbaccel.launch.channel import Address
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.remote.hub import Hub
+from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.remote.process import RemoteProcess
+from nbaccel.launch.remote.warm import AgentHandle, AgentProcess, WarmAgents, warm_agents
 from nbaccel.launch.remote.wire import Kind
 from nbaccel.launch.spec import WorkerSpec
 from nbaccel.launch.transport import Packed
@@ -41,26 +39,6 @@ _START_TIMEOUT = 120.0
 AGENT_MODULE = "nbaccel.launch.remote.agent"
 
 
-@dataclass
-class AgentProcess:
-    """A local process (``ssh`` or ``srun``) that runs the agents of ``nodes``."""
-
-    popen: subprocess.Popen
-    nodes: list[int]
-    what: str  # "ssh nbh1", "srun"
-    tail: deque = field(default_factory=lambda: deque(maxlen=20))
-    reader: threading.Thread | None = None  # keeps ``tail``; ends with the process's output
-
-    def why_ended(self, wait: float = 2.0) -> str:
-        """What the ended process said last, once its output was read (at most ``wait`` s:
-        a child of it may hold the pipe open)."""
-        if self.reader is not None:
-            self.reader.join(wait)
-        code = self.popen.poll()
-        said = " | ".join(line for line in self.tail if line.strip())
-        return f"{self.what} exited with code {code}" + (f": {said}" if said else "")
-
-
 def _route_address(target: str) -> str:
     """This machine's address on the route to ``target`` (an address or a name)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -69,7 +47,7 @@ def _route_address(target: str) -> str:
 
 
 class RemoteLauncher(ProcessLauncher):
-    """Start ranks through one agent per host; subclasses say how agents start."""
+    """Start ranks through one warm agent per host; subclasses say how agents start."""
 
     pickles_work = True
     local_memory = False
@@ -81,11 +59,13 @@ class RemoteLauncher(ProcessLauncher):
         self.options = remote
         self.layout = remote.layout
         self.channel_address = remote.channel_address or self.find_channel_address()
-        self.hub: Hub | None = None
-        self.agents: list[AgentProcess] = []
+        self.fleet: WarmAgents | None = None
+        self.lid = secrets.token_hex(6)
+        self.agents: list[AgentHandle] = []  # by node
+        self._node_of: dict[int, int] = {}  # agent id -> node
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # a hello, or an agent process ended
-        self._hello: dict[int, dict[str, Any]] = {}
+        self._changed = threading.Condition(self._lock)  # an agent ready, or lost
+        self._ready: dict[int, dict[str, Any]] = {}
         self._lost: dict[int, str] = {}
         self._processes: dict[int, RemoteProcess] = {}
         self._work_names: dict[int, str] = {}
@@ -99,8 +79,13 @@ class RemoteLauncher(ProcessLauncher):
         """The address of this machine that the hosts reach (raise ValueError if unknown)."""
 
     @abstractmethod
-    def start_agents(self, configs: list[dict[str, Any]]) -> list[AgentProcess]:
-        """Start the agents, one per node, each with ``configs[node]`` (kept off argv)."""
+    def agent_key(self, host: Host) -> Hashable:
+        """What makes an agent of ``host`` fit this launch (host, interpreter, transport
+        arguments): launches with equal keys share the agent."""
+
+    @abstractmethod
+    def start_agent(self, host: Host, config: dict[str, Any]) -> AgentProcess:
+        """Start ``host``'s agent with ``config`` (kept off argv: its secret key is in it)."""
 
     # ------------------------------------------------------------------ the interface
     @property
@@ -111,93 +96,105 @@ class RemoteLauncher(ProcessLauncher):
         return (
             f" on {_hosts(len(self.layout.hosts))} ({self.layout.describe()}) over "
             f"{self.options.kind}; their agents connect back to {self.channel_address} "
-            "(ZeroMQ CURVE: encrypted, only this launch's keys admitted)"
+            "(ZeroMQ CURVE: encrypted, only this kernel's agent keys admitted)"
         )
 
     def prepare(self) -> None:
-        if self.hub is not None:
+        if self.fleet is not None:
             return
-        nodes = len(self.layout.hosts)
-        self.hub = Hub(self.channel_address, nodes, self._on_event)
-        configs = [
-            {
-                "node": node,
-                "name": host.name,
-                "hub": f"tcp://{self.channel_address}:{self.hub.port}",
-                "server_key": self.hub.server_public,
-                "public": self.hub.agent_keys[node][0],
-                "secret": self.hub.agent_keys[node][1],
-                "cwd": self.options.cwd,
-                "cwd_required": self.options.cwd_required,
-                "preload": sorted(set(self.preload)),
-            }
-            for node, host in enumerate(self.layout.hosts)
-        ]
+        self.lid, self.agents = secrets.token_hex(6), []
+        self._ready.clear()
+        self._lost.clear()
+        self.fleet = warm_agents(self.channel_address)
+        self.fleet.open_session(self.lid, self._on_event)
         try:
-            self.agents = self.start_agents(configs)
-            for agent in self.agents:
-                agent.reader = threading.Thread(
-                    target=_collect, args=(agent,), daemon=True, name="nbaccel-agent-out"
-                )
-                agent.reader.start()
-                threading.Thread(
-                    target=self._watch_agent, args=(agent,), daemon=True, name="nbaccel-agent"
-                ).start()
-            self._wait_for_agents()
+            self._take_agents(range(len(self.layout.hosts)))
+            lost = self._wait_for_launch(retry=True)
+            if lost:  # warm agents that died before this kernel noticed: new ones, once
+                self._take_agents(lost)
+                self._wait_for_launch(retry=False)
         except BaseException:
             self.close()
             raise
 
-    def _wait_for_agents(self) -> None:
+    def _take_agents(self, nodes: Iterable[int]) -> None:
+        """Take (or start) the agents of ``nodes``, wait for them, begin the launch on each."""
+        assert self.fleet is not None
+        nodes = list(nodes)
+        for node in nodes:
+            host = self.layout.hosts[node]
+            handle, notice = self.fleet.acquire(
+                self.agent_key(host),
+                host.name,
+                lambda config, host=host: self.start_agent(host, config),
+                self.preload,
+            )
+            if notice:
+                self._notices.append(f"{host.name}: {notice}")
+            if node < len(self.agents):
+                self.agents[node] = handle
+            else:
+                self.agents.append(handle)
+        with self._lock:
+            for node in nodes:
+                self._ready.pop(node, None)
+                self._lost.pop(node, None)
+            self._node_of = {h.id: node for node, h in enumerate(self.agents)}
+        self.fleet.wait_ready([self.agents[n] for n in nodes], _START_TIMEOUT)
+        for node in nodes:
+            self.fleet.hub.send(
+                self.agents[node].id,
+                Kind.BEGIN,
+                {
+                    "lid": self.lid,
+                    "cwd": self.options.cwd,
+                    "cwd_required": self.options.cwd_required,
+                    "preload": sorted(set(self.preload)),
+                },
+            )
+
+    def _wait_for_launch(self, retry: bool) -> list[int]:
+        """Every agent began the launch (READY); RuntimeError naming a host that cannot. With
+        ``retry``, the nodes whose agent was lost come back instead (to be replaced)."""
         hosts = self.layout.hosts
         with self._changed:
             self._changed.wait_for(
-                lambda: (
-                    len(self._hello) == len(hosts)
-                    or any(agent.popen.poll() is not None for agent in self.agents)
-                ),
-                _START_TIMEOUT,
+                lambda: bool(self._lost) or len(self._ready) == len(hosts), _START_TIMEOUT
             )
-            waiting = [n for n in range(len(hosts)) if n not in self._hello]
-        if not waiting:
-            return
-        for agent in self.agents:
-            if agent.popen.poll() is not None:
-                names = ", ".join(hosts[n].name for n in agent.nodes)
+            ready, lost = dict(self._ready), dict(self._lost)
+        if lost and retry:
+            return sorted(lost)
+        for node, why in lost.items():
+            raise RuntimeError(
+                f"could not start the ranks on {hosts[node].name}: its agent was lost ({why})"
+            )
+        for node, header in ready.items():
+            if header.get("error"):
                 raise RuntimeError(
-                    f"could not start nbaccel's agent on {names}: {agent.why_ended()}"
+                    f"could not start the ranks on {hosts[node].name}: {header['error']}"
                 )
-        names = ", ".join(hosts[n].name for n in waiting)
-        raise RuntimeError(
-            f"the agents on {names} did not connect back to {self.channel_address} within "
-            f"{_START_TIMEOUT:.0f} s: can those hosts reach this address? Pass "
-            "channel_address=... to choose another one."
-        )
-
-    def _watch_agent(self, agent: AgentProcess) -> None:
-        """An agent process that ends takes its hosts with it: name them at once (with its
-        last words)."""
-        agent.popen.wait()
-        with self._changed:
-            self._changed.notify_all()
-        why = f"its agent ended ({agent.why_ended()})"
-        hub = self.hub
-        if hub is not None:  # not closed
-            for node in agent.nodes:
-                hub.lose(node, why)
+        if len(ready) < len(hosts):
+            names = [h.name for n, h in enumerate(hosts) if n not in ready]
+            raise RuntimeError(
+                f"the agents on {', '.join(names)} did not answer within {_START_TIMEOUT:.0f} s"
+            )
+        return []
 
     @property
     def master(self) -> tuple[str, int]:
         """``(MASTER_ADDR, MASTER_PORT)``: host 0 as the other hosts reach it, a free port."""
-        hello = self._hello[0]
-        return hello["addr"], int(hello["port"])
+        hello = self.agents[0].hello
+        assert hello is not None
+        return hello["addr"], int(self._ready[0]["port"])
 
     def start(self, spec: WorkerSpec) -> RemoteProcess:
-        assert self.hub is not None, "prepare() first"
-        self.hub.channel = spec.address
+        assert self.fleet is not None, "prepare() first"
+        self.fleet.hub.route(self.lid, spec.address)
         node, local = self.layout.place(spec.rank)
         host = self.layout.hosts[node]
-        hello = self._hello[node]
+        hello = self.agents[node].hello
+        assert hello is not None
+        ready = self._ready[node]
         process = RemoteProcess(
             spec.rank, host.name, self.name, self._signal, error_path=spec.error_path
         )
@@ -219,14 +216,18 @@ class RemoteLauncher(ProcessLauncher):
             # not exist; on a shared filesystem they find the notebook's modules)
             sys_path=list(hello["sys_path"])
             + [p for p in spec.sys_path if p not in hello["sys_path"]],
-            cwd=hello["cwd"],
-            address=Address("unix", hello["entrance"]),
+            cwd=ready["cwd"],
+            address=Address("unix", ready["entrance"]),
             threads=max(1, int(hello["cpus"]) // host.slots),
-            error_path=os.path.join(hello["private"], f"rank-{spec.rank}.error"),
+            error_path=os.path.join(ready["private"], f"rank-{spec.rank}.error"),
             work=self._work_on(node, spec.work),
         )
-        self.hub.send(node, Kind.SPAWN, {"rank": spec.rank}, pickle.dumps(host_spec))
+        self._send(node, Kind.SPAWN, {"rank": spec.rank}, pickle.dumps(host_spec))
         return process
+
+    def _send(self, node: int, kind: Kind, header: dict[str, Any], payload: bytes | None = None):
+        if self.fleet is not None:
+            self.fleet.hub.send(self.agents[node].id, kind, {"lid": self.lid, **header}, payload)
 
     def _work_on(self, node: int, work: Any) -> Any:
         """The work as ``node`` sees it: its shared tensors sent once, into the host's /dev/shm."""
@@ -235,11 +236,12 @@ class RemoteLauncher(ProcessLauncher):
         token = self._work_names.setdefault(id(work), secrets.token_hex(8))
         name = f"nbaccel-{token}-{node}"  # hosts may share a /dev/shm (several on one machine)
         if (node, name) not in self._work_sent:
-            assert self.hub is not None
             with open(work.segment, "rb") as handle:
-                self.hub.send(node, Kind.WORK, {"name": name}, handle.read())
+                self._send(node, Kind.WORK, {"name": name}, handle.read())
             self._work_sent.add((node, name))
-        return dataclasses.replace(work, segment=os.path.join(self._hello[node]["shm"], name))
+        hello = self.agents[node].hello
+        assert hello is not None
+        return dataclasses.replace(work, segment=os.path.join(hello["shm"], name))
 
     def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
         return {rank: self._work_on(self.layout.place(rank)[0], work) for rank in ranks}
@@ -251,20 +253,23 @@ class RemoteLauncher(ProcessLauncher):
             by_node.setdefault(node, []).append(name)
         self._work_sent.clear()
         self._work_names.clear()
-        if self.hub is not None:
-            for node, names in by_node.items():
-                self.hub.send(node, Kind.UNLINK, {"names": names})
+        for node, names in by_node.items():
+            self._send(node, Kind.UNLINK, {"names": names})
 
     def _signal(self, rank: int, sig: int) -> None:
-        if self.hub is not None:
-            self.hub.send(self.layout.place(rank)[0], Kind.SIGNAL, {"rank": rank, "signal": sig})
+        self._send(self.layout.place(rank)[0], Kind.SIGNAL, {"rank": rank, "signal": sig})
 
     # ------------------------------------------------------------------ events (hub thread)
-    def _on_event(self, node: int, kind: Any, header: dict[str, Any]) -> None:
-        with self._changed:
-            if kind == Kind.HELLO:
-                self._hello[node] = header
+    def _on_event(self, agent: int, kind: Any, header: dict[str, Any]) -> None:
+        with self._lock:
+            node = self._node_of.get(agent)
+            if node is None:
+                return
+            if kind == Kind.READY:
+                self._ready[node] = header
                 self._changed.notify_all()
+                for text in header.get("notes", ()):
+                    self._notices.append(f"{self.layout.hosts[node].name}: {text}")
             elif kind == Kind.STARTED:
                 process = self._processes.get(int(header["rank"]))
                 if process is not None:
@@ -279,6 +284,7 @@ class RemoteLauncher(ProcessLauncher):
                 self._notices.append(f"{self.layout.hosts[node].name}: {header.get('text', '')}")
             elif kind == Kind.LOST:
                 self._lost[node] = header["why"]
+                self._changed.notify_all()
                 for rank, process in self._processes.items():
                     if self.layout.place(rank)[0] == node:
                         process.host_lost(header["why"])
@@ -299,28 +305,11 @@ class RemoteLauncher(ProcessLauncher):
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
-        """Tell every agent to stop its ranks and exit; end the agent processes and the hub."""
-        hub, self.hub = self.hub, None
-        if hub is not None:
-            for node in range(len(self.layout.hosts)):
-                hub.send(node, Kind.QUIT)
-        deadline = time.monotonic() + 3.0
-        for agent in self.agents:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                agent.popen.wait(max(0.0, deadline - 2.0 - time.monotonic()))  # QUIT first
-            with contextlib.suppress(OSError):
-                agent.popen.stdin and agent.popen.stdin.close()
-            try:
-                agent.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                agent.popen.terminate()
-                try:
-                    agent.popen.wait(2.0)
-                except subprocess.TimeoutExpired:
-                    agent.popen.kill()
-                    agent.popen.wait()
-        if hub is not None:
-            hub.close()
+        """End this launch on every host (what is left of its ranks is killed there); the
+        agents stay for the next launch."""
+        fleet, self.fleet = self.fleet, None
+        if fleet is not None:
+            fleet.close_session(self.lid, [h.id for h in self.agents])
         self._wakeups.clear()
 
 
@@ -337,16 +326,6 @@ def _launch_variables(env: dict[str, str]) -> dict[str, str]:
         for k, v in env.items()
         if k in _RANK_VARIABLES or k.startswith("NBACCEL_") or os.environ.get(k) != v
     }
-
-
-def _collect(agent: AgentProcess) -> None:
-    """Keep the last lines the agent process printed (ssh's errors, the agent's log)."""
-    stream = agent.popen.stdout
-    if stream is None:
-        return
-    for raw in iter(stream.readline, b""):
-        agent.tail.append(raw.decode("utf-8", "replace").rstrip())
-    stream.close()
 
 
 def _hosts(count: int) -> str:

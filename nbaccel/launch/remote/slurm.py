@@ -1,10 +1,12 @@
-"""The ``slurm`` launcher: one ``srun`` with one agent task per node of the allocation.
+"""The ``slurm`` launcher: one long-lived ``srun`` step per node of the allocation: its agent.
 
 Used from a kernel that runs inside an allocation (``salloc``, ``sbatch``, or Jupyter started by
-either). The agents' configuration, keys included, is in the job step's environment
-(``NBACCEL_AGENT_CONFIG``, read and removed by each agent before anything starts), never on
-srun's command line. srun ends every agent when one fails (``--kill-on-bad-exit``); each agent
-stops its ranks when the kernel's heartbeat stops.
+either). The first launch on a node starts its step (one task, ``--overlap`` so the ranks the
+agent forks share the allocation), and the agent is kept for the kernel's life (``warm.py``).
+The agent's configuration, keys included, is in the step's environment (``NBACCEL_AGENT_CONFIG``,
+read and removed by the agent before anything starts), never on srun's command line. Each agent
+stops its ranks and exits when the kernel's heartbeat stops; ``scancel`` of the allocation ends
+the steps, and the next launch says the node's agent ended.
 """
 
 from __future__ import annotations
@@ -14,15 +16,13 @@ import json
 import os
 import socket
 import subprocess
+from collections.abc import Hashable
 from typing import Any
 
 from nbaccel.launch.protocol import LaunchKind
-from nbaccel.launch.remote.launcher import (
-    AGENT_MODULE,
-    AgentProcess,
-    RemoteLauncher,
-    _route_address,
-)
+from nbaccel.launch.remote.hosts import Host
+from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_address
+from nbaccel.launch.remote.warm import AgentProcess
 from nbaccel.launch.remote.wire import CONFIG_VAR
 
 __all__ = ["SlurmLauncher"]
@@ -44,21 +44,18 @@ class SlurmLauncher(RemoteLauncher):
                 "channel_address='...' (an address of this machine the nodes can connect to)."
             ) from None
 
-    def start_agents(self, configs: list[dict[str, Any]]) -> list[AgentProcess]:
-        shared = {
-            k: v for k, v in configs[0].items() if k not in ("node", "name", "public", "secret")
-        }
-        shared["nodes"] = [
-            {"name": c["name"], "public": c["public"], "secret": c["secret"]} for c in configs
-        ]
+    def agent_key(self, host: Host) -> Hashable:
+        job = os.environ.get("SLURM_JOB_ID", "")
+        return ("slurm", job, host.name, self.options.python, self.options.srun_args)
+
+    def start_agent(self, host: Host, config: dict[str, Any]) -> AgentProcess:
         env = dict(os.environ)
-        env[CONFIG_VAR] = base64.b64encode(json.dumps(shared).encode()).decode()
-        nodes = str(len(configs))
+        env[CONFIG_VAR] = base64.b64encode(json.dumps(config).encode()).decode()
         argv = [
             "srun",
-            f"--nodes={nodes}",
-            f"--ntasks={nodes}",
-            "--ntasks-per-node=1",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={host.name}",
             "--kill-on-bad-exit=1",
             "--overlap",
             "--export=ALL",
@@ -76,4 +73,4 @@ class SlurmLauncher(RemoteLauncher):
             env=env,
             start_new_session=True,
         )
-        return [AgentProcess(popen, list(range(len(configs))), "srun")]
+        return AgentProcess(popen, f"srun on {host.name}")

@@ -1,10 +1,12 @@
 """The ``ssh`` launcher: one ``ssh host python -m nbaccel.launch.remote.agent`` per host.
 
-Everything ssh knows applies (``~/.ssh/config``: users, ports, identities, jump hosts); extra
-arguments come from ``ssh_args``. The agent's configuration, keys included, is written to ssh's
-stdin, which then stays open: when this kernel dies, the pipe closes, ssh passes the end of input
-on, and the agent stops its ranks. ssh runs in its own session, so the notebook's stop button
-(SIGINT to the kernel's process group) reaches the ranks through the kernel, not by killing ssh.
+The agent is started by the first launch on its host and kept for the kernel's life
+(``warm.py``). Everything ssh knows applies (``~/.ssh/config``: users, ports, identities, jump
+hosts); extra arguments come from ``ssh_args``. The agent's configuration, keys included, is
+written to ssh's stdin, which then stays open: when this kernel dies, the pipe closes, ssh passes
+the end of input on, and the agent stops its ranks and exits. ssh runs in its own session, so
+the notebook's stop button (SIGINT to the kernel's process group) reaches the ranks through the
+kernel, not by killing ssh.
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ import json
 import shlex
 import socket
 import subprocess
+from collections.abc import Hashable
 from typing import Any
 
 from nbaccel.launch.protocol import LaunchKind
-from nbaccel.launch.remote.launcher import (
-    AGENT_MODULE,
-    AgentProcess,
-    RemoteLauncher,
-    _route_address,
-)
+from nbaccel.launch.remote.hosts import Host
+from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_address
+from nbaccel.launch.remote.warm import AgentProcess
 
 __all__ = ["SshLauncher"]
 
@@ -57,20 +57,21 @@ class SshLauncher(RemoteLauncher):
                 "the hosts can connect to)."
             ) from None
 
-    def start_agents(self, configs: list[dict[str, Any]]) -> list[AgentProcess]:
+    def agent_key(self, host: Host) -> Hashable:
+        return ("ssh", host.target, self.options.python, self.options.ssh_args)
+
+    def start_agent(self, host: Host, config: dict[str, Any]) -> AgentProcess:
         python = shlex.quote(self.options.python)
         cwd = shlex.quote(self.options.cwd)
         command = f"cd {cwd} 2>/dev/null; exec {python} -m {AGENT_MODULE}"
-        agents = []
-        for node, host in enumerate(self.layout.hosts):
-            popen = subprocess.Popen(
-                self._ssh(host.target, command),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            popen.stdin.write(json.dumps(configs[node]).encode() + b"\n")
-            popen.stdin.flush()
-            agents.append(AgentProcess(popen, [node], f"ssh {host.target}"))
-        return agents
+        popen = subprocess.Popen(
+            self._ssh(host.target, command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert popen.stdin is not None
+        popen.stdin.write(json.dumps(config).encode() + b"\n")
+        popen.stdin.flush()
+        return AgentProcess(popen, f"ssh {host.target}")

@@ -1,12 +1,17 @@
 """The messages between the kernel's hub and a host's agent, over one ZeroMQ CURVE connection.
 
+An agent lives as long as the kernel and serves one launch after another (several at once: a
+pool and a ``notebook_launcher`` call): every message about a launch carries its id ``lid``;
+a launch begins with ``BEGIN``/``READY`` and ends with ``END``. Tunnelled connections are numbered
+per agent (``sid``), so ``DATA``/``CLOSE`` need no launch id.
+
 Every message is a list of frames ``[kind, header, payload?]``: ``kind`` one of :class:`Kind`,
 ``header`` a small JSON object, ``payload`` raw bytes. Nothing on this connection is unpickled
 by the kernel: rank traffic is tunnelled as bytes to the group's own listener, where the launch's
 HMAC handshake authenticates it end to end. The agent receives pickled worker specs from the
 kernel only, which CURVE authenticates (only the kernel holds the server's secret key).
 
-CURVE keys are made per launch (:func:`new_keys`); the secret ones travel over ssh's stdin or
+CURVE keys are made per agent (:func:`new_keys`); the secret ones travel over ssh's stdin or
 the SLURM job's environment, never on a command line.
 """
 
@@ -33,19 +38,22 @@ class Kind(bytes, Enum):
     """What a message is (its first frame)."""
 
     # agent -> kernel
-    HELLO = b"hello"  # the host is ready: its address, a free port, environment, paths
-    STARTED = b"started"  # {rank, pid}
-    EXITED = b"exited"  # {rank, code, at, detail}
-    LOG = b"log"  # {text}: something the agent wants the notebook to see (a notice)
+    HELLO = b"hello"  # the agent is up (once): its host's address, environment, paths, pid
+    READY = b"ready"  # {lid, port, cwd, entrance, private, notes} or {lid, error}
+    STARTED = b"started"  # {lid, rank, pid}
+    EXITED = b"exited"  # {lid, rank, code, at, detail}
+    LOG = b"log"  # {lid, text}: something the agent wants the notebook to see (a notice)
     # kernel -> agent
-    WORK = b"work"  # {name} + the shared tensors' bytes: written once into the host's /dev/shm,
-    # always before the message (a spawn, a call on a tunnelled stream) that refers to it
-    SPAWN = b"spawn"  # {rank} + the pickled WorkerSpec, handed to the fork server as is
-    SIGNAL = b"signal"  # {rank, signal}
-    UNLINK = b"unlink"  # {names}: every rank mapped those shared tensors; remove the files
-    QUIT = b"quit"  # stop every rank and exit
+    BEGIN = b"begin"  # {lid, cwd, cwd_required, preload}: a launch starts using this host
+    WORK = b"work"  # {lid, name} + the shared tensors' bytes: written once into the host's
+    # /dev/shm, always before the message (a spawn, a call on a tunnelled stream) that uses it
+    SPAWN = b"spawn"  # {lid, rank} + the pickled WorkerSpec, handed to the fork server as is
+    SIGNAL = b"signal"  # {lid, rank, signal}
+    UNLINK = b"unlink"  # {lid, names}: every rank mapped those shared tensors; remove the files
+    END = b"end"  # {lid}: the launch is over: kill what is left of its ranks, free its files
+    QUIT = b"quit"  # the kernel is ending: stop every rank and exit
     # both ways
-    OPEN = b"open"  # {sid}: a rank opened a connection to the notebook's channel
+    OPEN = b"open"  # {lid, sid}: a rank opened a connection to its launch's channel
     DATA = b"data"  # {sid} + bytes of that connection
     CLOSE = b"close"  # {sid}: that connection closed
     PING = b"ping"

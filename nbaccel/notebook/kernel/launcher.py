@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
+from nbaccel.launch.child_failed import as_child_failed
 from nbaccel.launch.plan import Front, LaunchPlan, check_call
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import Fronts, LaunchRequest
@@ -60,7 +61,8 @@ def notebook_launcher(
     """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
 
     Output streams into the notebook as whole, rank-labelled lines while the function runs. The
-    first failing rank's exception is raised here with its original type, naming the rank; the
+    first failing rank's exception is raised here with its original type, naming the rank (and
+    an instance of torch elastic's ``ChildFailedError`` too, as Accelerate raises); the
     other ranks are stopped. ``num_processes`` defaults to one rank per GPU, else 1 (on TPUs
     one per local chip; with a single chip the function runs in the kernel, see
     ``nbaccel.launch.run.launch_xla``).
@@ -146,6 +148,8 @@ def launch_request(
         raise KeyboardInterrupt from None
     failure = report.exception()
     if failure is not None:
+        if hasattr(failure, "rank"):  # also what Accelerate's elastic launch raises
+            failure = as_child_failed(failure, getattr(function, "__name__", repr(function)))
         raise failure  # the rank's own exception, re-raised in the notebook
     return report.values()
 

@@ -198,8 +198,8 @@ class DistributedMagics(Magics):
                 remote=request.remote,
                 cpu=request.cpu,
             )
-        if pool is not running and not renderer.quiet:
-            renderer.notice(f"pool ready in {time.perf_counter() - started:.1f} s.")
+        if pool is not running and not renderer.quiet:  # news, not a warning: stdout
+            print(f"[nbaccel] pool ready in {time.perf_counter() - started:.1f} s.", flush=True)
         return pool
 
     def _hint_push(self, exc: NameError) -> None:
@@ -338,9 +338,22 @@ def auto_mode_transform(lines: list[str]) -> list[str]:
     head = lines[first].lstrip()
     if head.strip() == "%%local":
         return lines[first + 1 :]
+    if _help_alone(head, lines[first + 1 :]):  # IPython refuses a cell magic with no body
+        return [head[1:]]
     if not DistributedMagics.auto or head.startswith(("%", "!")):
         return lines
     return ["%%distributed\n", *lines[first:]]
+
+
+def _help_alone(head: str, rest: list[str]) -> bool:
+    """``%%distributed --help`` (or ``-h``) with nothing below: shown as the line magic's help."""
+    words = head.split()
+    return (
+        bool(words)
+        and words[0] == "%%distributed"
+        and bool({"-h", "--help"} & set(words[1:]))
+        and not any(text.strip() for text in rest)
+    )
 
 
 _atexit_registered = False

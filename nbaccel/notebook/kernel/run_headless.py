@@ -60,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     nb = execute_notebook(args.notebook, timeout=args.timeout)
     failed = False
-    for index, cell in enumerate(nb.cells):
+    for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        print(f"\n\033[1mIn [{index}]:\033[0m " + cell.source.replace("\n", "\n         "))
+        # the kernel's execution count, the number its tracebacks name ("Cell In[4]")
+        number = cell.get("execution_count") or " "
+        print(f"\n\033[1mIn [{number}]:\033[0m " + cell.source.replace("\n", "\n         "))
         for output in cell.get("outputs", []):
             text = output_text(output)
             if output.get("output_type") == "error":

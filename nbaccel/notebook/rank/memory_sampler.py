@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from nbaccel.launch.worker import emit
+from nbaccel.launch.worker import after_each_call, emit
 from nbaccel.notebook.events import MEMORY, MemorySample
 
 __all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]
@@ -111,10 +111,16 @@ def _run(interval: float) -> None:
         time.sleep(interval)
 
 
+def _last_sample() -> None:
+    emit(MEMORY, sample_memory())
+
+
 def start_memory_sampler(interval: float = DEFAULT_INTERVAL) -> None:
     """Start this process's sampler thread (once). It samples while a call runs: the first
-    sample within ``_IDLE_POLL`` of the call's start, then every ``interval`` seconds."""
+    sample within ``_IDLE_POLL`` of the call's start, then every ``interval`` seconds, and one
+    more when the call ends, so even a quick call reports every rank's peak."""
     global _thread
+    after_each_call(_last_sample)
     if _thread is not None and _thread.is_alive():
         return
     _thread = threading.Thread(target=_run, args=(interval,), daemon=True, name="nbaccel-memory")

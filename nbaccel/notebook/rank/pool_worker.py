@@ -108,6 +108,8 @@ def setup_worker(backend: str | None = None) -> None:
 
     if not dist.is_initialized():  # a pool of one still gets a process group, for dist.* calls
         dist.init_process_group(state.backend, init_method="env://", rank=0, world_size=1)
+    # the group outlives the cell: Accelerator.end_training() in a cell keeps it
+    os.environ["NBACCEL_PERSISTENT_GROUP"] = "1"
     _install_namespace()
     _install_display()
     emit(

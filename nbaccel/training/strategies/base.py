@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from nbaccel.distributed.state import AcceleratorState
 from nbaccel.storage.weights import load_into_model
@@ -120,7 +121,11 @@ class Strategy:
         return inner
 
     def unwrap_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` without the parallel wrapper this strategy adds (none here)."""
+        """``model`` without torch's data-parallel wrappers (``DataParallel``, DDP): this
+        strategy adds none, but a model the user wrapped is unwrapped too, as Accelerate's
+        ``unwrap_model`` does."""
+        while isinstance(model, torch.nn.DataParallel | DistributedDataParallel):
+            model = model.module
         return model
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:

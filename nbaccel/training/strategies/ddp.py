@@ -41,7 +41,7 @@ class DDPStrategy(Strategy):
         return self.num_processes > 1
 
     def unwrap_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
-        while isinstance(model, DistributedDataParallel):
+        while isinstance(model, torch.nn.DataParallel | DistributedDataParallel):
             model = model.module
         return model
 

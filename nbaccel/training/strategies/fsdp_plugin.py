@@ -17,7 +17,11 @@ import torch
 
 from nbaccel.values.booleans import env_flag, parse_bool
 
-__all__ = ["FullyShardedDataParallelPlugin"]
+__all__ = [
+    "FullyShardedDataParallelPlugin",
+    "disable_fsdp_ram_efficient_loading",
+    "enable_fsdp_ram_efficient_loading",
+]
 
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -36,6 +40,18 @@ _RESHARD_BY_STRATEGY = {
     "FULL_SHARD": True, "1": True, "NO_SHARD": True, "3": True, "HYBRID_SHARD": True, "4": True,
     "SHARD_GRAD_OP": False, "2": False, "_HYBRID_SHARD_ZERO2": False, "5": False,
 }  # fmt: skip
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Turn on ``cpu_ram_efficient_loading`` for plugins built from now on (and tell Hugging
+    Face transformers that FSDP is in use), through the environment."""
+    os.environ.setdefault("ACCELERATE_USE_FSDP", "True")
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "True"
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    """Turn ``cpu_ram_efficient_loading`` off for plugins built from now on."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "False"
 
 
 def _to_dtype(value: Any, what: str) -> torch.dtype | None:
@@ -72,6 +88,10 @@ class FullyShardedDataParallelPlugin:
             (one ``torch.distributed.checkpoint`` directory, each rank writing its shard).
         cpu_ram_efficient_loading: only rank 0 holds real weights before sharding; the others
             may build the model on the ``meta`` device and receive rank 0's values while sharding.
+        state_dict_config, optim_state_dict_config: torch's ``FullStateDictConfig`` /
+            ``ShardedStateDictConfig`` (and the ``Optim`` ones) matching ``state_dict_type``;
+            None fills in Accelerate's defaults (full: offloaded to CPU, on rank 0 only, which is
+            how nbaccel gathers a full state dict).
     """
 
     fsdp_version: int = 2
@@ -84,6 +104,8 @@ class FullyShardedDataParallelPlugin:
     activation_checkpointing: bool = False
     state_dict_type: str = "FULL_STATE_DICT"
     cpu_ram_efficient_loading: bool = False
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
 
     def __post_init__(self) -> None:
         self.fsdp_version = int(os.environ.get("FSDP_VERSION", self.fsdp_version))
@@ -101,6 +123,7 @@ class FullyShardedDataParallelPlugin:
         if flag is not None:
             self.cpu_ram_efficient_loading = flag
         self.state_dict_type = self._check_state_dict_type(self.state_dict_type)
+        self._set_state_dict_configs()
         self.transformer_cls_names_to_wrap = self._check_cls_names(
             self.transformer_cls_names_to_wrap
         )
@@ -114,6 +137,35 @@ class FullyShardedDataParallelPlugin:
         self.mixed_precision_policy = self._check_mixed_precision(self.mixed_precision_policy)
 
     # -- validation -----------------------------------------------------------------------------
+    def _set_state_dict_configs(self) -> None:
+        """Check the state dict configs against ``state_dict_type``; fill in the defaults."""
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+        )
+
+        full = self.state_dict_type == "FULL_STATE_DICT"
+        kinds = {
+            "state_dict_config": (FullStateDictConfig if full else ShardedStateDictConfig),
+            "optim_state_dict_config": (
+                FullOptimStateDictConfig if full else ShardedOptimStateDictConfig
+            ),
+        }
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if value is None:
+                value = kind(offload_to_cpu=True, rank0_only=True) if full else kind()
+            elif isinstance(value, dict):
+                value = kind(**value)
+            elif not isinstance(value, kind):
+                raise TypeError(
+                    f"{name} must be a torch.distributed.fsdp.{kind.__name__} for "
+                    f"state_dict_type={self.state_dict_type!r}, not {type(value).__name__}."
+                )
+            setattr(self, name, value)
+
     @staticmethod
     def _check_state_dict_type(value: Any) -> str:
         text = getattr(value, "name", value)  # accepts torch's StateDictType enum too

@@ -1,0 +1,78 @@
+"""A rank's error as both its own type and torch elastic's ``ChildFailedError``.
+
+Accelerate's ``notebook_launcher`` runs ranks under torch elastic and raises
+``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` when one fails; nbaccel
+raises the rank's original exception. Code written for either catches it when the raised object
+is an instance of both: its class becomes a subclass of the original class and of
+``ChildFailedError`` (one per original class, made once), with the original message, attributes,
+cause and traceback, ``name`` and ``failures`` as torch elastic fills them, and pickling that
+rebuilds the same mixed class.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["as_child_failed"]
+
+_MIXED: dict[type, type] = {}
+
+
+def _rebuild(original: type, args: tuple, state: dict[str, Any]) -> BaseException:
+    mixed = _mixed_class(original)
+    exc = mixed.__new__(mixed, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+def _reduce(self: BaseException) -> tuple[Any, ...]:
+    return _rebuild, (self._nbaccel_original_class, self.args, dict(self.__dict__))
+
+
+def _mixed_class(original: type) -> type:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    mixed = _MIXED.get(original)
+    if mixed is None:
+        namespace = {
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "__doc__": original.__doc__,
+            "__reduce__": _reduce,
+            "__str__": original.__str__,  # the rank's message, not torch elastic's table
+            "_nbaccel_original_class": original,
+        }
+        mixed = type(original.__name__, (original, ChildFailedError), namespace)
+        _MIXED[original] = mixed
+    return mixed
+
+
+def as_child_failed(exc: BaseException, name: str, rank: int | None = None) -> BaseException:
+    """``exc`` (a failed rank's exception) made an instance of ``ChildFailedError`` too.
+
+    ``name`` is the launched function's name (``ChildFailedError.name``); ``rank`` the failed
+    rank (``failures`` key). Exceptions outside ``Exception`` (KeyboardInterrupt) and classes
+    that cannot be extended are returned unchanged.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    if isinstance(exc, ChildFailedError) or not isinstance(exc, Exception):
+        return exc
+    rank = int(getattr(exc, "rank", 0) if rank is None else rank)
+    original = type(exc)
+    try:
+        mixed = _rebuild(original, exc.args, dict(getattr(exc, "__dict__", {})))
+    except TypeError:  # a built-in layout that cannot take a Python subclass mixed in
+        return exc
+    mixed.__cause__, mixed.__context__ = exc.__cause__, exc.__context__
+    mixed.__suppress_context__ = exc.__suppress_context__
+    mixed.__traceback__ = exc.__traceback__
+    exc = mixed
+    failure = ProcessFailure(local_rank=rank, pid=-1, exitcode=1, error_file="")
+    failure.message = f"{original.__name__}: {exc}"
+    failure.timestamp = int(time.time())
+    exc.name = name  # type: ignore[attr-defined]
+    exc.failures = {rank: failure}  # type: ignore[attr-defined]
+    return exc

@@ -1,0 +1,131 @@
+"""The descriptive attributes of Accelerate's ``Accelerator`` that scripts read: the kwargs
+handlers by role, FP8/LOMO/DeepSpeed flags (off: nbaccel refuses those stacks at construction),
+the parallel ranks, the device mesh. Mixed into :class:`nbaccel.Accelerator`, which keeps its
+handlers in ``self.handlers`` (type -> handler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from nbaccel.distributed.state import DistributedType
+from nbaccel.training.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
+
+__all__ = ["AcceleratorNamesMixin"]
+
+
+def _handler(kind: type) -> property:
+    return property(lambda self: self.handlers.get(kind), doc=f"The {kind.__name__} passed.")
+
+
+def _off(value: Any = None, doc: str = "") -> property:
+    return property(lambda self: value, doc=doc)
+
+
+def _mesh_rank(enabled: str, axis: str, what: str) -> property:
+    def rank(self: Any) -> int:
+        config = self.parallelism_config
+        if config is None:
+            raise RuntimeError(f"{what} is not configured. Set `parallelism_config` first.")
+        if not getattr(config, enabled):
+            return 0
+        return self.torch_device_mesh.get_local_rank(axis)
+
+    return property(rank, doc=f"This process's rank along the {axis!r} axis (0 when off).")
+
+
+class AcceleratorNamesMixin:
+    """Accelerate's descriptive ``Accelerator`` attributes over nbaccel's own state."""
+
+    handlers: dict[type, Any]
+    parallelism_config: Any
+
+    ddp_handler = _handler(DistributedDataParallelKwargs)
+    scaler_handler = _handler(GradScalerKwargs)
+    init_handler = _handler(InitProcessGroupKwargs)
+    autocast_handler = _handler(AutocastKwargs)
+    # FP8 recipes, LOMO and DeepSpeed are refused when asked for, so they are never set here
+    fp8_recipe_handler = _off(doc="FP8 recipe handler (FP8 is refused: always None).")
+    te_recipe_handler = _off(doc="Transformer Engine recipe handler (always None).")
+    ao_recipe_handler = _off(doc="torchao recipe handler (always None).")
+    msamp_recipe_handler = _off(doc="MS-AMP recipe handler (always None).")
+    has_fp8_handler = _off(False, "Whether an FP8 recipe handler was passed (never).")
+    fp8_enabled = _off(False, "Whether FP8 training is on (never).")
+    delayed_fp8_autocast = _off(False, "Delayed FP8 autocast (never).")
+    fp8_backend = _off(None, "The FP8 backend (None: FP8 is not trained by nbaccel).")
+    has_lomo_optimizer = _off(False, "Whether a LOMO optimizer was prepared (never).")
+    deepspeed_plugin = _off(doc="DeepSpeed plugin (DeepSpeed is refused: always None).")
+    pipeline_parallel_rank = _off(0, "Pipeline parallelism is not supported: 0.")
+    tensor_parallel_rank = _mesh_rank("tp_enabled", "tp", "Tensor parallelism")
+    context_parallel_rank = _mesh_rank("cp_enabled", "cp", "Context parallelism")
+    data_parallel_rank = _mesh_rank("dp_replicate_enabled", "dp_replicate", "Data parallelism")
+    data_parallel_shard_rank = _mesh_rank("dp_shard_enabled", "dp_shard", "Data parallelism")
+
+    @property
+    def native_amp(self) -> bool:
+        """Whether torch.amp mixed precision (fp16/bf16) is on."""
+        return str(self.state.mixed_precision) in ("fp16", "bf16")
+
+    @property
+    def log_with(self) -> list[Any]:
+        """The trackers asked for (``log_with``, the available ones)."""
+        return list(self._trackers.wanted)
+
+    @property
+    def multi_device(self) -> bool:
+        """More than one accelerator device per run (multi-GPU and the like)."""
+        return self.use_distributed and self.distributed_type in (
+            DistributedType.MULTI_GPU,
+            DistributedType.MULTI_XPU,
+            DistributedType.MULTI_NPU,
+            DistributedType.MULTI_MLU,
+            DistributedType.MULTI_HPU,
+        )
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether models are sharded with FSDP2 (nbaccel's only FSDP)."""
+        return self.distributed_type == DistributedType.FSDP
+
+    is_composable_parallelism_enabled = is_fsdp2
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """Whether prepared loaders are torchdata ``StatefulDataLoader``s."""
+        return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The device mesh of ``parallelism_config`` (None without one)."""
+        config = self.parallelism_config
+        if config is None:
+            return None
+        if getattr(self, "_device_mesh", None) is None:
+            self._device_mesh = config.build_device_mesh(self.device.type)
+        return self._device_mesh
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process takes part in saving the model (every process, as Accelerate)."""
+        return True if self.parallelism_config is not None else self.is_local_main_process
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(
+        self, buffers: Any = None, buffer_seq_dims: Any = None, no_restore_buffers: Any = None
+    ) -> Iterator[None]:
+        """Context parallelism when configured; nbaccel refuses ``cp_size > 1``, so a no-op."""
+        yield
+
+    def lomo_backward(self, loss: Any, learning_rate: float) -> None:
+        """LOMO optimizers are not supported: refused with the alternative."""
+        raise NotImplementedError(
+            "nbaccel does not train LOMO optimizers (lomo_optim); use accelerator.backward(loss) "
+            "with a torch optimizer."
+        )

@@ -1,0 +1,116 @@
+"""benchmarks/gate's verdicts on made-up measurements (pure logic, no timing)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+pytest.importorskip("tomllib", reason="gate.toml is read with tomllib (Python >= 3.11)")
+
+from gate_check import Measured, exit_code, judge, load_thresholds, render  # noqa: E402
+
+TOML = """
+[gate]
+noise = 0.1
+
+[launch]
+figure = "no-op launch"
+peer = "accelerate"
+max = 0.25
+
+[cell]
+figure = "warm cell"
+peer = "plain cell"
+kind = "difference"
+unit = "ms"
+max = 1.0
+noise = 0.5
+
+[steps]
+figure = "steps/s"
+peer = "hand DDP"
+min = 0.97
+noise = 0.03
+"""
+
+
+@pytest.fixture
+def thresholds(tmp_path):
+    path = tmp_path / "gate.toml"
+    path.write_text(TOML)
+    return load_thresholds(path)
+
+
+def _verdicts(rows):
+    return {r.key: r.verdict for r in rows}
+
+
+def test_inside_the_bound_passes_inside_the_noise_passes_as_noise(thresholds):
+    rows = judge(
+        {
+            "launch": Measured(0.05, 0.2),  # 0.25: on the bound
+            "cell": Measured(7.3, 6.0, "ms"),  # +1.3 ms: inside the 0.5 ms margin
+            "steps": Measured(9.5, 10.0, "steps/s"),  # 0.95 >= 0.97 * 0.97
+        },
+        thresholds,
+    )
+    assert _verdicts(rows) == {"launch": "pass", "cell": "pass (noise)", "steps": "pass (noise)"}
+    assert exit_code(rows) == 0
+    assert rows[0].value == pytest.approx(0.25) and rows[1].value == pytest.approx(1.3)
+
+
+def test_a_regression_fails_the_gate(thresholds):
+    rows = judge(
+        {
+            "launch": Measured(0.1, 0.2),  # 0.5 > 0.25 * 1.1
+            "cell": Measured(8.0, 6.0, "ms"),  # +2 ms > 1.5
+            "steps": Measured(9.0, 10.0),  # 0.9 < 0.97 * 0.97
+        },
+        thresholds,
+    )
+    assert _verdicts(rows) == {"launch": "FAIL", "cell": "FAIL", "steps": "FAIL"}
+    assert exit_code(rows) == 1
+
+
+def test_skipped_peers_are_notices_and_our_errors_fail(thresholds):
+    rows = judge(
+        {
+            "launch": Measured(skipped="accelerate is not installed"),
+            "cell": Measured(error="magics: RuntimeError: boom"),
+        },
+        thresholds,
+    )
+    verdicts = _verdicts(rows)
+    assert verdicts["launch"] == "skipped: accelerate is not installed"
+    assert verdicts["cell"].startswith("ERROR: magics")
+    assert verdicts["steps"] == "skipped: not measured in this run"
+    assert exit_code(rows) == 1
+    assert exit_code(judge({"launch": Measured(skipped="x")}, thresholds)) == 0
+
+
+def test_table_has_one_line_per_figure_with_its_threshold(thresholds):
+    rows = judge({"launch": Measured(0.04, 0.2), "cell": Measured(6.5, 6.0, "ms")}, thresholds)
+    text = render(rows)
+    lines = text.splitlines()
+    assert lines[0].split()[:5] == ["figure", "peer", "ratio", "threshold", "verdict"]
+    assert len(lines) == 2 + 3
+    assert "<= 0.25 (noise 10%)" in lines[2] and "0.200" in lines[2]
+    assert "<= 1 ms (noise 0.5 ms)" in lines[3] and "0.500" in lines[3]
+
+
+def test_the_real_gate_toml_is_well_formed():
+    figures = load_thresholds(ROOT / "benchmarks" / "gate.toml")
+    assert {"launch_2", "launch_8", "device_map_37k", "nlp_example"} <= set(figures)
+    for spec in figures.values():  # a ratio's margin is a fraction, a difference's an amount
+        assert spec["noise"] > 0 and (spec["kind"] == "difference" or spec["noise"] < 1)
+
+
+def test_a_threshold_needs_exactly_one_bound(tmp_path):
+    path = tmp_path / "gate.toml"
+    path.write_text('[x]\nfigure = "x"\n')
+    with pytest.raises(ValueError, match="exactly one of max or min"):
+        load_thresholds(path)

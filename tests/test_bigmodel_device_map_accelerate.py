@@ -1,0 +1,252 @@
+"""infer_auto_device_map gives Accelerate's map: expected maps written out (no accelerate
+needed), and the same answer as accelerate itself on many random shapes when it is installed."""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from nbaccel.bigmodel import compute_module_sizes, infer_auto_device_map, init_empty_weights
+
+
+class ThreeLayers(nn.Module):
+    """Sizes 64, 72 and 100 bytes (236 in all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1 = nn.Linear(3, 4)
+        self.batchnorm = nn.BatchNorm1d(4)
+        self.linear2 = nn.Linear(4, 5)
+
+
+def _with_buffers(fourth: bool = False) -> ThreeLayers:
+    model = ThreeLayers()
+    model.linear1.register_buffer("b1", torch.zeros(10, 2))
+    model.batchnorm.register_buffer("b2", torch.zeros(10, 3))
+    model.linear2.register_buffer("b3", torch.zeros(10, 3))
+    if fourth:
+        model.linear3 = nn.Linear(4, 5)
+        model.linear3.register_buffer("b4", torch.zeros(10, 2))
+    return model
+
+
+def _plan(model, **kwargs):
+    """The map and the messages of the UserWarnings raised while planning it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm = infer_auto_device_map(model, **kwargs)
+    return dm, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize(
+    "memory, offload_buffers, expected, warns",
+    [
+        # Two GPUs: GPU 1 can hold the offloaded layers' buffers (200 bytes): no warning.
+        ({0: 400, 1: 400, "cpu": "1GB"}, False, {"batchnorm": 1}, False),
+        # Neither GPU can hold them: warn, the map is the same.
+        ({0: 400, 1: 200, "cpu": "1GB"}, False, {"batchnorm": 1}, True),
+        ({0: 400, 1: 200, "cpu": "1GB"}, True, {"batchnorm": 1}, False),
+    ],
+)
+def test_buffer_check_across_several_devices(memory, offload_buffers, expected, warns):
+    dm, messages = _plan(
+        _with_buffers(fourth=True), max_memory=memory, offload_buffers=offload_buffers
+    )
+    assert dm == {"linear1": 0, **expected, "linear2": "cpu", "linear3": "cpu"}
+    assert bool(messages) == warns
+    if warns:
+        assert "Current model requires 200 bytes of buffer" in messages[0]
+        assert "offload_buffers=True" in messages[0]
+
+
+def _nested(sizes: tuple[int, int, int]) -> nn.Module:
+    inner = nn.Sequential(
+        OrderedDict(
+            [
+                ("linear1", nn.Linear(sizes[0], 4)),
+                ("linear2", nn.Linear(4, sizes[1])),
+                ("linear3", nn.Linear(4, sizes[2])),
+            ]
+        )
+    )
+    return nn.Sequential(OrderedDict([("module", inner)]))
+
+
+def test_fallback_allocation_fills_a_device_the_fill_would_leave_empty(caplog):
+    model = _nested((10, 4, 8))
+    with caplog.at_level(logging.INFO):
+        dm, _ = _plan(model, max_memory={0: 256}, fallback_allocation=False)
+    assert dm == {"": "disk"}
+    assert "insufficient memory" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        dm, _ = _plan(model, max_memory={0: 256}, fallback_allocation=True)
+    assert dm == {"module.linear1": "disk", "module.linear2": 0, "module.linear3": "disk"}
+    assert "insufficient memory" not in caplog.text
+
+
+def test_fallback_allocation_partial_fit_no_fit_and_tied():
+    assert _plan(_nested((10, 10, 10)), max_memory={0: 30}, fallback_allocation=True)[0] == {
+        "": "disk"
+    }
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.submodule1 = nn.Linear(20, 20)
+            self.submodule2 = nn.Linear(20, 20)
+
+    model = nn.Sequential(OrderedDict([(f"module{i}", Two()) for i in (1, 2, 3)]))
+    dm, _ = _plan(model, max_memory={0: 5000}, fallback_allocation=True)
+    assert dm == {
+        "module1.submodule1": 0,
+        "module1.submodule2": "disk",
+        "module2": "disk",
+        "module3": "disk",
+    }
+    tied = nn.Module()
+    tied.linear1, tied.linear2 = nn.Linear(10, 10), nn.Linear(10, 10)
+    tied.linear2.weight = tied.linear1.weight
+    assert _plan(tied, max_memory={0: 600}, fallback_allocation=True)[0] == {"": 0}
+
+
+def test_fallback_allocation_with_buffers_warns():
+    model = nn.Sequential(
+        OrderedDict(
+            [
+                ("linear1", nn.Linear(10, 10)),
+                ("bn", nn.BatchNorm1d(10)),
+                ("linear2", nn.Linear(10, 10)),
+            ]
+        )
+    )
+    for name in ("linear1", "bn", "linear2"):
+        getattr(model, name).register_buffer("extra", torch.zeros(5))
+    dm, messages = _plan(model, max_memory={0: 678}, fallback_allocation=True)
+    assert dm == {"bn": 0, "linear1": "disk", "linear2": "disk"}
+    assert messages and "Current model requires 40 bytes of buffer" in messages[0]
+
+
+# --- the same answer as accelerate, on random shapes ---------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, rng: random.Random, depth: int):
+        super().__init__()
+        for i in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if depth > 0 and kind < 0.35:
+                child = Block(rng, depth - 1)
+            elif kind < 0.55:
+                child = nn.ModuleList(
+                    nn.Linear(rng.randint(1, 9), rng.randint(1, 9))
+                    for _ in range(rng.randint(1, 3))
+                )
+            elif kind < 0.7:
+                child = nn.BatchNorm1d(rng.randint(1, 6))
+            elif kind < 0.8:
+                child = nn.Embedding(rng.randint(2, 12), rng.randint(1, 5))
+            else:
+                child = nn.Linear(rng.randint(1, 12), rng.randint(1, 12), bias=rng.random() < 0.5)
+            self.add_module(f"m{i}", child)
+        if rng.random() < 0.2:
+            self.scale = nn.Parameter(torch.ones(rng.randint(1, 6)))
+        if rng.random() < 0.2:
+            self.register_buffer("mask", torch.ones(rng.randint(1, 40), dtype=torch.bool))
+
+
+def _random_case(seed: int):
+    rng = random.Random(seed)
+    with init_empty_weights(include_buffers=False):
+        model = nn.Sequential(*(Block(rng, 2) for _ in range(rng.randint(1, 5))))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears and rng.random() < 0.5:  # a weight tied between two places in the tree
+        source = rng.choice(linears)
+        with init_empty_weights():
+            tied = nn.Linear(source.in_features, source.out_features, bias=False)
+        tied.weight = source.weight
+        holder = rng.choice([m for m in model.modules() if isinstance(m, Block | nn.Sequential)])
+        holder.add_module("tied", tied)
+    total = compute_module_sizes(model)[""]
+    gpus = rng.randint(0, 3)
+    memory = {i: int(total * rng.uniform(0.05, 0.6)) for i in range(gpus)}
+    if rng.random() < 0.8:
+        memory["cpu"] = int(total * rng.uniform(0.1, 1.2))
+    if not memory:
+        memory["cpu"] = int(total * 0.5)
+    kwargs = {
+        "max_memory": memory,
+        "no_split_module_classes": ["Block"] if rng.random() < 0.3 else None,
+        "offload_buffers": rng.random() < 0.3,
+        "fallback_allocation": rng.random() < 0.4,
+        "clean_result": rng.random() < 0.7,
+    }
+    return model, kwargs
+
+
+def test_same_map_and_warnings_as_accelerate_on_random_shapes():
+    accelerate_utils = pytest.importorskip(
+        "accelerate.utils", reason="accelerate is not installed (pip install -e '.[bench]')"
+    )
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
+    compared = 0
+    for seed in range(200):
+        model, kwargs = _random_case(seed)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                theirs = accelerate_utils.infer_auto_device_map(model, **dict(kwargs))
+        except Exception:  # shapes accelerate itself cannot plan are skipped
+            continue
+        their_warnings = len([w for w in caught if issubclass(w.category, UserWarning)])
+        ours, messages = _plan(model, **dict(kwargs))
+        assert dict(ours) == dict(theirs), (seed, kwargs)
+        assert len(messages) == their_warnings, (seed, kwargs)
+        compared += 1
+    assert compared >= 120
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, 3 * d)
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+
+class MoeModel(nn.Module):
+    def __init__(self, layers: int, experts: int, d: int = 16, vocab: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, experts) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("no_split", [["DecoderLayer"], None, ["Expert"]])
+@pytest.mark.parametrize("share", [0.1, 0.3, 0.45])
+def test_same_map_as_accelerate_on_moe_models(no_split, share):
+    accelerate_utils = pytest.importorskip(
+        "accelerate.utils", reason="accelerate is not installed (pip install -e '.[bench]')"
+    )
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    with init_empty_weights():
+        model = MoeModel(6, 8)
+    total = compute_module_sizes(model)[""]
+    memory = {0: int(share * total), 1: int(share * total), 2: int(share * total), "cpu": total}
+    kwargs = {"max_memory": memory, "no_split_module_classes": no_split}
+    theirs = accelerate_utils.infer_auto_device_map(model, **kwargs)
+    assert infer_auto_device_map(model, **kwargs) == dict(theirs)
