@@ -78,8 +78,9 @@ def test_rank_exception_keeps_type_and_label(kind):
         assert (exc.errno, exc.filename) == (2, "/nope/x")
     if kind in ("value_int", "value_two_args"):  # the args themselves are kept
         assert exc.args == ((42,) if kind == "value_int" else ("bad", 7))
-        again = pickle.loads(pickle.dumps(exc))  # and it pickles as the plain type
-        assert type(again) is ValueError and again.args == exc.args
+        again = pickle.loads(pickle.dumps(exc))  # and it pickles, label and args kept
+        assert isinstance(again, ValueError) and again.args == exc.args
+        assert str(again) == message
 
 
 def _exits(how: str) -> str:

@@ -14,21 +14,41 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nbaccel.launch.errors import shown_message, unlabelled
+
 __all__ = ["as_child_failed"]
 
 _MIXED: dict[type, type] = {}
+
+
+_OS_FIELDS = ("errno", "strerror", "filename", "filename2")  # OSError's, outside args/__dict__
 
 
 def _rebuild(original: type, args: tuple, state: dict[str, Any]) -> BaseException:
     mixed = _mixed_class(original)
     exc = mixed.__new__(mixed, *args)
     exc.args = args
+    state = dict(state)
+    for name, value in zip(_OS_FIELDS, state.pop("_nbaccel_os_fields", ())):
+        setattr(exc, name, value)
     exc.__dict__.update(state)
     return exc
 
 
+def _state(exc: BaseException) -> dict[str, Any]:
+    state = dict(getattr(exc, "__dict__", {}))
+    if isinstance(exc, OSError):
+        state["_nbaccel_os_fields"] = tuple(getattr(exc, name) for name in _OS_FIELDS)
+    return state
+
+
+def _str(self: BaseException) -> str:
+    # the rank's message (with its rank label), not torch elastic's table
+    return shown_message(self, self._nbaccel_original_class.__str__)
+
+
 def _reduce(self: BaseException) -> tuple[Any, ...]:
-    return _rebuild, (self._nbaccel_original_class, self.args, dict(self.__dict__))
+    return _rebuild, (self._nbaccel_original_class, self.args, _state(self))
 
 
 def _mixed_class(original: type) -> type:
@@ -41,7 +61,7 @@ def _mixed_class(original: type) -> type:
             "__qualname__": original.__qualname__,
             "__doc__": original.__doc__,
             "__reduce__": _reduce,
-            "__str__": original.__str__,  # the rank's message, not torch elastic's table
+            "__str__": _str,
             "_nbaccel_original_class": original,
         }
         mixed = type(original.__name__, (original, ChildFailedError), namespace)
@@ -61,9 +81,9 @@ def as_child_failed(exc: BaseException, name: str, rank: int | None = None) -> B
     if isinstance(exc, ChildFailedError) or not isinstance(exc, Exception):
         return exc
     rank = int(getattr(exc, "rank", 0) if rank is None else rank)
-    original = type(exc)
+    original = unlabelled(type(exc))  # a rank-labelled copy stands for its plain class
     try:
-        mixed = _rebuild(original, exc.args, dict(getattr(exc, "__dict__", {})))
+        mixed = _rebuild(original, exc.args, _state(exc))
     except TypeError:  # a built-in layout that cannot take a Python subclass mixed in
         return exc
     mixed.__cause__, mixed.__context__ = exc.__cause__, exc.__context__

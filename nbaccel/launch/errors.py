@@ -29,6 +29,8 @@ __all__ = [
     "rebuild_exception",
     "result_not_loadable",
     "safe_message",
+    "shown_message",
+    "unlabelled",
 ]
 
 # What a rank's error says when it is only the echo of a peer that died or failed first: its
@@ -218,10 +220,24 @@ def _labelled_class(base: type) -> type:
                 "__module__": base.__module__,
                 "__qualname__": base.__qualname__,
                 "__doc__": base.__doc__,
+                "_nbaccel_labelled_base": base,
             },
         )
         _LABELLED[base] = cls
     return cls
+
+
+def unlabelled(cls: type) -> type:
+    """The exception class a labelled copy (:func:`_labelled_class`) stands for; ``cls``
+    itself for every other class."""
+    return cls.__dict__.get("_nbaccel_labelled_base", cls)
+
+
+def shown_message(exc: BaseException, own_str: Any) -> str:
+    """What ``exc`` shows: its rank label text when :func:`rebuild_exception` gave it one,
+    else ``own_str(exc)`` (its class's own ``__str__``)."""
+    text = getattr(exc, "__dict__", {}).get("_nbaccel_text")
+    return text if text is not None else own_str(exc)
 
 
 def _labelled_copy(exc: BaseException, text: str) -> BaseException:
