@@ -53,6 +53,9 @@ __all__ = ["Outcome", "WorkerGroup"]
 # what a ready selector key is (the key's data is (source, rank, stream))
 _LISTENER, _WAKE, _HANDSHAKE = "listener", "wake", "handshake"
 _EVENTS, _OUTPUT = EVENTS, OUTPUT
+# ranks asked of the launcher at once: enough that a launch of a few ranks costs one round trip
+# to the fork server, few enough that the ranks already up are authenticated between batches
+_START_BATCH = 16
 
 
 class WorkerGroup(RankEnds):
@@ -164,36 +167,42 @@ class WorkerGroup(RankEnds):
         self.launcher.prepare()
         self.launcher.add_wakeup(self._wake)
         deadline = time.monotonic() + timeout
-        for index, state in enumerate(self._ranks):
+        for first in range(0, len(self._ranks), _START_BATCH):
             if time.monotonic() > deadline:
                 break  # timeout= bounds the start too: the ranks not started count as late
-            env = self._env_for_rank(index)
-            if self._local_rendezvous:
-                # One machine: the process group meets in a file inside the listener's private
-                # directory instead of torch's TCPStore, which would listen on every interface.
-                env["NBACCEL_INIT_METHOD"] = f"file://{self._listener.private_path('store')}"
-            spec = WorkerSpec(
-                rank=state.rank,
-                index=index,
-                env=env,
-                sys_path=list(sys.path),
-                cwd=os.getcwd(),
-                address=self._listener.address,
-                secret=self._secret,
-                launch_id=self._launch_id,
-                mode=self.mode,
-                work=self._work,
-                threads=self._threads,
-                setup=self._setup,
-                error_path=self._listener.private_path(f"rank-{state.rank}.error"),
-            )
-            state.process = self.launcher.start(spec)
+            batch = self._ranks[first : first + _START_BATCH]
+            specs = [self._spec(index, state) for index, state in enumerate(batch, first)]
+            for state, process in zip(batch, self.launcher.start_many(specs)):
+                state.process = process
             self.pump(0)  # authenticate the ranks already up while the others start
         self.pump_until(
             lambda: all(r.ready or r.outcomes for r in self._ranks),
             max(0.0, deadline - time.monotonic()),
         )
         self.release_shared()
+
+    def _spec(self, index: int, state: RankState) -> WorkerSpec:
+        """What the rank at ``index`` is started with."""
+        env = self._env_for_rank(index)
+        if self._local_rendezvous:
+            # One machine: the process group meets in a file inside the listener's private
+            # directory instead of torch's TCPStore, which would listen on every interface.
+            env["NBACCEL_INIT_METHOD"] = f"file://{self._listener.private_path('store')}"
+        return WorkerSpec(
+            rank=state.rank,
+            index=index,
+            env=env,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            address=self._listener.address,
+            secret=self._secret,
+            launch_id=self._launch_id,
+            mode=self.mode,
+            work=self._work,
+            threads=self._threads,
+            setup=self._setup,
+            error_path=self._listener.private_path(f"rank-{state.rank}.error"),
+        )
 
     # ------------------------------------------------------------------ pumping
     def pump(self, timeout: float) -> None:

@@ -11,7 +11,7 @@ the ssh and slurm variants keep the private socket and tunnel their ranks' conne
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from nbaccel.launch.processes import WorkerProcess
@@ -58,6 +58,10 @@ class ProcessLauncher(ABC):
     @abstractmethod
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         """Start the rank described by ``spec``; return its handle at once (do not wait)."""
+
+    def start_many(self, specs: Sequence[WorkerSpec]) -> list[WorkerProcess]:
+        """Start several ranks; a variant that can ask for them all at once overrides this."""
+        return [self.start(spec) for spec in specs]
 
     def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
         """The work each of ``ranks`` receives for a call; ranks on other hosts get its shared

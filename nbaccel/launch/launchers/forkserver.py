@@ -14,6 +14,7 @@ this module is the driver's side: start it, ask it for ranks, learn their exit c
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import pickle
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
@@ -231,30 +232,49 @@ class ForkServer:
             self.preloaded.update(missing)
 
     def spawn(self, spec_bytes: bytes) -> int:
-        """Fork one worker running ``spec``; return its pid.
+        """Fork one worker running ``spec``; return its pid (see :meth:`spawn_many`)."""
+        return self.spawn_many([spec_bytes])[0]
 
-        Raises :class:`CudaInitializedInServer` when a preloaded module initialised CUDA."""
+    def spawn_many(self, specs: Sequence[bytes]) -> list[int]:
+        """Fork one worker per spec; return their pids in order.
+
+        Every request is written before the first pid is awaited, so the server forks rank
+        after rank while the early ones already start, instead of one round trip per rank.
+        Raises :class:`CudaInitializedInServer` when a preloaded module initialised CUDA, and
+        :class:`ProcessStartError` when the system refused a fork; the ranks of the batch that
+        did start are killed first (nothing of a refused batch survives)."""
         self.wait_ready()
         with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
-            write_frame(self._proc.stdin.fileno(), (ServerMessage.SPAWN, request_id, spec_bytes))
+            first = self._next_id
+            self._next_id += len(specs)
+            stdin = self._proc.stdin.fileno()
+            for request_id, spec_bytes in enumerate(specs, first):
+                write_frame(stdin, (ServerMessage.SPAWN, request_id, spec_bytes))
+        answers = [self._await_started(request_id) for request_id in range(first, self._next_id)]
+        pids = [answer for answer in answers if isinstance(answer, int)]
+        refusal = next((answer for answer in answers if not isinstance(answer, int)), None)
+        if refusal is None:
+            return pids
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kind, why = refusal
+        if kind == ServerMessage.REFUSED:
+            raise CudaInitializedInServer(why)
+        raise ProcessStartError(
+            f"the system refused a new rank process ({why}): the process limit (ulimit -u, "
+            "kernel.pid_max) or the memory is exhausted. Use fewer processes, or end "
+            "processes that are no longer needed."
+        )
+
+    def _await_started(self, request_id: int) -> int | tuple[str, str]:
+        """The server's answer to spawn request ``request_id``: a pid, or (kind, why)."""
         with self._cond:
             while request_id not in self._started:
                 if not self.alive():
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
                 self._cond.wait(0.1)
-            pid = self._started.pop(request_id)
-        if isinstance(pid, tuple):
-            kind, why = pid
-            if kind == ServerMessage.REFUSED:
-                raise CudaInitializedInServer(why)
-            raise ProcessStartError(
-                f"the system refused a new rank process ({why}): the process limit (ulimit -u, "
-                "kernel.pid_max) or the memory is exhausted. Use fewer processes, or end "
-                "processes that are no longer needed."
-            )
-        return pid
+            return self._started.pop(request_id)
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
@@ -362,14 +382,17 @@ class ForkServerLauncher(ProcessLauncher):
         return self._server
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
+        return self.start_many([spec])[0]
+
+    def start_many(self, specs: Sequence[WorkerSpec]) -> list[WorkerProcess]:
         server = self._current()
         try:
-            pid = server.spawn(pickle.dumps(spec))
+            pids = server.spawn_many([pickle.dumps(spec) for spec in specs])
         except CudaInitializedInServer:
             shutdown_forkserver()  # unusable for GPUs: the next launch starts a fresh server
             self._server = None
             raise
-        return WorkerProcess(pid, self.name, server=server)
+        return [WorkerProcess(pid, self.name, server=server) for pid in pids]
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._current().add_wakeup(callback)
