@@ -17,6 +17,8 @@ import threading
 import time
 from typing import IO
 
+from nbaccel.launch.processes import pid_alive
+
 __all__ = [
     "LOG_BUDGET_VAR",
     "LOG_DIR_VAR",
@@ -152,7 +154,7 @@ def reclaim_after(owner: int, wait: float = 0.0) -> None:
     without running its ``atexit`` hooks leaves no logs behind either, unless they were to be
     kept. A living owner removes its own logs when it exits."""
     deadline = time.monotonic() + wait
-    while _alive(owner):
+    while pid_alive(owner):
         if time.monotonic() >= deadline:
             return  # still running: its own exit removes them
         time.sleep(0.05)
@@ -168,20 +170,6 @@ def reclaim_after(owner: int, wait: float = 0.0) -> None:
     for name in names:
         if name.endswith(".log") and f"-{owner}-" in name:
             _remove(os.path.join(folder, name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child counts as gone
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _remove(path: str) -> None:

@@ -19,6 +19,17 @@ import psutil
 __all__ = ["ExitReporter", "WorkerProcess", "describe_exit"]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: an exited child not yet reaped (a zombie) counts as
+    gone, a process of another user as running."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 class ExitReporter(Protocol):
     """Something that learns the exit codes of processes it started (the fork server)."""
 

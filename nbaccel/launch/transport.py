@@ -38,6 +38,8 @@ from typing import Any
 import cloudpickle
 import torch
 
+from nbaccel.launch.processes import pid_alive
+
 __all__ = [
     "Packed",
     "SharedTensors",
@@ -148,7 +150,7 @@ def sweep_segments() -> list[str]:
         return []
     swept = []
     for match in names:
-        if match.group(2) and _pid_alive(int(match.group(1))):
+        if match.group(2) and pid_alive(int(match.group(1))):
             continue  # being created: not locked yet, but its owner lives
         path = os.path.join(folder, match.group(0))
         try:
@@ -169,16 +171,6 @@ def sweep_segments() -> list[str]:
         finally:
             os.close(fd)
     return swept
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_segment(fd: int) -> bool:
