@@ -27,6 +27,7 @@ from nbaccel.storage.weights import load_into_model
 from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.strategies.repoint import remember_moves, repoint_optimizer
+from nbaccel.training.strategies.wrappers import unwrap_with
 
 __all__ = ["Strategy"]
 
@@ -110,15 +111,7 @@ class Strategy:
         """The user's module inside the wrappers ``prepare`` added: ``torch.compile``'s (kept
         unless ``keep_torch_compile=False``), the strategy's own (:meth:`unwrap_parallel`) and
         the mixed-precision forward (removed with ``keep_fp32_wrapper=False``)."""
-        compiled = model if hasattr(model, "_orig_mod") else None
-        inner = self.unwrap_parallel(model._orig_mod if compiled is not None else model)
-        if not keep_fp32_wrapper:
-            PrecisionPolicy.unwrap_forward(inner)
-        if compiled is not None and keep_torch_compile:
-            if compiled._orig_mod is not inner:
-                compiled._orig_mod = inner
-            return compiled
-        return inner
+        return unwrap_with(model, self.unwrap_parallel, keep_fp32_wrapper, keep_torch_compile)
 
     def unwrap_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` without torch's data-parallel wrappers (``DataParallel``, DDP): this

@@ -7,6 +7,8 @@ model's own type. nbaccel's Accelerator does not call it: it asks its strategy
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,19 +25,34 @@ def extract_model_from_parallel(
     ``keep_fp32_wrapper=False`` also removes the mixed-precision forward nbaccel installed.
     ``keep_torch_compile=False`` returns the module underneath a compiled one.
     """
-    compiled = None
-    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-        compiled = model
-        model = model._orig_mod
+    return unwrap_with(model, _strip_data_parallel, keep_fp32_wrapper, keep_torch_compile)
+
+
+def _strip_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, DistributedDataParallel) or type(model).__name__ in (
         "DataParallel",
         "DistributedDataParallel",
     ):
         model = model.module
-    if not keep_fp32_wrapper:
-        PrecisionPolicy.unwrap_forward(model)
-    if compiled is not None and keep_torch_compile:
-        if compiled._orig_mod is not model:
-            compiled._orig_mod = model
-        return compiled
     return model
+
+
+def unwrap_with(
+    model: torch.nn.Module,
+    unwrap_parallel: Callable[[torch.nn.Module], torch.nn.Module],
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+) -> torch.nn.Module:
+    """The one way to peel a prepared model: ``torch.compile``'s wrapper (kept unless
+    ``keep_torch_compile=False``, re-pointed at the unwrapped module), the data-parallel
+    wrappers ``unwrap_parallel`` removes, and the mixed-precision forward
+    (``keep_fp32_wrapper=False``)."""
+    compiled = model if hasattr(model, "_orig_mod") else None
+    inner = unwrap_parallel(model._orig_mod if compiled is not None else model)
+    if not keep_fp32_wrapper:
+        PrecisionPolicy.unwrap_forward(inner)
+    if compiled is not None and keep_torch_compile:
+        if compiled._orig_mod is not inner:
+            compiled._orig_mod = inner
+        return compiled
+    return inner
