@@ -69,4 +69,6 @@ def test_the_stop_button_during_the_fork_servers_imports_shows_no_traceback():
         [sys.executable, "-c", _EARLY_STOP], capture_output=True, text=True, timeout=180
     )
     assert "Traceback" not in done.stderr, done.stderr
-    assert done.stdout.strip() == "ready"
+    # the first launch may say that it waits for the fork server's imports: nothing else
+    lines = [line for line in done.stdout.splitlines() if "starting the fork server" not in line]
+    assert [line for line in lines if line.strip()] == ["ready"], done.stdout

@@ -246,7 +246,7 @@ def _raise_on_last():
 
 def test_first_failure_keeps_its_type_and_names_rank_and_host():
     report = run_function(local_plan(["h1:1", "h2:1"]), _raise_on_last, renderer=TextRenderer())
-    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] missing on the second host"):
+    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] 'missing on the second host'"):
         report.values()
 
 
@@ -259,7 +259,7 @@ def test_a_pool_and_a_launch_in_one_kernel_name_their_own_ranks(capsys):
     finally:
         shutdown_pool()
     assert "[rank 1] here" in capsys.readouterr().out  # the pool's ranks: no host
-    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] missing on the second host"):
+    with pytest.raises(KeyError, match=r"\[rank 1 @ h2\] 'missing on the second host'"):
         report.values()  # the launch's ranks keep their hosts
 
 

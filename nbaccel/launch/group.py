@@ -174,7 +174,11 @@ class WorkerGroup(RankEnds):
             specs = [self._spec(index, state) for index, state in enumerate(batch, first)]
             for state, process in zip(batch, self.launcher.start_many(specs)):
                 state.process = process
-            self.pump(0)  # authenticate the ranks already up while the others start
+            # authenticate the ranks already up while the others start: every connection that
+            # waits (three per rank), so that none of them reaches its handshake timeout
+            for _ in range(4 * len(batch)):
+                if not self.pump(0):
+                    break
         self.pump_until(
             lambda: all(r.ready or r.outcomes for r in self._ranks),
             max(0.0, deadline - time.monotonic()),
@@ -205,9 +209,11 @@ class WorkerGroup(RankEnds):
         )
 
     # ------------------------------------------------------------------ pumping
-    def pump(self, timeout: float) -> None:
-        """Handle whatever is ready within ``timeout`` seconds (one selector round)."""
-        for key, _ in self._selector.select(timeout):
+    def pump(self, timeout: float) -> int:
+        """Handle whatever is ready within ``timeout`` seconds (one selector round); return how
+        many sources were ready."""
+        ready = self._selector.select(timeout)
+        for key, _ in ready:
             kind, rank, stream = key.data
             if kind == _LISTENER:
                 self._start_handshake()
@@ -226,6 +232,7 @@ class WorkerGroup(RankEnds):
         for text in self.launcher.take_notices():
             self.renderer.notice(text)
         self._check_processes()
+        return len(ready)
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """Pump until ``done()``; False when ``timeout`` seconds passed first."""
