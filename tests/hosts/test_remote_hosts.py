@@ -306,7 +306,7 @@ def test_magic_pool_across_hosts(clean_hosts):
     assert "[rank 1 @ nbh2] big 1000000.0 []" in texts[8], texts[8]
     errors = cell_errors(nb.cells[9])
     assert [(e.ename, e.evalue) for e in errors] == [
-        ("KeyError", "'[rank 1 @ nbh2] missing on nbh2'")
+        ("KeyError", "[rank 1 @ nbh2] 'missing on nbh2'")
     ]
     assert [e.ename for e in cell_errors(nb.cells[10])] == ["KeyboardInterrupt"]
     assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[11], texts[10] + texts[11]
@@ -322,7 +322,7 @@ def test_many_hosts_notebook(clean_hosts):
     texts = ["".join(output_text(o) for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
     assert "[rank 3 @ nbh2] rank 3 of 4 on nbh2" in texts[1]
     assert "('nbh1', 6.0, 1000000.0), ('nbh1', 6.0, 1000000.0), ('nbh2', 6.0" in texts[1]
-    assert "caught: KeyError '[rank 3 @ nbh2] a column only the last host lacks'" in texts[2]
+    assert "caught: KeyError [rank 3 @ nbh2] 'a column only the last host lacks'" in texts[2]
     assert "[rank 2 @ nbh2] ready on nbh2" in texts[4]
     assert "[rank 0 @ nbh1] nbh1 sum of ranks: 6.0" in texts[5]
     assert "hosts of the ranks: ['nbh1', 'nbh1', 'nbh2', 'nbh2']" in texts[6]
