@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
+from nbaccel.launch.pickling import dumps
 
 __all__ = [
     "AuthenticationFailed",
@@ -78,7 +78,7 @@ class Connection:
         return self.sock.fileno()
 
     def send(self, message: Any) -> None:
-        data = cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = dumps(message)
         self.sock.sendall(_FRAME.pack(len(data)) + data)
 
     def recv(self) -> Any:

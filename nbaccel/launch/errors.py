@@ -128,10 +128,10 @@ def safe_message(exc: BaseException) -> str:
 
 def describe_exception(exc: BaseException) -> dict[str, Any]:
     """What a worker sends about an exception: type, message, frames, and the pickled object."""
-    import cloudpickle
+    from nbaccel.launch.pickling import dumps
 
     try:
-        pickled = cloudpickle.dumps(exc)
+        pickled = dumps(exc)
         pickle.loads(pickled)
     except Exception:
         pickled = None

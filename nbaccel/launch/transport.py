@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import torch
 
+from nbaccel.launch.pickling import Pickler, dumps
 from nbaccel.launch.processes import pid_alive
 
 __all__ = [
@@ -255,7 +255,7 @@ class SharedTensors:
             self.release()
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(Pickler):
     def __init__(self, buffer: io.BytesIO, inherit: bool = False, share: bool = True) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.shared: list[torch.Tensor] = []
@@ -316,7 +316,7 @@ def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
 
 def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
     try:
-        cloudpickle.dumps(obj)
+        dumps(obj)
         return None
     except Exception as exc:
         for child_path, child in _walk(obj, path, depth):
