@@ -6,8 +6,8 @@ from __future__ import annotations
 import pickle
 import traceback
 
-from nbaccel.launch.pickling import dumps
 from nbaccel import notebook_launcher
+from nbaccel.launch.pickling import dumps
 from nbaccel.launch.render import TextRenderer
 
 CELL = "/tmp/ipykernel_1/123456.py"

@@ -172,7 +172,8 @@ class WorkerGroup(RankEnds):
                 break  # timeout= bounds the start too: the ranks not started count as late
             batch = self._ranks[first : first + _START_BATCH]
             specs = [self._spec(index, state) for index, state in enumerate(batch, first)]
-            for state, process in zip(batch, self.launcher.start_many(specs)):
+            started = self.launcher.start_many(specs, while_waiting=self.pump)
+            for state, process in zip(batch, started):
                 state.process = process
             # authenticate the ranks already up while the others start: every connection that
             # waits (three per rank), so that none of them reaches its handshake timeout

@@ -30,6 +30,7 @@ import os
 import pickle
 import re
 import secrets
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,18 +68,23 @@ class UnpicklableError(TypeError):
 _INHERITED: dict[int, Any] = {}
 
 
-def _inheritance_only() -> tuple[type, ...]:
-    """multiprocessing's types that reach another process only by inheritance."""
-    from multiprocessing import queues, sharedctypes, synchronize
+#: multiprocessing's types that reach another process only by inheritance, by module
+_INHERITANCE_ONLY = {
+    "multiprocessing.queues": ("Queue", "SimpleQueue"),
+    "multiprocessing.synchronize": ("SemLock", "Condition", "Event", "Barrier"),
+    "multiprocessing.sharedctypes": ("SynchronizedBase",),
+}
 
-    return (
-        queues.Queue,
-        queues.SimpleQueue,
-        synchronize.SemLock,
-        synchronize.Condition,
-        synchronize.Event,
-        synchronize.Barrier,
-        sharedctypes.SynchronizedBase,
+
+def _inheritance_only() -> tuple[type, ...]:
+    """multiprocessing's types that reach another process only by inheritance. Only modules
+    already imported count (an instance cannot exist before its module is imported), so that
+    packing a rank's result imports nothing."""
+    return tuple(
+        getattr(sys.modules[module], name)
+        for module, names in _INHERITANCE_ONLY.items()
+        if module in sys.modules
+        for name in names
     )
 
 

@@ -90,8 +90,11 @@ def _redirect(fd: int, conn: Connection) -> io.TextIOWrapper:
 
 
 def _prepare_process(spec: WorkerSpec) -> None:
-    os.environ.clear()
-    os.environ.update(spec.env)
+    for name in [name for name in os.environ if name not in spec.env]:
+        del os.environ[name]
+    for name, value in spec.env.items():  # only what differs: each change is a putenv
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     sys.path[:] = spec.sys_path
     try:
         os.chdir(spec.cwd)

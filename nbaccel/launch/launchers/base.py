@@ -59,9 +59,18 @@ class ProcessLauncher(ABC):
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         """Start the rank described by ``spec``; return its handle at once (do not wait)."""
 
-    def start_many(self, specs: Sequence[WorkerSpec]) -> list[WorkerProcess]:
-        """Start several ranks; a variant that can ask for them all at once overrides this."""
-        return [self.start(spec) for spec in specs]
+    def start_many(
+        self, specs: Sequence[WorkerSpec], while_waiting: Callable[[float], object] | None = None
+    ) -> list[WorkerProcess]:
+        """Start several ranks; a variant that can ask for them all at once overrides this.
+        ``while_waiting(0)`` runs between starts (the driver authenticates the ranks already up
+        meanwhile, instead of leaving them waiting until the last one started)."""
+        started = []
+        for spec in specs:
+            if started and while_waiting is not None:
+                while_waiting(0.0)
+            started.append(self.start(spec))
+        return started
 
     def place_work(self, work: Any, ranks: Iterable[int]) -> dict[int, Any]:
         """The work each of ``ranks`` receives for a call; ranks on other hosts get its shared

@@ -235,14 +235,18 @@ class ForkServer:
         """Fork one worker running ``spec``; return its pid (see :meth:`spawn_many`)."""
         return self.spawn_many([spec_bytes])[0]
 
-    def spawn_many(self, specs: Sequence[bytes]) -> list[int]:
+    def spawn_many(
+        self, specs: Sequence[bytes], while_waiting: Callable[[float], object] | None = None
+    ) -> list[int]:
         """Fork one worker per spec; return their pids in order.
 
         Every request is written before the first pid is awaited, so the server forks rank
         after rank while the early ones already start, instead of one round trip per rank.
         Raises :class:`CudaInitializedInServer` when a preloaded module initialised CUDA, and
         :class:`ProcessStartError` when the system refused a fork; the ranks of the batch that
-        did start are killed first (nothing of a refused batch survives)."""
+        did start are killed first (nothing of a refused batch survives). ``while_waiting(timeout)``
+        replaces the wait for each answer (it must return once :meth:`add_wakeup`'s callbacks
+        are called, or after ``timeout`` seconds)."""
         self.wait_ready()
         with self._lock:
             first = self._next_id
@@ -250,7 +254,10 @@ class ForkServer:
             stdin = self._proc.stdin.fileno()
             for request_id, spec_bytes in enumerate(specs, first):
                 write_frame(stdin, (ServerMessage.SPAWN, request_id, spec_bytes))
-        answers = [self._await_started(request_id) for request_id in range(first, self._next_id)]
+        answers = [
+            self._await_started(request_id, while_waiting)
+            for request_id in range(first, first + len(specs))
+        ]
         pids = [answer for answer in answers if isinstance(answer, int)]
         refusal = next((answer for answer in answers if not isinstance(answer, int)), None)
         if refusal is None:
@@ -267,14 +274,20 @@ class ForkServer:
             "processes that are no longer needed."
         )
 
-    def _await_started(self, request_id: int) -> int | tuple[str, str]:
+    def _await_started(
+        self, request_id: int, while_waiting: Callable[[float], object] | None = None
+    ) -> int | tuple[str, str]:
         """The server's answer to spawn request ``request_id``: a pid, or (kind, why)."""
-        with self._cond:
-            while request_id not in self._started:
+        while True:
+            with self._cond:
+                if request_id in self._started:
+                    return self._started.pop(request_id)
                 if not self.alive():
                     raise RuntimeError("nbaccel's fork server exited while starting a worker")
-                self._cond.wait(0.1)
-            return self._started.pop(request_id)
+                if while_waiting is None:
+                    self._cond.wait(0.1)
+                    continue
+            while_waiting(0.1)
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
@@ -384,10 +397,12 @@ class ForkServerLauncher(ProcessLauncher):
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         return self.start_many([spec])[0]
 
-    def start_many(self, specs: Sequence[WorkerSpec]) -> list[WorkerProcess]:
+    def start_many(
+        self, specs: Sequence[WorkerSpec], while_waiting: Callable[[float], object] | None = None
+    ) -> list[WorkerProcess]:
         server = self._current()
         try:
-            pids = server.spawn_many([pickle.dumps(spec) for spec in specs])
+            pids = server.spawn_many([pickle.dumps(spec) for spec in specs], while_waiting)
         except CudaInitializedInServer:
             shutdown_forkserver()  # unusable for GPUs: the next launch starts a fresh server
             self._server = None

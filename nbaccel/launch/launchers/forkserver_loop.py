@@ -16,6 +16,7 @@ refuses to fork (REFUSED), naming the module and the fix (:class:`CudaInitialize
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import select
@@ -26,6 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
 from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.log_store import reclaim_after
 from nbaccel.launch.protocol import ServerMessage
@@ -144,6 +146,27 @@ def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper:
     write_frame(stdout, (ServerMessage.STARTED, request_id, pid))
 
 
+def _settle_memory() -> None:
+    """What the server did since its last fork (imports) stays shared and cheap to fork: its
+    objects frozen out of the cyclic GC (a rank's collections do not write to their pages) and
+    its writable memory in huge pages (see :mod:`.huge_pages`)."""
+    gc.collect()
+    gc.freeze()
+    collapse_writable_memory()
+
+
+def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> bool:
+    """Answer one request; True when it changed what ranks would inherit (a preload)."""
+    if request[0] == ServerMessage.PRELOAD:
+        _preload(request[1], strict=False)
+        return True
+    if _cuda_culprit is not None:
+        write_frame(stdout, (ServerMessage.REFUSED, request[1], cuda_refusal(_cuda_culprit)))
+        return False
+    _fork_rank(request, stdout, server_fds, reaper)
+    return False
+
+
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -175,27 +198,24 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
             write_frame(stdout, (ServerMessage.EXITED, pid, code, time.time()))
         reaper.end_orphans()  # after the report: a rank's death is never held up by its orphans
 
+    settle = True  # memory to settle for cheap forks, at the first idle moment
     try:
         while True:
             due = reaper.next_due()
             wait = 1.0 if due is None else min(1.0, due + 0.01)
-            ready, _, _ = select.select([stdin, wake_r], [], [], wait)
+            ready, _, _ = select.select([stdin, wake_r], [], [], 0.02 if settle else wait)
             if wake_r in ready:
                 os.read(wake_r, 4096)
             reap()
+            if settle and not ready:
+                settle = False
+                _settle_memory()
             if stdin in ready:
                 try:
                     request = read_frame(stdin)
                 except EOFError:
                     break
-                if request[0] == ServerMessage.PRELOAD:
-                    _preload(request[1], strict=False)
-                    continue
-                if _cuda_culprit is not None:
-                    refusal = cuda_refusal(_cuda_culprit)
-                    write_frame(stdout, (ServerMessage.REFUSED, request[1], refusal))
-                    continue
-                _fork_rank(request, stdout, (wake_r, wake_w, stdout), reaper)
+                settle = _handle(request, stdout, (wake_r, wake_w, stdout), reaper) or settle
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -28,6 +28,14 @@ _thread: threading.Thread | None = None
 _cuda_totals: dict[int, int] = {}
 _process: psutil.Process | None = None
 _host_total = 0
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * _PAGE
+    except (AttributeError, ValueError, OSError):
+        return psutil.virtual_memory().total
 
 
 def _cuda() -> dict | None:
@@ -66,13 +74,26 @@ def _xla() -> dict | None:
     return {"device": str(device), "used": used, "limit": limit, "peak": peak}
 
 
+def _host_rss() -> int:
+    """This process's resident size: ``/proc/self/statm`` where there is one (a read of a few
+    bytes: the sampler runs in every rank, and a launch of 8 ranks on 2 cores feels every
+    millisecond of it), psutil elsewhere."""
+    global _process
+    try:
+        with open("/proc/self/statm", "rb") as handle:
+            return int(handle.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        if _process is None or _process.pid != os.getpid():
+            _process = psutil.Process(os.getpid())
+        return _process.memory_info().rss
+
+
 def sample_memory() -> MemorySample:
     """One reading of this process's memory."""
-    global _process, _host_total
-    if _process is None or _process.pid != os.getpid():
-        _process = psutil.Process(os.getpid())
-        _host_total = psutil.virtual_memory().total  # fixed: read once
-    rss = _process.memory_info().rss
+    global _host_total
+    if not _host_total:
+        _host_total = _physical_memory()  # fixed: read once
+    rss = _host_rss()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
     return MemorySample(

@@ -1,0 +1,62 @@
+"""Make the fork server cheap to fork: its writable memory in transparent huge pages.
+
+After ``import torch`` the server holds ~150 MB of private anonymous memory (the C heap and
+Python's arenas), about 40,000 pages of 4 KiB. ``fork`` copies one page-table entry per page,
+and every forked rank's exit drops them again: about 3 ms per fork and 6 ms per exit here, paid
+once per rank and launch, on 2 cores the larger part of an 8-rank launch. Collapsed into 2 MiB
+pages (Linux's ``MADV_COLLAPSE``, kernel 6.1+), the same memory is ~75 entries: fork ~1.7 ms,
+exit ~2.6 ms. A rank that writes to a huge page gets its own 4 KiB copy, as before (the kernel
+splits the mapping), so nothing changes for the ranks but the cost.
+
+Best effort: elsewhere than Linux, on older kernels, or without memory for huge pages nothing
+happens. ``NBACCEL_HUGE_PAGES=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+__all__ = ["ENV", "collapse_writable_memory"]
+
+ENV = "NBACCEL_HUGE_PAGES"
+_MADV_COLLAPSE = 25
+_HUGE = 2 << 20
+
+
+def _regions() -> list[tuple[int, int]]:
+    """The huge-page-aligned parts of this process's writable anonymous mappings and heap."""
+    regions = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            name = fields[5] if len(fields) > 5 else ""
+            if "w" not in fields[1] or (name and name != "[heap]"):
+                continue
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            first, last = (start + _HUGE - 1) & ~(_HUGE - 1), end & ~(_HUGE - 1)
+            if last > first:
+                regions.append((first, last))
+    return regions
+
+
+def collapse_writable_memory() -> int:
+    """Collapse this process's private writable memory into huge pages; the bytes collapsed
+    (0 where unsupported or turned off)."""
+    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        regions = _regions()
+    except (OSError, AttributeError):
+        return 0
+    collapsed = 0
+    for first, last in regions:
+        if madvise(first, last - first, _MADV_COLLAPSE) == 0:
+            collapsed += last - first
+        elif ctypes.get_errno() == 22:  # EINVAL: this kernel has no MADV_COLLAPSE
+            return collapsed
+    return collapsed
