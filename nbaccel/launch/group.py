@@ -56,6 +56,7 @@ _EVENTS, _OUTPUT = EVENTS, OUTPUT
 # ranks asked of the launcher at once: enough that a launch of a few ranks costs one round trip
 # to the fork server, few enough that the ranks already up are authenticated between batches
 _START_BATCH = 16
+_CHECK_EVERY = 0.05  # s: the longest a process's end waits to be noticed while sockets are busy
 
 
 class WorkerGroup(RankEnds):
@@ -118,6 +119,11 @@ class WorkerGroup(RankEnds):
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._handshakes: set[Handshake] = set()
+        # the processes are checked when something may have ended (a wake-up), when nothing
+        # else happened, or at least every _CHECK_EVERY s: not at every one of a launch's
+        # hundred socket events
+        self._news, self._checked_at = True, 0.0
         self._ranks = [RankState(global_rank(i)) for i in range(num_processes)]
         self._by_rank = {r.rank: r for r in self._ranks}
         self._call_ids = itertools.count(1)
@@ -221,6 +227,7 @@ class WorkerGroup(RankEnds):
             elif kind == _HANDSHAKE:
                 self._accept(key.fileobj)
             elif kind == _WAKE:
+                self._news = True
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
@@ -229,10 +236,14 @@ class WorkerGroup(RankEnds):
                 self._read_event(self._by_rank[rank])
             else:
                 self._read_output(self._by_rank[rank], stream, key.fileobj)
-        self._expire_handshakes()
+        if self._handshakes:
+            self._expire_handshakes()
         for text in self.launcher.take_notices():
             self.renderer.notice(text)
-        self._check_processes()
+        now = time.monotonic()
+        if self._news or not ready or now - self._checked_at > _CHECK_EVERY:
+            self._news, self._checked_at = False, now
+            self._check_processes()
         return len(ready)
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
@@ -251,24 +262,27 @@ class WorkerGroup(RankEnds):
         except OSError:
             return
         self._selector.register(handshake, selectors.EVENT_READ, (_HANDSHAKE, None, None))
+        self._handshakes.add(handshake)
 
     def _expire_handshakes(self) -> None:
         now = time.monotonic()
-        for key in list(self._selector.get_map().values()):
-            if key.data[0] == _HANDSHAKE and key.fileobj.deadline < now:
-                self._selector.unregister(key.fileobj)
-                key.fileobj.close()
-                self.renderer.notice("dropped a connection that did not authenticate in time")
+        for handshake in [h for h in self._handshakes if h.deadline < now]:
+            self._handshakes.discard(handshake)
+            self._selector.unregister(handshake)
+            handshake.close()
+            self.renderer.notice("dropped a connection that did not authenticate in time")
 
     def _accept(self, handshake: Handshake) -> None:
         try:
             conn = handshake.advance()
         except AuthenticationFailed:
+            self._handshakes.discard(handshake)
             self._selector.unregister(handshake)
             self.renderer.notice("refused a connection that failed authentication")
             return
         if conn is None:
             return
+        self._handshakes.discard(handshake)
         self._selector.unregister(handshake)
         header = conn.header
         state = self._by_rank.get(header.get("rank"))
@@ -295,6 +309,7 @@ class WorkerGroup(RankEnds):
             data = b""
         self._still_draining(state)
         if not data:
+            self._news = True  # a stream's end: its process may have ended
             self._selector.unregister(conn)
             conn.close()
             state.streams_open.discard(stream)
@@ -320,6 +335,7 @@ class WorkerGroup(RankEnds):
         try:
             message = state.events.recv()
         except (EOFError, OSError, pickle.UnpicklingError):
+            self._news = True
             self._selector.unregister(state.events)
             state.events.close()
             state.events_closed = True
