@@ -67,6 +67,15 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def encode(messages: list[Any]) -> bytes:
+    """``messages`` as the frames :meth:`Connection.recv` reads, one after the other."""
+    frames = []
+    for message in messages:
+        data = dumps(message)
+        frames += (_FRAME.pack(len(data)), data)
+    return b"".join(frames)
+
+
 class Connection:
     """One authenticated stream; ``send``/``recv`` frame pickles, ``fileno`` feeds selectors."""
 
@@ -78,8 +87,15 @@ class Connection:
         return self.sock.fileno()
 
     def send(self, message: Any) -> None:
-        data = dumps(message)
-        self.sock.sendall(_FRAME.pack(len(data)) + data)
+        self.sock.sendall(encode([message]))
+
+    def send_many(self, messages: list[Any]) -> None:
+        """Send ``messages`` in one write (one wake-up of the reader instead of several)."""
+        self.sock.sendall(encode(messages))
+
+    def send_encoded(self, frames: bytes) -> None:
+        """Send what :func:`encode` made (one message pickled once for many connections)."""
+        self.sock.sendall(frames)
 
     def recv(self) -> Any:
         (size,) = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))

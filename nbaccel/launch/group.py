@@ -26,6 +26,7 @@ from nbaccel.launch.channel import (
     Connection,
     Handshake,
     Listener,
+    encode,
     new_secret,
     readable,
 )
@@ -397,11 +398,13 @@ class WorkerGroup(RankEnds):
         placed = self.launcher.place_work(packed, targets)
         self._current_call = call_id
         self.output.begin(self._output_label)
-        now = time.monotonic()
+        now, frames = time.monotonic(), {}  # each distinct work pickled once
         for rank in targets:
-            state = self._by_rank[rank]
+            state, work = self._by_rank[rank], placed[rank]
             state.busy_since = now
-            state.events.send((Message.CALL, call_id, placed[rank]))
+            if id(work) not in frames:
+                frames[id(work)] = encode([(Message.CALL, call_id, work)])
+            state.events.send_encoded(frames[id(work)])
         return call_id, targets
 
     @property

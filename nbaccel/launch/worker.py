@@ -11,6 +11,7 @@ exits at once: no orphans.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import os
 import queue
@@ -30,6 +31,7 @@ __all__ = ["after_each_call", "current_rank", "emit", "flush_output", "on_worker
 
 _events: Connection | None = None
 _send_lock = threading.Lock()
+_held: list[Any] | None = None  # main-thread messages held until a call's outcome
 _rank: int | None = None
 _EXIT_DRIVER_GONE = 70
 _shared_results = True  # the driver can map this host's shared files (same host)
@@ -60,6 +62,9 @@ def emit(kind: EventKind, payload: Any) -> None:
 
 def _send(message: Any) -> None:
     with _send_lock:
+        if _held is not None and threading.current_thread() is threading.main_thread():
+            _held.append(message)  # leaves with the call's outcome (see _end_call)
+            return
         _events.send(message)
 
 
@@ -69,10 +74,18 @@ def _flush_all() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    fflush = _c_fflush()
+    if fflush is not None:
+        fflush(None)  # C-level stdio buffers of extensions
+
+
+@functools.cache
+def _c_fflush() -> Callable[[Any], int] | None:
+    """libc's ``fflush`` (looked up once: a ``CDLL`` costs a dlopen and a class per call)."""
     try:
-        ctypes.CDLL(None).fflush(None)  # C-level stdio buffers of extensions
+        return ctypes.CDLL(None).fflush
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def flush_output() -> None:
@@ -167,19 +180,31 @@ def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bo
         value = function(*args, **kwargs)
     except SystemExit as exc:
         if exc.code not in (None, 0):  # sys.exit(3): a failure with its code
-            _call_ended()
-            _flush_all()
-            _report_error(call_id, exc)
-            return False
+            return _end_call(call_id, error=exc)
         value = None  # sys.exit(0) / exit(): the function is done, successfully
     except BaseException as exc:
+        return _end_call(call_id, error=exc)
+    return _end_call(call_id, value=value)
+
+
+def _end_call(call_id: int, value: Any = None, error: BaseException | None = None) -> bool:
+    """Run the after-call hooks, flush the output, report the outcome. The hooks' events and
+    the outcome leave in one write: a quick call on many ranks costs the driver one wake-up
+    per rank, not two."""
+    global _held
+    _held = []
+    try:
         _call_ended()
         _flush_all()
-        _report_error(call_id, exc)
-        return False
-    _call_ended()
-    _flush_all()
-    return _send_result(call_id, value)
+        if error is not None:
+            _report_error(call_id, error)
+            return False
+        return _send_result(call_id, value)
+    finally:
+        held, _held = _held, None
+        if held:
+            with _send_lock:
+                _events.send_many(held)
 
 
 def _send_result(call_id: int, value: Any) -> bool:
