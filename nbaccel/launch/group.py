@@ -12,6 +12,7 @@ that the notebook's stop button (``KeyboardInterrupt``) lands where it can be ha
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -57,7 +58,9 @@ _EVENTS, _OUTPUT = EVENTS, OUTPUT
 # ranks asked of the launcher at once: enough that a launch of a few ranks costs one round trip
 # to the fork server, few enough that the ranks already up are authenticated between batches
 _START_BATCH = 16
-_CHECK_EVERY = 0.05  # s: the longest a process's end waits to be noticed while sockets are busy
+# The processes are checked when one may have ended (a wake-up, a stream's end), in an idle
+# round, or at least every _CHECK_EVERY s: not at each of a launch's hundred socket events.
+_CHECK_EVERY = 0.05
 
 
 class WorkerGroup(RankEnds):
@@ -121,10 +124,7 @@ class WorkerGroup(RankEnds):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._handshakes: set[Handshake] = set()
-        # the processes are checked when something may have ended (a wake-up), when nothing
-        # else happened, or at least every _CHECK_EVERY s: not at every one of a launch's
-        # hundred socket events
-        self._news, self._checked_at = True, 0.0
+        self._news, self._checked_at = True, 0.0  # see _CHECK_EVERY
         self._ranks = [RankState(global_rank(i)) for i in range(num_processes)]
         self._by_rank = {r.rank: r for r in self._ranks}
         self._call_ids = itertools.count(1)
@@ -229,10 +229,8 @@ class WorkerGroup(RankEnds):
                 self._accept(key.fileobj)
             elif kind == _WAKE:
                 self._news = True
-                try:
+                with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
             elif kind == _EVENTS:
                 self._read_event(self._by_rank[rank])
             else:
