@@ -228,23 +228,25 @@ class DecoderLayer(nn.Module):
 
 
 class MoeModel(nn.Module):
-    def __init__(self, layers: int, experts: int, d: int = 16, vocab: int = 64):
+    def __init__(self, layers: int, experts: int, d: int = 16, vocab: int = 64, tie: bool = True):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(DecoderLayer(d, experts) for _ in range(layers))
         self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.embed.weight
+        if tie:
+            self.head.weight = self.embed.weight
 
 
+@pytest.mark.parametrize("tie", [True, False])  # untied: sizes come from the identity walk
 @pytest.mark.parametrize("no_split", [["DecoderLayer"], None, ["Expert"]])
 @pytest.mark.parametrize("share", [0.1, 0.3, 0.45])
-def test_same_map_as_accelerate_on_moe_models(no_split, share):
+def test_same_map_as_accelerate_on_moe_models(no_split, share, tie):
     accelerate_utils = pytest.importorskip(
         "accelerate.utils", reason="accelerate is not installed (pip install -e '.[bench]')"
     )
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     with init_empty_weights():
-        model = MoeModel(6, 8)
+        model = MoeModel(6, 8, tie=tie)
     total = compute_module_sizes(model)[""]
     memory = {0: int(share * total), 1: int(share * total), 2: int(share * total), "cpu": total}
     kwargs = {"max_memory": memory, "no_split_module_classes": no_split}

@@ -148,3 +148,30 @@ def test_get_balanced_memory_spreads_and_low_zero():
     assert low[0] == 0 and low[2] == 10**6
     tiny = {0: 100, 1: 100, "cpu": 10**6}  # does not fit on the GPUs: unchanged
     assert get_balanced_memory(model, tiny) == tiny
+
+
+def _mixed_net() -> nn.Module:
+    """Leaves and blocks at several depths, own parameters on a block, bool and float buffers
+    on leaves and blocks, a ``None`` bias and a ``None`` child."""
+    inner = nn.Sequential(nn.Linear(3, 5, bias=False), nn.BatchNorm1d(5), nn.Embedding(7, 2))
+    inner.register_buffer("mask", torch.ones(13, dtype=torch.bool))
+    inner.scale = nn.Parameter(torch.ones(3))
+    net = nn.Sequential(nn.Linear(2, 3), inner, nn.Sequential(nn.ReLU(), nn.Linear(5, 4)))
+    net[2][1].register_buffer("flags", torch.zeros(9, dtype=torch.bool))
+    net.register_module("absent", None)
+    return net
+
+
+def test_identity_walk_gives_the_named_sizes_of_every_module():
+    from nbaccel.bigmodel.module_sizes import ModelScan
+
+    net = _mixed_net()
+    named = compute_module_sizes(net)
+    named_buffers = compute_module_sizes(net, buffers_only=True)
+    scan = ModelScan(net)
+    assert not scan.by_name  # no tie: answered by module identity, names never built
+    # 85 float32 elements, BatchNorm's int64 counter, 22 booleans at one bit each
+    assert named[""] == 85 * 4 + 8 + (13 + 9) / 8
+    for name, module in net.named_modules():
+        assert scan.piece_size(name, module) == named[name], name
+        assert scan.piece_buffers(name, module) == named_buffers.get(name, 0), name

@@ -16,6 +16,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from nbaccel.bigmodel.size_walk import walk_sizes
 from nbaccel.storage.ties import shared_parameters
 
 __all__ = [
@@ -165,68 +166,14 @@ class ModelScan:
             self._scan(model)
 
     def _walk(self, model: nn.Module) -> bool:
-        """Sizes by module identity in one tight loop; False if a tensor was met twice.
+        """Sizes by module identity (``size_walk``); False if a tensor was met twice.
 
         Only modules with children get an entry (a leaf adds its bytes to its parent and is
         measured again on demand, which is cheaper than keeping ~10^5 entries)."""
-        modules: list[nn.Module] = []
-        parents: list[int] = []
-        totals: list[int | float] = []
-        buffer_totals: dict[int, int | float] = {}
-        tensors: list[torch.Tensor | None] = []  # ties are found once at the end, in C
-        collect = tensors.extend
-        keep, link, record = modules.append, parents.append, totals.append
-        stack, stack_parents = [model], [-1]  # two stacks: no tuple per module
-        pop, pop_parent, push, push_parent = (
-            stack.pop,
-            stack_parents.pop,
-            stack.append,
-            stack_parents.append,
-        )
-        boolean = torch.bool
-        while stack:
-            module = pop()
-            parent = pop_parent()
-            own = own_buffers = 0
-            params = module._parameters
-            for tensor in params.values():
-                if tensor is not None:
-                    own += tensor.nbytes if tensor.dtype is not boolean else tensor.numel() / 8
-            collect(params.values())
-            if module._buffers:
-                for tensor in module._buffers.values():
-                    if tensor is not None:
-                        own_buffers += _own_bytes(tensor)
-                collect(module._buffers.values())
-                own += own_buffers
-            children = module._modules
-            if children or parent < 0:
-                index = len(totals)
-                keep(module)
-                link(parent)
-                record(own)
-                if own_buffers:
-                    buffer_totals[index] = own_buffers
-                for child in children.values():
-                    if child is not None:
-                        push(child)
-                        push_parent(index)
-            else:
-                totals[parent] += own
-                if own_buffers:
-                    buffer_totals[parent] = buffer_totals.get(parent, 0) + own_buffers
-        all_ids = list(map(id, tensors))
-        nones = all_ids.count(id(None))  # ints: list.count(None) would call Tensor.__eq__
-        if len(set(all_ids)) - (1 if nones else 0) != len(all_ids) - nones:
+        found = walk_sizes(model)
+        if found is None:
             return False  # a tensor or module is shared: sizes depend on names
-        self.size_by_id = dict(zip(map(id, modules), _sum_upwards(parents, totals)))
-        self.buffers_by_id = {}
-        if buffer_totals:
-            buffers = [0] * len(totals)
-            for i, size in buffer_totals.items():
-                buffers[i] = size
-            buffers = _sum_upwards(parents, buffers)
-            self.buffers_by_id = {id(m): b for m, b in zip(modules, buffers) if b}
+        self.size_by_id, self.buffers_by_id = found.size_by_id, found.buffers_by_id
         return True
 
     @staticmethod
