@@ -11,6 +11,7 @@ After the handshake a connection is either an *event* stream (length-prefixed pi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -23,6 +24,7 @@ import socket
 import struct
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ __all__ = [
 _NONCE = 32
 _DIGEST = 32
 _HANDSHAKE_TIMEOUT = 10.0
+_MAX_FDS = 4  # descriptors a header may carry (a rank's stdout and stderr)
 _FRAME = struct.Struct("!Q")
 
 
@@ -79,9 +82,13 @@ def encode(messages: list[Any]) -> bytes:
 class Connection:
     """One authenticated stream; ``send``/``recv`` frame pickles, ``fileno`` feeds selectors."""
 
-    def __init__(self, sock: socket.socket, header: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket, header: dict[str, Any] | None = None, fds: Sequence[int] = ()
+    ) -> None:
         self.sock = sock
         self.header = header or {}
+        #: descriptors the peer passed with its header (Unix sockets), the receiver's to close
+        self.fds = list(fds)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -102,6 +109,10 @@ class Connection:
         return pickle.loads(_recv_exact(self.sock, size))
 
     def close(self) -> None:
+        for fd in self.fds:  # passed to this end and never taken over
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
         try:
             self.sock.close()
         except OSError:
@@ -112,6 +123,9 @@ class Connection:
 class Address:
     family: str  # "unix" | "tcp"
     location: str | tuple[str, int]
+    #: a local entrance that relays bytes to a driver elsewhere (a host's agent): descriptors
+    #: passed over it would not reach the driver
+    relayed: bool = False
 
 
 _swept = False
@@ -185,6 +199,7 @@ class Handshake:
         self._nonce = os.urandom(_NONCE)
         self._buffer = bytearray()
         self._proved = False
+        self._fds: list[int] = []  # passed with the header (SCM_RIGHTS), Unix sockets only
         self.deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
         sock.settimeout(1.0)  # 32 bytes into a fresh socket's empty buffer
         try:
@@ -197,6 +212,10 @@ class Handshake:
         return self.sock.fileno()
 
     def close(self) -> None:
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
         try:
             self.sock.close()
         except OSError:
@@ -231,7 +250,7 @@ class Handshake:
     def _advance(self) -> Connection | None:
         while True:
             try:
-                data = self.sock.recv(self._needed())
+                data = self._receive(self._needed())
             except BlockingIOError:
                 return None
             if not data:
@@ -254,7 +273,17 @@ class Handshake:
                 continue  # the size is known; now the header itself
             header = json.loads(bytes(self._buffer[4:]))
             self.sock.setblocking(True)
-            return Connection(self.sock, header)
+            fds, self._fds = self._fds, []
+            return Connection(self.sock, header, fds)
+
+    def _receive(self, size: int) -> bytes:
+        """``size`` bytes at most; after the proof, on a Unix socket, with any descriptors the
+        peer attached to its header (they are only ever taken from an authenticated peer)."""
+        if not self._proved or self.sock.family != getattr(socket, "AF_UNIX", None):
+            return self.sock.recv(size)
+        data, fds, _, _ = socket.recv_fds(self.sock, size, _MAX_FDS)
+        self._fds.extend(fds)
+        return data
 
 
 class Listener:
@@ -316,8 +345,11 @@ class Listener:
                 self._dir = None
 
 
-def connect(address: Address, secret: bytes, header: dict[str, Any]) -> Connection:
-    """Connect to the driver, prove the secret, check the driver's proof, send ``header``."""
+def connect(
+    address: Address, secret: bytes, header: dict[str, Any], fds: Sequence[int] = ()
+) -> Connection:
+    """Connect to the driver, prove the secret, check the driver's proof, send ``header``
+    (with ``fds`` attached, on a Unix socket: descriptors the driver takes over)."""
     family = socket.AF_UNIX if address.family == "unix" else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.settimeout(_HANDSHAKE_TIMEOUT)
@@ -329,6 +361,8 @@ def connect(address: Address, secret: bytes, header: dict[str, Any]) -> Connecti
         sock.close()
         raise AuthenticationFailed("the driver did not prove the launch secret")
     data = json.dumps(header).encode()
-    sock.sendall(struct.pack("!I", len(data)) + data)
+    framed = struct.pack("!I", len(data)) + data
+    sent = socket.send_fds(sock, [framed], list(fds)) if fds else 0
+    sock.sendall(framed[sent:])
     sock.settimeout(None)
     return Connection(sock, header)

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterable
 
 from nbaccel.launch.channel import (
-    AuthenticationFailed,
     Connection,
     Handshake,
     Listener,
@@ -34,9 +33,10 @@ from nbaccel.launch.channel import (
 from nbaccel.launch.errors import result_not_loadable
 from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.lines import Piece, StreamLines
+from nbaccel.launch.lines import Piece
 from nbaccel.launch.output_budget import OutputBudget
-from nbaccel.launch.protocol import Message, OutcomeKind, Stream
+from nbaccel.launch.protocol import Message, OutcomeKind
+from nbaccel.launch.rank_connections import HANDSHAKE, RankConnections
 from nbaccel.launch.rank_ends import EVENTS, OUTPUT, RankEnds
 from nbaccel.launch.rank_state import Outcome, RankState
 from nbaccel.launch.render import Renderer
@@ -53,7 +53,7 @@ from nbaccel.launch.transport import (
 __all__ = ["Outcome", "WorkerGroup"]
 
 # what a ready selector key is (the key's data is (source, rank, stream))
-_LISTENER, _WAKE, _HANDSHAKE = "listener", "wake", "handshake"
+_LISTENER, _WAKE = "listener", "wake"
 _EVENTS, _OUTPUT = EVENTS, OUTPUT
 # ranks asked of the launcher at once: enough that a launch of a few ranks costs one round trip
 # to the fork server, few enough that the ranks already up are authenticated between batches
@@ -63,11 +63,11 @@ _START_BATCH = 16
 _CHECK_EVERY = 0.05
 
 
-class WorkerGroup(RankEnds):
+class WorkerGroup(RankConnections, RankEnds):
     """``num_processes`` worker processes connected to this driver.
 
-    How its ranks' ends are seen and how they are stopped: :class:`~nbaccel.launch.rank_ends.
-    RankEnds`.
+    How its ranks connect: :class:`~nbaccel.launch.rank_connections.RankConnections`; how
+    their ends are seen and how they are stopped: :class:`~nbaccel.launch.rank_ends.RankEnds`.
 
     Args:
         num_processes: ranks started on this machine.
@@ -225,7 +225,7 @@ class WorkerGroup(RankEnds):
             kind, rank, stream = key.data
             if kind == _LISTENER:
                 self._start_handshake()
-            elif kind == _HANDSHAKE:
+            elif kind == HANDSHAKE:
                 self._accept(key.fileobj)
             elif kind == _WAKE:
                 self._news = True
@@ -254,50 +254,6 @@ class WorkerGroup(RankEnds):
             wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
             self.pump(wait)
         return True
-
-    def _start_handshake(self) -> None:
-        try:
-            handshake = self._listener.start_handshake()
-        except OSError:
-            return
-        self._selector.register(handshake, selectors.EVENT_READ, (_HANDSHAKE, None, None))
-        self._handshakes.add(handshake)
-
-    def _expire_handshakes(self) -> None:
-        now = time.monotonic()
-        for handshake in [h for h in self._handshakes if h.deadline < now]:
-            self._handshakes.discard(handshake)
-            self._selector.unregister(handshake)
-            handshake.close()
-            self.renderer.notice("dropped a connection that did not authenticate in time")
-
-    def _accept(self, handshake: Handshake) -> None:
-        try:
-            conn = handshake.advance()
-        except AuthenticationFailed:
-            self._handshakes.discard(handshake)
-            self._selector.unregister(handshake)
-            self.renderer.notice("refused a connection that failed authentication")
-            return
-        if conn is None:
-            return
-        self._handshakes.discard(handshake)
-        self._selector.unregister(handshake)
-        header = conn.header
-        state = self._by_rank.get(header.get("rank"))
-        if state is None or header.get("launch") != self._launch_id:
-            conn.close()
-            return
-        stream = header.get("stream")
-        state.connected.add(stream)
-        if stream == Stream.EVENTS:
-            state.events = conn
-            self._selector.register(conn, selectors.EVENT_READ, (_EVENTS, state.rank, None))
-        else:
-            state.streams_open.add(stream)
-            state.lines[stream] = StreamLines()
-            conn.sock.setblocking(False)
-            self._selector.register(conn, selectors.EVENT_READ, (_OUTPUT, state.rank, stream))
 
     def _read_output(self, state: RankState, stream: str, conn: Connection) -> None:
         try:

@@ -45,7 +45,8 @@ class Message(Word):
 
 
 class Stream(Word):
-    """The three authenticated connections a rank opens to the driver."""
+    """The three streams of a rank to the driver: three authenticated connections over TCP;
+    on a Unix socket one (events), which carries the driver's ends of the other two."""
 
     STDOUT = "stdout"
     STDERR = "stderr"

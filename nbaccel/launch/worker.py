@@ -16,6 +16,7 @@ import io
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -256,6 +257,37 @@ def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
     print(f"[nbaccel] rank {spec.rank}: {text}", file=sys.stderr, flush=True)
 
 
+def _connect_streams(
+    address: Any, secret: bytes, header: dict[str, Any]
+) -> tuple[Connection, Connection, Connection]:
+    """This rank's stdout, stderr and events connections to the driver. On a Unix socket one
+    authenticated connection (events) carries the driver's ends of two socket pairs for the
+    output (one handshake per rank instead of three); over TCP, or through a host agent's
+    relay, each stream connects."""
+    if address.family != "unix" or address.relayed:
+        return tuple(  # type: ignore[return-value]
+            connect(address, secret, {**header, "stream": stream.value})
+            for stream in (Stream.STDOUT, Stream.STDERR, Stream.EVENTS)
+        )
+    pairs = [socket.socketpair() for _ in range(2)]
+    carries = [Stream.STDOUT.value, Stream.STDERR.value]
+    try:
+        events = connect(
+            address,
+            secret,
+            {**header, "stream": Stream.EVENTS.value, "carries": carries},
+            fds=[far.fileno() for _, far in pairs],
+        )
+    except BaseException:
+        for near, _ in pairs:
+            near.close()
+        raise
+    finally:
+        for _, far in pairs:
+            far.close()
+    return Connection(pairs[0][0]), Connection(pairs[1][0]), events
+
+
 def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
     global _events, _rank, _shared_results
@@ -267,9 +299,7 @@ def run_worker(spec: WorkerSpec) -> int:
     header = {"rank": spec.rank, "launch": spec.launch_id}
     address, secret = spec.address, spec.secret
     try:
-        out = connect(address, secret, {**header, "stream": Stream.STDOUT.value})
-        err = connect(address, secret, {**header, "stream": Stream.STDERR.value})
-        events = connect(address, secret, {**header, "stream": Stream.EVENTS.value})
+        out, err, events = _connect_streams(address, secret, header)
     except (OSError, EOFError, ConnectionError) as exc:
         _report_no_connection(spec, exc)
         return 1

@@ -217,7 +217,7 @@ class RemoteLauncher(ProcessLauncher):
             sys_path=list(hello["sys_path"])
             + [p for p in spec.sys_path if p not in hello["sys_path"]],
             cwd=ready["cwd"],
-            address=Address("unix", ready["entrance"]),
+            address=Address("unix", ready["entrance"], relayed=True),
             threads=max(1, int(hello["cpus"]) // host.slots),
             error_path=os.path.join(ready["private"], f"rank-{spec.rank}.error"),
             work=self._work_on(node, spec.work),
