@@ -117,3 +117,30 @@ def test_memory_samples_and_memory_false() -> None:
     rec = Recorder()
     notebook_launcher(_hold_memory, (0.6,), num_processes=1, renderer=rec, memory=False)
     assert not [e for e in rec.events if e[2] == "memory"]
+
+
+def _sampler_wakeups() -> int:
+    import threading
+
+    (sampler,) = [t for t in threading.enumerate() if t.name == "nbaccel-memory"]
+    with open(f"/proc/self/task/{sampler.native_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no context switch count")
+
+
+def test_an_idle_pools_memory_sampler_sleeps() -> None:
+    from nbaccel.notebook.kernel import pool as pool_module
+
+    pool = pool_module.start_pool(2, renderer=Renderer())
+    try:
+        before = pool.call(_sampler_wakeups)
+        time.sleep(1.0)  # an idle pool: its samplers wait for a call, they do not poll
+        after = pool.call(_sampler_wakeups)
+        assert sorted(before) == [0, 1]
+        for rank, count in before.items():
+            assert after[rank] - count <= 6, (rank, after[rank] - count)  # polling: ~20 a second
+    finally:
+        pool_module.shutdown_pool()
+        pool.shutdown()

@@ -154,7 +154,14 @@ def _report_error(call_id: int, exc: BaseException) -> None:
     _send((Message.ERROR, call_id, info))
 
 
+_before_call: list[Callable[[], None]] = []
 _after_call: list[Callable[[], None]] = []
+
+
+def before_each_call(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` on this rank just before each call starts (a sampler wakes up)."""
+    if hook not in _before_call:
+        _before_call.append(hook)
 
 
 def after_each_call(hook: Callable[[], None]) -> None:
@@ -165,8 +172,8 @@ def after_each_call(hook: Callable[[], None]) -> None:
         _after_call.append(hook)
 
 
-def _call_ended() -> None:
-    for hook in _after_call:
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
         try:
             hook()
         except Exception:  # a hook's failure must not replace the call's own outcome
@@ -177,6 +184,7 @@ def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bo
     global _sigint_at
     _drop_results()
     _sigint_at = None
+    _run_hooks(_before_call)
     try:
         value = function(*args, **kwargs)
     except SystemExit as exc:
@@ -195,7 +203,7 @@ def _end_call(call_id: int, value: Any = None, error: BaseException | None = Non
     global _held
     _held = []
     try:
-        _call_ended()
+        _run_hooks(_after_call)
         _flush_all()
         if error is not None:
             _report_error(call_id, error)

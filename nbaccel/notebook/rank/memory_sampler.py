@@ -17,13 +17,14 @@ import time
 
 import psutil
 
-from nbaccel.launch.worker import after_each_call, emit
+from nbaccel.launch.worker import after_each_call, before_each_call, emit
 from nbaccel.notebook.events import MEMORY, MemorySample
 
 __all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]
 
 DEFAULT_INTERVAL = 0.5
-_IDLE_POLL = 0.05  # how soon the first sample of a call is taken
+_FIRST_SAMPLE = 0.05  # s into a call when its first sample is taken
+_busy, _idle = threading.Event(), threading.Event()  # a call runs / none does
 _thread: threading.Thread | None = None
 _cuda_totals: dict[int, int] = {}
 _process: psutil.Process | None = None
@@ -106,41 +107,38 @@ def sample_memory() -> MemorySample:
     )
 
 
-def _main_thread_busy() -> bool:
-    """True while the main thread runs a call (a persistent pool's idle workers stay quiet, so
-    no backlog of stale samples piles up between cells)."""
-    from nbaccel.launch import worker
-
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    target = worker._run_call.__code__
-    while frame is not None:
-        if frame.f_code is target:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _run(interval: float) -> None:
+    """Sleep while no call runs (an idle pool's ranks wake for nothing); during a call, sample
+    from ``_FIRST_SAMPLE`` s after its start every ``interval`` s."""
     while True:
-        if not _main_thread_busy():
-            time.sleep(_IDLE_POLL)
-            continue
-        try:
-            emit(MEMORY, sample_memory())
-        except Exception:  # the driver went away or a backend failed: stop quietly
-            return
-        time.sleep(interval)
+        _busy.wait()
+        if _idle.wait(_FIRST_SAMPLE):
+            continue  # a quick call: its last sample (after_each_call) tells it all
+        while not _idle.is_set():
+            try:
+                emit(MEMORY, sample_memory())
+            except Exception:  # the driver went away or a backend failed: stop quietly
+                return
+            _idle.wait(interval)
+
+
+def _call_started() -> None:
+    _idle.clear()
+    _busy.set()
 
 
 def _last_sample() -> None:
+    _busy.clear()
+    _idle.set()
     emit(MEMORY, sample_memory())
 
 
 def start_memory_sampler(interval: float = DEFAULT_INTERVAL) -> None:
     """Start this process's sampler thread (once). It samples while a call runs: the first
-    sample within ``_IDLE_POLL`` of the call's start, then every ``interval`` seconds, and one
-    more when the call ends, so even a quick call reports every rank's peak."""
+    sample ``_FIRST_SAMPLE`` s into a call, then every ``interval`` seconds, and one more when
+    the call ends, so even a quick call reports every rank's peak."""
     global _thread
+    before_each_call(_call_started)
     after_each_call(_last_sample)
     if _thread is not None and _thread.is_alive():
         return
