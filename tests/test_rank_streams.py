@@ -54,11 +54,15 @@ def test_one_connection_per_rank_and_every_stream_keeps_its_rank(monkeypatch):
         assert (rank, "stderr", f"c-err {rank}") in renderer.lines
 
 
-def _accept_in_thread(listener):
+def _pass_over(listener, secret, header, fds):
+    """A client connecting with ``fds`` attached to ``header``; (client, accepted connection)."""
     got = []
     thread = threading.Thread(target=lambda: got.append(listener.accept()))
     thread.start()
-    return thread, got
+    client = connect(listener.address, secret, header, fds)
+    thread.join(10)
+    (conn,) = got
+    return client, conn
 
 
 def test_descriptors_arrive_with_an_authenticated_header():
@@ -66,12 +70,8 @@ def test_descriptors_arrive_with_an_authenticated_header():
     listener = Listener(secret)
     near, far = socket.socketpair()
     try:
-        thread, got = _accept_in_thread(listener)
-        client = connect(
-            listener.address, secret, {"rank": 0, "carries": ["stdout"]}, [far.fileno()]
-        )
-        thread.join(10)
-        (conn,) = got
+        header = {"rank": 0, "carries": ["stdout"]}
+        client, conn = _pass_over(listener, secret, header, [far.fileno()])
         assert conn.header["carries"] == ["stdout"] and len(conn.fds) == 1
         taken = socket.socket(fileno=conn.fds.pop())
         near.sendall(b"through the passed pair")
@@ -90,10 +90,7 @@ def test_descriptors_not_taken_over_are_closed_with_the_connection():
     listener = Listener(secret)
     read_end, write_end = os.pipe()
     try:
-        thread, got = _accept_in_thread(listener)
-        client = connect(listener.address, secret, {"rank": 0}, [write_end])
-        thread.join(10)
-        (conn,) = got
+        client, conn = _pass_over(listener, secret, {"rank": 0}, [write_end])
         os.close(write_end)
         conn.close()  # the driver's copy of the write end goes: the pipe reaches its end
         assert os.read(read_end, 10) == b""
