@@ -119,11 +119,16 @@ def test_memory_samples_and_memory_false() -> None:
     assert not [e for e in rec.events if e[2] == "memory"]
 
 
-def _sampler_wakeups() -> int:
+def _sampler_thread() -> tuple[int, int]:
+    import os
     import threading
 
     (sampler,) = [t for t in threading.enumerate() if t.name == "nbaccel-memory"]
-    with open(f"/proc/self/task/{sampler.native_id}/status") as status:
+    return os.getpid(), sampler.native_id
+
+
+def _wakeups(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/status") as status:
         for line in status:
             if line.startswith("voluntary_ctxt_switches:"):
                 return int(line.split()[1])
@@ -135,12 +140,19 @@ def test_an_idle_pools_memory_sampler_sleeps() -> None:
 
     pool = pool_module.start_pool(2, renderer=Renderer())
     try:
-        before = pool.call(_sampler_wakeups)
+        threads = pool.call(_sampler_thread)
+        assert sorted(threads) == [0, 1]
+        time.sleep(2.5)  # after a call the samplers look every 50 ms for 2 s, then sleep
+        before = {rank: _wakeups(*ids) for rank, ids in threads.items()}
         time.sleep(1.0)  # an idle pool: its samplers wait for a call, they do not poll
-        after = pool.call(_sampler_wakeups)
-        assert sorted(before) == [0, 1]
-        for rank, count in before.items():
-            assert after[rank] - count <= 6, (rank, after[rank] - count)  # polling: ~20 a second
+        for rank, ids in threads.items():
+            woke = _wakeups(*ids) - before[rank]
+            assert woke <= 2, (rank, woke)  # polling: ~20 a second
+        rec = Recorder()  # a call after the sleep wakes them: samples during it, and at its end
+        pool.call(_hold_memory, 1.2, renderer=rec)
+        for rank in (0, 1):
+            samples = [e for e in rec.events if e[1] == rank and e[2] == "memory"]
+            assert len(samples) >= 3, (rank, len(samples))  # ~0.05 s, ~0.55 s, ~1.05 s, the end
     finally:
         pool_module.shutdown_pool()
         pool.shutdown()

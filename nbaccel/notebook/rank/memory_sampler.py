@@ -24,7 +24,7 @@ __all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]
 
 DEFAULT_INTERVAL = 0.5
 _FIRST_SAMPLE = 0.05  # s into a call when its first sample is taken
-_busy, _idle = threading.Event(), threading.Event()  # a call runs / none does
+_SLEEP_AFTER = 2.0  # s without a call after which the sampler sleeps until the next one
 _thread: threading.Thread | None = None
 _cuda_totals: dict[int, int] = {}
 _process: psutil.Process | None = None
@@ -107,29 +107,56 @@ def sample_memory() -> MemorySample:
     )
 
 
+class _Activity:
+    """When the running call started (None between calls), written by the main thread without
+    waking the sampler; and whether the sampler sleeps until the next call (then, and only then,
+    a call's start wakes it)."""
+
+    started: float | None = None
+    calls = 0  # calls begun so far: quick ones end before the sampler looks
+    sleeping = False
+    wake = threading.Event()
+
+
 def _run(interval: float) -> None:
-    """Sleep while no call runs (an idle pool's ranks wake for nothing); during a call, sample
-    from ``_FIRST_SAMPLE`` s after its start every ``interval`` s."""
+    """Sample a call from ``_FIRST_SAMPLE`` s after its start every ``interval`` s. Between
+    calls, look every ``_FIRST_SAMPLE`` s while cells come in quick succession (a call's start
+    then costs no thread switch on the rank), and sleep once none came for ``_SLEEP_AFTER`` s
+    (an idle pool's ranks wake for nothing)."""
+    last_call, seen = time.monotonic(), 0
     while True:
-        _busy.wait()
-        if _idle.wait(_FIRST_SAMPLE):
-            continue  # a quick call: its last sample (after_each_call) tells it all
-        while not _idle.is_set():
-            try:
-                emit(MEMORY, sample_memory())
-            except Exception:  # the driver went away or a backend failed: stop quietly
-                return
-            _idle.wait(interval)
+        started, now = _Activity.started, time.monotonic()
+        if _Activity.calls != seen:
+            last_call, seen = now, _Activity.calls
+        if started is None:
+            if now - last_call < _SLEEP_AFTER:
+                time.sleep(_FIRST_SAMPLE)
+                continue
+            _Activity.sleeping = True
+            if _Activity.started is None:  # checked after saying so: no start goes unseen
+                _Activity.wake.wait()
+            _Activity.wake.clear()
+            _Activity.sleeping = False
+            continue
+        if now - started < _FIRST_SAMPLE:
+            time.sleep(_FIRST_SAMPLE - (now - started))
+            continue
+        try:
+            emit(MEMORY, sample_memory())
+        except Exception:  # the driver went away or a backend failed: stop quietly
+            return
+        time.sleep(interval)
 
 
 def _call_started() -> None:
-    _idle.clear()
-    _busy.set()
+    _Activity.started = time.monotonic()
+    _Activity.calls += 1
+    if _Activity.sleeping:
+        _Activity.wake.set()
 
 
 def _last_sample() -> None:
-    _busy.clear()
-    _idle.set()
+    _Activity.started = None
     emit(MEMORY, sample_memory())
 
 
