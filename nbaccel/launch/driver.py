@@ -133,6 +133,7 @@ class CallReport:
     stuck: list[int] = field(default_factory=list)  # still no outcome after settling
     policy: Settle = ONE_SHOT
     labels: RankLabels = LOCAL_LABELS  # how its worker group names the ranks
+    deaf: list[int] = field(default_factory=list)  # of the stuck, those ignoring SIGINT
 
     @property
     def crashed(self) -> list[int]:
@@ -239,8 +240,12 @@ def _settle(
         got = group.outcomes(call_id, targets)
         return [r for r in targets if r not in got]
 
+    def deaf() -> bool:  # every rank left ignores SIGINT: waiting on it is waiting for nothing
+        left = pending()
+        return state == CallState.INTERRUPTED and group.ignoring(signal.SIGINT, left) == left
+
     grace = {CallState.INTERRUPTED: policy.interrupt_grace, CallState.FAILED: policy.failure_grace}
-    group.pump_until(lambda: not pending(), grace.get(state, 0.0))
+    group.pump_until(lambda: not pending() or deaf(), grace.get(state, 0.0))
     # A rank that died is a cause, maybe the root one: read its streams to the end (its own
     # last words) and record its crash before stopping the others turns them into casualties.
     group.pump_until(lambda: not group.dead_unreported(call_id), policy.dead_drain)
@@ -250,8 +255,10 @@ def _settle(
     if policy.disposable:
         group.stop(policy.stop_grace)
         return stuck
-    group.signal_all(signal.SIGINT, stuck)
-    group.pump_until(lambda: not pending(), policy.recover)
+    listening = [rank for rank in stuck if rank not in group.ignoring(signal.SIGINT, stuck)]
+    if listening:  # a second SIGINT, and time to end a long native op, for those it can reach
+        group.signal_all(signal.SIGINT, listening)
+        group.pump_until(lambda: not [r for r in pending() if r in listening], policy.recover)
     return pending()
 
 
@@ -278,9 +285,11 @@ def run_call(
     if state == CallState.INTERRUPTED and interrupted() and late:
         group.signal_all(signal.SIGINT, late)  # the stop button, passed on to the busy ranks
     stuck = _settle(group, call_id, targets, state, policy) if state != CallState.DONE else []
+    deaf = group.ignoring(signal.SIGINT, stuck)
     group.end_call()
     outcomes = group.outcomes(call_id, targets)
-    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy, group.labels)
+    labels = group.labels
+    return CallReport(call_id, targets, state, outcomes, timeout, late, stuck, policy, labels, deaf)
 
 
 def run_once(

@@ -98,6 +98,21 @@ class WorkerProcess:
                 self._server.forget(self.pid)
         return self._returncode
 
+    def ignores(self, sig: int) -> bool:
+        """True when this running process has ``sig`` set to ignored (``signal.SIG_IGN``): a
+        stop that waits for it to react to that signal would wait for nothing. False when
+        unknown (no ``/proc``) or when it has ended."""
+        if self.poll() is not None:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/status") as status:
+                for line in status:
+                    if line.startswith("SigIgn:"):
+                        return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+        except (OSError, ValueError, IndexError):
+            pass
+        return False
+
     def signal_tree(self, sig: int) -> None:
         """Send ``sig`` to this worker and all its descendants."""
         if self.poll() is None:

@@ -132,6 +132,15 @@ class RankEnds:
                     state.stopped = True
                 state.process.signal_tree(sig)
 
+    def ignoring(self, sig: int, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose process ignores ``sig`` (signalling them again with it, or
+        waiting for them to react, is pointless)."""
+        return [
+            rank
+            for rank in ranks
+            if (process := self._by_rank[rank].process) is not None and process.ignores(sig)
+        ]
+
     def release(self) -> None:
         """Tell one-shot ranks that every rank has reported: they may exit now."""
         for state in self._ranks:
@@ -151,7 +160,9 @@ class RankEnds:
         """Stop every rank: ``first`` signal, then SIGKILL after ``grace`` seconds."""
         if first == signal.SIGINT:
             self.signal_all(signal.SIGINT)
-            if self.wait_exit(grace):
+            running = [r.rank for r in self._ranks if r.process and r.process.poll() is None]
+            deaf = self.ignoring(signal.SIGINT, running) == running  # no use waiting on them
+            if not deaf and self.wait_exit(grace):
                 return
             first = signal.SIGTERM
         self.signal_all(first)

@@ -61,6 +61,10 @@ class RemoteProcess:
         """The exit code (negative: killed by that signal), or None while running."""
         return self._returncode
 
+    def ignores(self, sig: int) -> bool:
+        """Unknown on another host (its ``/proc`` is not here): assume it may react."""
+        return False
+
     def signal_tree(self, sig: int) -> None:
         """Send ``sig`` to the rank and its children, on its host."""
         if self._returncode is None:

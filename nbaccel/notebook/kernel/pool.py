@@ -295,12 +295,15 @@ class Pool:
     def _recover(self, report: Any, renderer: Renderer) -> None:
         """After an unfinished call: restart the pool when ranks are stuck or gone."""
         if report.stuck or report.crashed:
-            what = (
-                f"rank(s) {report.stuck} did not stop within {POOL.recover:.0f} s (blocked in a "
-                "collective?)"
-                if report.stuck
-                else f"rank(s) {report.crashed} ended"
-            )
+            if report.stuck and report.deaf == report.stuck:
+                what = f"rank(s) {report.stuck} ignore SIGINT, which the stop button sends"
+            elif report.stuck:
+                what = (
+                    f"rank(s) {report.stuck} did not stop within {POOL.recover:.0f} s (blocked "
+                    "in a collective?)"
+                )
+            else:
+                what = f"rank(s) {report.crashed} ended"
             self.restart(renderer, reason=what)
         elif report.state == CallState.INTERRUPTED:
             renderer.notice(
