@@ -70,6 +70,14 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def _close_all(fds: list[int]) -> None:
+    """Close (and forget) descriptors received from a peer."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
 def encode(messages: list[Any]) -> bytes:
     """``messages`` as the frames :meth:`Connection.recv` reads, one after the other."""
     frames = []
@@ -109,10 +117,7 @@ class Connection:
         return pickle.loads(_recv_exact(self.sock, size))
 
     def close(self) -> None:
-        for fd in self.fds:  # passed to this end and never taken over
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()
+        _close_all(self.fds)  # passed to this end and never taken over
         try:
             self.sock.close()
         except OSError:
@@ -212,10 +217,7 @@ class Handshake:
         return self.sock.fileno()
 
     def close(self) -> None:
-        for fd in self._fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds.clear()
+        _close_all(self._fds)
         try:
             self.sock.close()
         except OSError:

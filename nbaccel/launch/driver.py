@@ -255,7 +255,8 @@ def _settle(
     if policy.disposable:
         group.stop(policy.stop_grace)
         return stuck
-    listening = [rank for rank in stuck if rank not in group.ignoring(signal.SIGINT, stuck)]
+    deaf_ranks = group.ignoring(signal.SIGINT, stuck)
+    listening = [rank for rank in stuck if rank not in deaf_ranks]
     if listening:  # a second SIGINT, and time to end a long native op, for those it can reach
         group.signal_all(signal.SIGINT, listening)
         group.pump_until(lambda: not [r for r in pending() if r in listening], policy.recover)

@@ -28,7 +28,15 @@ from nbaccel.launch.protocol import EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
 from nbaccel.launch.transport import SharedTensors, UnpicklableError, pack, unpack
 
-__all__ = ["after_each_call", "current_rank", "emit", "flush_output", "on_worker", "run_worker"]
+__all__ = [
+    "after_each_call",
+    "before_each_call",
+    "current_rank",
+    "emit",
+    "flush_output",
+    "on_worker",
+    "run_worker",
+]
 
 _events: Connection | None = None
 _send_lock = threading.Lock()

@@ -9,14 +9,15 @@ exit ~2.6 ms. A rank that writes to a huge page gets its own 4 KiB copy, as befo
 splits the mapping), so nothing changes for the ranks but the cost.
 
 Best effort: elsewhere than Linux, on older kernels, or without memory for huge pages nothing
-happens. ``NBACCEL_HUGE_PAGES=0`` turns it off.
+happens. ``NBACCEL_HUGE_PAGES=0`` (or ``false``, ``off``) turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["ENV", "collapse_writable_memory"]
 
@@ -44,7 +45,12 @@ def _regions() -> list[tuple[int, int]]:
 def collapse_writable_memory() -> int:
     """Collapse this process's private writable memory into huge pages; the bytes collapsed
     (0 where unsupported or turned off)."""
-    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
+    try:
+        wanted = env_flag(ENV, default=True)
+    except ValueError as exc:  # in the fork server: say so, never stop it
+        print(f"[nbaccel] {str(exc).rstrip('.')}: huge pages left off", file=sys.stderr)
+        return 0
+    if not wanted or not sys.platform.startswith("linux"):
         return 0
     try:
         libc = ctypes.CDLL(None, use_errno=True)
