@@ -50,3 +50,38 @@ def test_rank_traceback_names_the_cell_file():
         text = "".join(traceback.format_exception(exc))
     assert f'File "{CELL}", line 4, in inner' in text
     assert "bad 5" in text
+
+
+def test_protocol_messages_of_plain_data_skip_cloudpickle_and_load_the_same():
+    from nbaccel.launch.pickling import dumps_message
+    from nbaccel.launch.protocol import EventKind, Message
+    from nbaccel.launch.transport import pack
+    from nbaccel.notebook.events import MemorySample
+
+    packed, _ = pack({"loss": 0.5})
+    sample = MemorySample(time=1.0, rss=2, rss_peak=3, host_total=4, cuda={"device": "cuda:0"})
+    for message in [
+        (Message.RESULT, 7, packed),
+        (Message.EVENT, EventKind.MEMORY, sample),
+        (Message.ERROR, 3, {"frames": [("f.py", 1, "g", "x")], "pickled": b"\x00"}),
+    ]:
+        data = dumps_message(message)
+        assert b"cloudpickle" not in data  # the C pickler wrote it: no reconstructor of theirs
+        loaded = pickle.loads(data)
+        assert loaded[0] is message[0]  # the protocol's words come back as the same members
+        assert loaded == message
+
+
+def test_protocol_messages_holding_user_objects_still_travel_by_value():
+    from nbaccel.launch.pickling import dumps_message
+    from nbaccel.launch.protocol import EventKind, Message
+
+    namespace = {"__name__": "__main__"}  # a class defined in a cell: no module to import
+    exec("class Point:\n    def __init__(self, x):\n        self.x = x\n", namespace)
+    message = (Message.EVENT, EventKind.METRICS, {"point": namespace["Point"](3)})
+    data = dumps_message(message)
+    assert b"cloudpickle" in data  # pickled by value, as cloudpickle does
+    assert pickle.loads(data)[2]["point"].x == 3
+    cyclic: list = []
+    cyclic.append(cyclic)
+    assert pickle.loads(dumps_message((Message.EVENT, EventKind.METRICS, cyclic)))[2][0][0]

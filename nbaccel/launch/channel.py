@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbaccel.launch.pickling import dumps
+from nbaccel.launch.pickling import dumps_message
 
 __all__ = [
     "AuthenticationFailed",
@@ -44,6 +44,7 @@ _DIGEST = 32
 _HANDSHAKE_TIMEOUT = 10.0
 _MAX_FDS = 4  # descriptors a header may carry (a rank's stdout and stderr)
 _FRAME = struct.Struct("!Q")
+_READ_SIZE = 1 << 16  # one read of an event stream: every message a rank wrote at once
 
 
 class AuthenticationFailed(ConnectionError):
@@ -82,7 +83,7 @@ def encode(messages: list[Any]) -> bytes:
     """``messages`` as the frames :meth:`Connection.recv` reads, one after the other."""
     frames = []
     for message in messages:
-        data = dumps(message)
+        data = dumps_message(message)
         frames += (_FRAME.pack(len(data)), data)
     return b"".join(frames)
 
@@ -97,6 +98,7 @@ class Connection:
         self.header = header or {}
         #: descriptors the peer passed with its header (Unix sockets), the receiver's to close
         self.fds = list(fds)
+        self._buffer = bytearray()  # bytes read past the last whole message
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -113,8 +115,34 @@ class Connection:
         self.sock.sendall(frames)
 
     def recv(self) -> Any:
-        (size,) = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
-        return pickle.loads(_recv_exact(self.sock, size))
+        """The next message; blocks until it is whole. One ``recv`` call takes whatever the
+        socket holds, so messages sent in one write cost one system call to read (see
+        :meth:`buffered`)."""
+        while True:
+            frame = self._take_frame()
+            if frame is not None:
+                return pickle.loads(frame)
+            chunk = self.sock.recv(_READ_SIZE)
+            if not chunk:
+                raise EOFError("connection closed")
+            self._buffer += chunk
+
+    def buffered(self) -> bool:
+        """True when a whole message is already read from the socket: a selector will not say
+        so, so a reader woken by it calls :meth:`recv` until this is False."""
+        if len(self._buffer) < _FRAME.size:
+            return False
+        (size,) = _FRAME.unpack_from(self._buffer)
+        return len(self._buffer) >= _FRAME.size + size
+
+    def _take_frame(self) -> bytes | None:
+        if not self.buffered():
+            return None
+        (size,) = _FRAME.unpack_from(self._buffer)
+        end = _FRAME.size + size
+        frame = bytes(memoryview(self._buffer)[_FRAME.size : end])
+        del self._buffer[:end]
+        return frame
 
     def close(self) -> None:
         _close_all(self.fds)  # passed to this end and never taken over

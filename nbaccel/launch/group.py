@@ -287,14 +287,22 @@ class WorkerGroup(RankConnections, RankEnds):
             self.renderer.overflow(state.rank, stream, piece.text)
 
     def _read_event(self, state: RankState) -> None:
-        try:
-            message = state.events.recv()
-        except (EOFError, OSError, pickle.UnpicklingError):
-            self._news = True
-            self._selector.unregister(state.events)
-            state.events.close()
-            state.events_closed = True
-            return
+        """Handle the messages that woke the selector: one read, then every whole message it
+        brought (a rank's last events and its outcome come in one write)."""
+        while True:
+            try:
+                message = state.events.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                self._news = True
+                self._selector.unregister(state.events)
+                state.events.close()
+                state.events_closed = True
+                return
+            self._handle_event(state, message)
+            if not state.events.buffered():
+                return
+
+    def _handle_event(self, state: RankState, message: tuple) -> None:
         self._still_draining(state)
         tag = message[0]
         if tag == Message.READY:

@@ -13,11 +13,12 @@ import io
 import pickle
 import types
 from collections import ChainMap
+from enum import Enum
 from typing import Any
 
 import cloudpickle
 
-__all__ = ["Pickler", "dumps"]
+__all__ = ["Pickler", "dumps", "dumps_message", "plain_class"]
 
 #: the name cloudpickle gives code pickled by value (and the placeholder this module swaps out)
 _PLACEHOLDER = "<dynamic-code>"
@@ -36,10 +37,25 @@ def _reduce_code(code: types.CodeType) -> Any:
     return _named, (code.replace(co_filename=_PLACEHOLDER), code.co_filename)
 
 
+def _flat(table: Any) -> dict:
+    """One dict with what ``table`` (a dict, or a ChainMap of them) maps, first map winning."""
+    if isinstance(table, ChainMap):
+        flat: dict = {}
+        for mapping in reversed(table.maps):
+            flat.update(_flat(mapping))
+        return flat
+    return dict(table)
+
+
 class Pickler(cloudpickle.Pickler):
     """cloudpickle's pickler, keeping the file names of the code it pickles by value."""
 
-    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
+    def __init__(self, file: Any, protocol: int | None = None, **options: Any) -> None:
+        # A plain dict, which the C pickler searches in C (cloudpickle's ChainMap is searched in
+        # Python on every lookup), made per pickler so that later copyreg registrations count.
+        self.dispatch_table = _flat(cloudpickle.Pickler.dispatch_table)
+        self.dispatch_table[types.CodeType] = _reduce_code
+        super().__init__(file, protocol=protocol, **options)
 
 
 def dumps(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:
@@ -47,3 +63,42 @@ def dumps(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:
     with io.BytesIO() as buffer:
         Pickler(buffer, protocol=protocol).dump(obj)
         return buffer.getvalue()
+
+
+#: types the C pickler saves exactly as cloudpickle would: builtins, and classes registered with
+#: :func:`plain_class` (importable nbaccel classes: the protocol's words, a packed payload)
+_ATOMS: set[type] = {type(None), bool, int, float, complex, str, bytes}
+_PLAIN_INSTANCES: set[type] = set()
+
+
+def plain_class(cls: type) -> type:
+    """Register ``cls`` (importable by name on both ends): an enum's members, or instances whose
+    attributes are plain, are then pickled by :func:`dumps_message` without cloudpickle."""
+    (_ATOMS if issubclass(cls, Enum) else _PLAIN_INSTANCES).add(cls)
+    return cls
+
+
+def _plain(obj: Any) -> bool:
+    kind = type(obj)
+    if kind in _ATOMS:
+        return True
+    if kind is tuple or kind is list:
+        return all(map(_plain, obj))
+    if kind is dict:
+        return all(map(_plain, obj)) and all(map(_plain, obj.values()))
+    if kind in _PLAIN_INSTANCES:
+        return all(map(_plain, vars(obj).values()))
+    return False
+
+
+def dumps_message(obj: Any) -> bytes:
+    """Pickle one message of the launch protocol: with the C pickler when it holds only plain
+    data (a few µs, the common case: outcomes, samples, events), else with :func:`dumps` (a
+    user's object in an event, a function). Both give the same bytes to ``pickle.loads``."""
+    try:
+        plain = _plain(obj)
+    except RecursionError:  # deeply nested or cyclic: cloudpickle copes, or says why
+        plain = False
+    if plain:
+        return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    return dumps(obj)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from nbaccel.launch.pickling import plain_class
+
 __all__ = [
     "EventKind",
     "LaunchKind",
@@ -26,6 +28,15 @@ class Word(str, Enum):
 
     __str__ = str.__str__
     __format__ = str.__format__
+
+    def __reduce_ex__(self, protocol: int) -> str:
+        # A global reference (``Message.RESULT``): pickle and unpickle resolve it in C, where
+        # the default ``Message("result")`` runs the enum machinery in Python on every message.
+        return f"{type(self).__qualname__}.{self._name_}"
+
+    def __init_subclass__(cls, **options: object) -> None:
+        super().__init_subclass__(**options)
+        plain_class(cls)  # channel messages holding only words and builtins skip cloudpickle
 
 
 class Message(Word):

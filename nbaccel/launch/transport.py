@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.launch.pickling import Pickler, dumps
+from nbaccel.launch.pickling import Pickler, dumps, plain_class
 from nbaccel.launch.processes import pid_alive
 
 __all__ = [
@@ -117,6 +117,7 @@ class _TensorRecord:
     requires_grad: bool
 
 
+@plain_class
 @dataclass
 class Packed:
     """What a rank needs to rebuild the objects: the pickle and the shared tensor file."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.launch.pickling import plain_class
 from nbaccel.launch.protocol import EventKind
 from nbaccel.values.byte_text import human_bytes
 
@@ -28,6 +29,7 @@ MEMORY = EventKind.MEMORY
 METRICS = EventKind.METRICS
 
 
+@plain_class
 @dataclass
 class ProgressUpdate:
     """The state of one tqdm bar on one rank.
@@ -73,6 +75,7 @@ class ProgressUpdate:
         return self.meter() if shown else ""
 
 
+@plain_class
 @dataclass
 class MemorySample:
     """One memory reading of one rank (bytes). Device fields are ``None`` when unused."""
@@ -115,6 +118,7 @@ class MemorySample:
         return ""
 
 
+@plain_class
 @dataclass
 class MetricsUpdate:
     """Scalars logged by a notebook tracker on a rank: ``points`` is a list of

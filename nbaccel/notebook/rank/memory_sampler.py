@@ -28,6 +28,7 @@ _SLEEP_AFTER = 2.0  # s without a call after which the sampler sleeps until the 
 _thread: threading.Thread | None = None
 _cuda_totals: dict[int, int] = {}
 _process: psutil.Process | None = None
+_statm: tuple[int, int] | None = None  # (pid, descriptor of /proc/self/statm)
 _host_total = 0
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -76,13 +77,14 @@ def _xla() -> dict | None:
 
 
 def _host_rss() -> int:
-    """This process's resident size: ``/proc/self/statm`` where there is one (a read of a few
-    bytes: the sampler runs in every rank, and a launch of 8 ranks on 2 cores feels every
-    millisecond of it), psutil elsewhere."""
-    global _process
+    """This process's resident size: ``/proc/self/statm`` where there is one (a ``pread`` of a
+    few bytes on a descriptor kept open: the sampler runs in every rank, and a launch of 8 ranks
+    on 2 cores feels every millisecond of it), psutil elsewhere."""
+    global _process, _statm
     try:
-        with open("/proc/self/statm", "rb") as handle:
-            return int(handle.read().split()[1]) * _PAGE
+        if _statm is None or _statm[0] != os.getpid():  # /proc/self is the opener's, not a fork's
+            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         if _process is None or _process.pid != os.getpid():
             _process = psutil.Process(os.getpid())
