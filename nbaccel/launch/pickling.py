@@ -18,7 +18,7 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["Pickler", "dumps", "dumps_message", "plain_class"]
+__all__ = ["Pickler", "dumps", "dumps_message", "is_plain", "plain_class"]
 
 #: the name cloudpickle gives code pickled by value (and the placeholder this module swaps out)
 _PLACEHOLDER = "<dynamic-code>"
@@ -79,6 +79,7 @@ def plain_class(cls: type) -> type:
 
 
 def _plain(obj: Any) -> bool:
+    """True when ``obj`` is built of builtins and registered classes only (see ``_ATOMS``)."""
     kind = type(obj)
     if kind in _ATOMS:
         return True
@@ -95,10 +96,15 @@ def dumps_message(obj: Any) -> bytes:
     """Pickle one message of the launch protocol: with the C pickler when it holds only plain
     data (a few µs, the common case: outcomes, samples, events), else with :func:`dumps` (a
     user's object in an event, a function). Both give the same bytes to ``pickle.loads``."""
-    try:
-        plain = _plain(obj)
-    except RecursionError:  # deeply nested or cyclic: cloudpickle copes, or says why
-        plain = False
-    if plain:
+    if is_plain(obj):
         return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     return dumps(obj)
+
+
+def is_plain(obj: Any) -> bool:
+    """True when the C pickler alone pickles ``obj`` as cloudpickle would: builtins, and
+    instances of :func:`plain_class` classes, all the way down."""
+    try:
+        return _plain(obj)
+    except RecursionError:  # deeply nested or cyclic: cloudpickle copes, or says why
+        return False

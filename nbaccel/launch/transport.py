@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.launch.pickling import Pickler, dumps, plain_class
+from nbaccel.launch.pickling import Pickler, dumps, is_plain, plain_class
 from nbaccel.launch.processes import pid_alive
 
 __all__ = [
@@ -375,6 +375,8 @@ def pack(
     ``share=False`` keeps every tensor inside the pickle (a reader on another host cannot map
     this host's files).
     """
+    if is_plain(obj):  # no tensor, no function: the C pickler alone (None, numbers, strings)
+        return Packed(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)), None
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, inherit=inherit, share=share)
     try:

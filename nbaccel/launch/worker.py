@@ -6,6 +6,10 @@ writes reach the notebook too, line by line) and an event stream. It then either
 persistent pool). What it is told arrives as a :class:`~nbaccel.launch.spec.WorkerSpec`. When
 the driver disappears (the kernel died or restarted), the event stream closes and the worker
 exits at once: no orphans.
+
+The main thread reads the driver's messages itself between calls (a call costs no thread
+switch); a watcher thread sleeps in ``poll`` until the driver's end hangs up, which it notices
+even while a call runs.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import ctypes
 import functools
 import io
 import os
-import queue
+import select
 import signal
 import socket
 import sys
@@ -48,6 +52,13 @@ _shared_results = True  # the driver can map this host's shared files (same host
 # reclaims them if it dies) until its next call or its exit
 _result_files: list[SharedTensors] = []
 _sigint_at: float | None = None  # when SIGINT last arrived (None: not during this call)
+# what the main thread waits for, if anything: between calls an interrupt has nothing to stop
+# (and must not cost the message being read); after a one-shot launch's call it ends the wait
+_waiting: str | None = None
+_BETWEEN_CALLS, _FOR_RELEASE = "between calls", "for release"
+# what ``poll`` reports when the driver's end closes: POLLRDHUP (Linux) says so for TCP too
+_HANGUP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+WATCHER = "nbaccel-driver-watch"  # the name of the thread that notices the driver hang up
 
 
 def on_worker() -> bool:
@@ -127,16 +138,45 @@ def _prepare_process(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
 
 
-def _watch_driver(commands: queue.Queue) -> None:
-    """Forward the driver's messages; exit the process when the driver is gone."""
+def _driver_gone() -> None:
+    """The driver's connection closed (the kernel died or restarted): exit now."""
+    _flush_all()
+    _drop_results()
+    os._exit(_EXIT_DRIVER_GONE)
+
+
+def _watch_driver(conn: Connection) -> None:
+    """Exit the process when the driver hangs up, whatever the main thread is doing. Sleeps in
+    ``poll`` without asking to read, so messages do not wake it; where ``poll`` cannot tell a
+    hang-up (no POLLRDHUP), it looks once a second."""
+    poller = select.poll()
+    poller.register(conn.fileno(), _HANGUP)
+    timeout = None if getattr(select, "POLLRDHUP", 0) else 1000
     while True:
-        try:
-            message = _events.recv()
-        except (EOFError, OSError):
-            _flush_all()
-            _drop_results()
-            os._exit(_EXIT_DRIVER_GONE)
-        commands.put(message)
+        events = poller.poll(timeout)
+        if any(flags & select.POLLNVAL for _, flags in events):
+            return  # this process closed the connection itself: it is on its way out
+        if events or _peer_closed(conn.sock):
+            _driver_gone()
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _next_message(waiting: str) -> Any:
+    """The driver's next message, read on the main thread (see ``_waiting``)."""
+    global _waiting
+    _waiting = waiting
+    try:
+        return _events.recv()
+    except (EOFError, OSError):
+        _driver_gone()
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -145,6 +185,8 @@ def _on_sigint(signum: int, frame: Any) -> None:
     global _sigint_at
     import time
 
+    if _waiting == _BETWEEN_CALLS:
+        return  # nothing to stop; the stop button's driver sees this rank is idle
     _sigint_at = time.time()
     raise KeyboardInterrupt
 
@@ -239,25 +281,25 @@ def _send_result(call_id: int, value: Any) -> bool:
     return True
 
 
-def _serve(commands: queue.Queue) -> int:
+def _serve() -> int:
+    global _waiting
     while True:
-        try:
-            message = commands.get()
-        except KeyboardInterrupt:  # an interrupt that arrived while idle
-            continue
+        message = _next_message(_BETWEEN_CALLS)
         if message[0] == Message.STOP:
             return 0
-        if message[0] == Message.CALL:
-            _, call_id, packed = message
+        if message[0] != Message.CALL:
+            continue
+        _, call_id, packed = message
+        try:
+            _waiting = None  # from here the stop button stops this call
             try:
                 function, args, kwargs = unpack(packed)
             except BaseException as exc:
                 _send((Message.ERROR, call_id, describe_exception(exc)))
                 continue
-            try:
-                _run_call(call_id, function, args, kwargs)
-            except KeyboardInterrupt as exc:  # raised between the call and its report
-                _report_error(call_id, exc)
+            _run_call(call_id, function, args, kwargs)
+        except KeyboardInterrupt as exc:  # raised between the call and its report
+            _report_error(call_id, exc)
 
 
 def _report_no_connection(spec: WorkerSpec, exc: BaseException) -> None:
@@ -323,13 +365,12 @@ def run_worker(spec: WorkerSpec) -> int:
     sys.stderr = _redirect(2, err)
     _events = events
     _send((Message.HELLO, os.getpid()))
-    commands: queue.Queue = queue.Queue()
-    threading.Thread(target=_watch_driver, args=(commands,), daemon=True).start()
+    threading.Thread(target=_watch_driver, args=(events,), daemon=True, name=WATCHER).start()
     for setup in spec.setup:
         setup()
     if spec.mode == Mode.SERVE:
         _send((Message.READY,))
-        code = _serve(commands)
+        code = _serve()
     else:
         try:
             function, args, kwargs = load_work(spec.work)
@@ -339,13 +380,13 @@ def run_worker(spec: WorkerSpec) -> int:
         _send((Message.READY,))
         code = 0 if _run_call(0, function, args, kwargs) else 1
         _flush_all()
-        _wait_for_release(commands)
+        _wait_for_release()
     _flush_all()
     _drop_results()
     return code
 
 
-def _wait_for_release(commands: queue.Queue) -> None:
+def _wait_for_release() -> None:
     """Stay alive (process group included) until the driver says every rank has reported.
 
     Exiting as soon as this rank's function returned would tear down its end of the process
@@ -355,7 +396,7 @@ def _wait_for_release(commands: queue.Queue) -> None:
     """
     while True:
         try:
-            message = commands.get()
+            message = _next_message(_FOR_RELEASE)
         except KeyboardInterrupt:  # the stop button after this rank had reported
             return
         if message[0] in (Message.RELEASE, Message.STOP):

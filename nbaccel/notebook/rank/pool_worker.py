@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import os
 import sys
 import types
@@ -147,16 +148,26 @@ def run_cell(
                 os.environ[name] = value
 
 
-def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] | None:
-    namespace = _ns()
+@functools.lru_cache(maxsize=64)
+def _compiled(
+    source: str, filename: str, first_line: int
+) -> tuple[types.CodeType, types.CodeType | None]:
+    """The cell's statements, and its last expression when it ends with one (whose value is
+    displayed). Cached: a cell run again (a training step, a warm cell) is not parsed again."""
     tree = ast.parse(source, filename)
     ast.increment_lineno(tree, first_line - 1)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+    return compile(tree, filename, "exec"), last
+
+
+def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] | None:
+    namespace = _ns()
+    body, last = _compiled(source, filename, first_line)
     try:
-        exec(compile(tree, filename, "exec"), namespace)
-        value = eval(compile(last, filename, "eval"), namespace) if last else None
+        exec(body, namespace)
+        value = eval(last, namespace) if last else None
     finally:
         _send_open_figures()
     if value is None or source.rstrip().endswith(";"):

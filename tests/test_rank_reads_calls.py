@@ -1,0 +1,68 @@
+"""A pool rank's main thread reads its calls itself: a call wakes no other thread of the rank
+(on 8 ranks and 2 cores each switch costs the cell time), the driver's end hanging up is still
+noticed by a thread asleep in ``poll``, and an interrupt between calls loses no call.
+
+Real ranks of an in-process pool; thread switches are read from ``/proc``, outside the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from nbaccel.launch.render import Renderer
+from nbaccel.notebook.kernel import pool as pool_module
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+
+
+def _watcher_thread() -> int:
+    import threading
+
+    from nbaccel.launch.worker import WATCHER
+
+    return next(t.native_id for t in threading.enumerate() if t.name == WATCHER)
+
+
+def _switches(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def _answer(x: int) -> int:
+    return x + 1
+
+
+@pytest.fixture
+def pool():
+    pool = pool_module.start_pool(2, renderer=Renderer())
+    yield pool
+    pool_module.shutdown_pool()
+    pool.shutdown()
+
+
+def test_calls_wake_no_thread_but_the_ranks_main_thread(pool):
+    watchers = pool.call(_watcher_thread)
+    before = {rank: _switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
+    for i in range(50):
+        assert pool.call(_answer, i) == {0: i + 1, 1: i + 1}
+        pool.run_cell("pass")
+    after = {rank: _switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
+    assert after == before  # asleep in poll through 100 calls (was one wake-up per call)
+
+
+def test_an_interrupt_between_calls_loses_no_call(pool):
+    assert pool.call(_answer, 0) == {0: 1, 1: 1}
+    for _ in range(5):
+        for pid in pool.pids.values():
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.02)
+    assert pool.call(_answer, 41) == {0: 42, 1: 42}
+    pool.run_cell("value = 6 * 7")
+    assert pool.pull("value") == {0: 42, 1: 42}
