@@ -45,6 +45,9 @@ _TIMED = (
     "print('SAMPLES', json.dumps(_samples))"
 )
 
+_PAUSE = "import time\ntime.sleep(1.0)"
+_FIRST = 3 + 5  # the first measured cell: after load, start, pause and 5 warm-up cells
+
 TOOLS = {
     "nbaccel": {"load": "%load_ext nbaccel", "start": "%%distributed -n {ranks}\npass", "stop": ""},
     "nbdistributed": {
@@ -69,7 +72,10 @@ def measure(tool: str, rounds: int, ranks: int = 2) -> dict:
     spec = TOOLS[tool]
     empty = "%%distributed\npass"
     start = spec["start"].format(ranks=ranks)
-    cells = [spec["load"], start, *[empty] * (5 + rounds), _TIMED.format(rounds=rounds)]
+    # Warm means settled: the pause lets the just-started workers (and nbaccel's fork server,
+    # which tidies its memory once at its first idle moment, ~0.3 s of CPU) go quiet, as they
+    # are when a person types the next cell; without it the first cells share the 2 cores.
+    cells = [spec["load"], start, _PAUSE, *[empty] * (5 + rounds), _TIMED.format(rounds=rounds)]
     if spec["stop"]:
         cells.append(spec["stop"])
     if tool == "nbaccel":  # the kernel's own cost of a cell, for reference; a warm pool restart
@@ -78,12 +84,12 @@ def measure(tool: str, rounds: int, ranks: int = 2) -> dict:
     started = time.perf_counter()
     nb = run_notebook(cells, timeout=300, env=env)
     wall = time.perf_counter() - started
-    text = cell_text(nb.cells[2 + 5 + rounds])
+    text = cell_text(nb.cells[_FIRST + rounds])
     samples_line = next((line for line in text.splitlines() if line.startswith("SAMPLES ")), None)
     if samples_line is None:
         raise RuntimeError(f"{tool}: no timing output: {text[-2000:]}")
     magic = json.loads(samples_line.split(" ", 1)[1])
-    cell = [_busy_seconds(c) for c in nb.cells[2 + 5 : 2 + 5 + rounds]]
+    cell = [_busy_seconds(c) for c in nb.cells[_FIRST : _FIRST + rounds]]
     errors = [c for c in nb.cells if any(o.output_type == "error" for o in c.outputs)]
     extra = {}
     if tool == "nbaccel":
