@@ -66,3 +66,18 @@ def test_an_interrupt_between_calls_loses_no_call(pool):
     assert pool.call(_answer, 41) == {0: 42, 1: 42}
     pool.run_cell("value = 6 * 7")
     assert pool.pull("value") == {0: 42, 1: 42}
+
+
+def test_a_cell_run_again_names_its_own_run_in_tracebacks(pool):
+    """Cell code is compiled once per text, but each run's frames carry that run's file name
+    (the notebook keeps each run's lines under its own name), functions defined in it too."""
+    source = "def f():\n    raise ValueError('boom')\nf()"
+    for name in ("<rank-cell-1>", "<rank-cell-2>", "<rank-cell-1>"):
+        with pytest.raises(ValueError, match="boom") as caught:
+            pool.run_cell(source, filename=name)
+        text = str(caught.value.__cause__)
+        assert f'File "{name}", line 3, in <module>' in text
+        assert f'File "{name}", line 2, in f' in text
+    with pytest.raises(SyntaxError) as bad:
+        pool.run_cell("x = (", filename="<rank-cell-9>")
+    assert "<rank-cell-9>" in str(bad.value) + str(bad.value.__cause__)

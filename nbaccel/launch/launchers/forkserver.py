@@ -157,7 +157,9 @@ class ForkServer:
         return self._proc.pid
 
     def alive(self) -> bool:
-        return self._proc.poll() is None
+        # No system call (this is asked for every rank at every cell): the reader thread ends
+        # when the server's pipe closes, and reaps the server first.
+        return self._reader.is_alive() or self._proc.poll() is None
 
     def _read_loop(self) -> None:
         fd = self._proc.stdout.fileno()

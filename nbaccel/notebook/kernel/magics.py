@@ -33,6 +33,7 @@ from nbaccel.notebook.preload import WORKER_PRELOAD
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 _NAME_ERROR = re.compile(r"name '(\w+)' is not defined")
+_KNOWN_LINES = 64  # parsed %%distributed lines kept (DistributedMagics._options)
 
 
 def _launch_options(magic: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,6 +59,28 @@ class DistributedMagics(Magics):
     ``%dist_shutdown``, ``%dist_mode`` and ``%%local``."""
 
     auto = False
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell, **kwargs)
+        #: %%distributed lines seen lately, parsed: a warm cell parses nothing (see _options)
+        self._known_lines: dict[str, tuple[Namespace, LaunchRequest, list[str]]] = {}
+
+    def _options(self, line: str) -> tuple[Namespace, LaunchRequest, list[str]] | None:
+        """``%%distributed``'s line parsed: its flags, its launch request and its --push names
+        (None after printing the help). A line always parses the same way, so the answer for
+        the last lines is kept: re-running cells costs no argument parsing."""
+        known = self._known_lines.get(line)
+        if known is None:
+            args = self._parse(self.distributed, line)
+            if args is None:
+                return None
+            with _bad_input_is_usage():
+                request = LaunchRequest.from_parsed(args, Fronts.MAGIC)
+                known = (args, request, parse_names(args.push))
+            if len(self._known_lines) >= _KNOWN_LINES:
+                self._known_lines.clear()
+            self._known_lines[line] = known
+        return known
 
     def _parse(self, magic: Any, line: str) -> Namespace | None:
         """Parsed options, or None after printing the help for ``-h``/``--help``."""
@@ -138,16 +161,14 @@ class DistributedMagics(Magics):
         %%distributed cell. Output is labelled by rank, and so is the last expression's value.
         """
         __tracebackhide__ = True
-        args = self._parse(self.distributed, line)
-        if args is None:
+        options = self._options(line)
+        if options is None:
             return
         if cell is None:
             raise UsageError(
                 "%%distributed is a cell magic: put it (with two %) on the first line of a cell."
             )
-        with _bad_input_is_usage():
-            request = LaunchRequest.from_parsed(args, Fronts.MAGIC)
-            names = parse_names(args.push)
+        args, request, names = options
         push = self._notebook_values(names)
         filename = self._register_source(line, cell)
         self._check_syntax(cell, filename)

@@ -39,6 +39,9 @@ _module: types.ModuleType | None = None
 _formatter: Any = None
 
 
+_PLACEHOLDER = "<nbaccel-cell>"  # the file name of cached cell code, until it runs (_named)
+
+
 def _format(obj: Any, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     global _formatter
     if _formatter is None:
@@ -149,22 +152,35 @@ def run_cell(
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(
-    source: str, filename: str, first_line: int
-) -> tuple[types.CodeType, types.CodeType | None]:
+def _compiled(source: str, first_line: int) -> tuple[types.CodeType, types.CodeType | None]:
     """The cell's statements, and its last expression when it ends with one (whose value is
-    displayed). Cached: a cell run again (a training step, a warm cell) is not parsed again."""
-    tree = ast.parse(source, filename)
+    displayed), under a placeholder file name. Cached by text: a cell run again (a training
+    step, a warm cell) is not parsed again; each run gets its own name (:func:`_named`)."""
+    tree = ast.parse(source, _PLACEHOLDER)
     ast.increment_lineno(tree, first_line - 1)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
-    return compile(tree, filename, "exec"), last
+        last = compile(ast.Expression(tree.body.pop().value), _PLACEHOLDER, "eval")
+    return compile(tree, _PLACEHOLDER, "exec"), last
+
+
+def _named(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` (and the code of the functions and classes it defines) under ``filename``: the
+    name the notebook keeps the cell's lines under, for tracebacks."""
+    consts = tuple(
+        _named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] | None:
     namespace = _ns()
-    body, last = _compiled(source, filename, first_line)
+    try:
+        body, last = _compiled(source, first_line)
+    except SyntaxError:
+        ast.parse(source, filename)  # the same error, naming the cell
+        raise
+    body, last = _named(body, filename), last and _named(last, filename)
     try:
         exec(body, namespace)
         value = eval(last, namespace) if last else None
