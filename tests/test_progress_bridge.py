@@ -156,3 +156,34 @@ def test_an_idle_pools_memory_sampler_sleeps() -> None:
     finally:
         pool_module.shutdown_pool()
         pool.shutdown()
+
+
+def _keep_mib(n: int) -> None:
+    import builtins
+
+    builtins._nbaccel_test_block = bytearray(n << 20)  # touched: resident
+
+
+def test_a_quick_calls_closing_sample_is_left_out_only_when_nothing_moved() -> None:
+    from nbaccel.notebook.kernel import pool as pool_module
+
+    pool = pool_module.start_pool(1, renderer=Renderer())
+    try:
+
+        def samples(*call) -> list:
+            rec = Recorder()
+            pool.call(*call, renderer=rec)
+            return [e[3] for e in rec.events if e[2] == "memory"]
+
+        pool.call(int)
+        time.sleep(1.1)
+        (base,) = samples(int)  # a sample older than a second is renewed at a call's end
+        quick = [samples(int) for _ in range(5)]
+        assert sum(map(len, quick)) == 0  # nothing moved since the sample of the call before
+        (grown,) = samples(_keep_mib, 64)  # memory moved: its sample goes out at once
+        assert grown.rss >= base.rss + 60 * 2**20
+        time.sleep(1.1)
+        assert len(samples(int)) == 1  # a sample older than a second is renewed at a call's end
+    finally:
+        pool_module.shutdown_pool()
+        pool.shutdown()
