@@ -121,6 +121,8 @@ class WorkerGroup(RankConnections, RankEnds):
         self._launch_id = secrets.token_hex(6)
         self._listener: Listener | None = None
         self._selector = selectors.DefaultSelector()
+        #: the ranks' open output connections (each call's end reads what they hold)
+        self._outputs: dict[Connection, tuple[RankState, str]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._handshakes: set[Handshake] = set()
@@ -266,6 +268,7 @@ class WorkerGroup(RankConnections, RankEnds):
         if not data:
             self._news = True  # a stream's end: its process may have ended
             self._selector.unregister(conn)
+            self._outputs.pop(conn, None)
             conn.close()
             state.streams_open.discard(stream)
             self._flush_partial(state, stream)
@@ -377,17 +380,12 @@ class WorkerGroup(RankConnections, RankEnds):
         """A call is over: show what its ranks printed last, partial lines included (a
         ``print(..., end="")`` must not wait for the next call's newline), and say what the
         output limit held back."""
-        waiting = [
-            key.fileobj for key in self._selector.get_map().values() if key.data[0] == _OUTPUT
-        ]
+        waiting = list(self._outputs)
         while waiting:
             ready = readable(waiting)
             for conn in ready:
-                _, rank, stream = self._selector.get_key(conn).data
-                self._read_output(self._by_rank[rank], stream, conn)
-            # a connection read to its end is closed and unregistered: look it up by identity
-            still = {key.fileobj for key in self._selector.get_map().values()}
-            waiting = [conn for conn in ready if conn in still]
+                self._read_output(*self._outputs[conn], conn)
+            waiting = [conn for conn in ready if conn in self._outputs]  # not read to its end
         for state in self._ranks:
             for stream in list(state.lines):
                 self._flush_partial(state, stream)

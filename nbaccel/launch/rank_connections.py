@@ -39,6 +39,7 @@ class RankConnections:
     _by_rank: dict[int, RankState]
     _launch_id: str
     _handshakes: set[Handshake]
+    _outputs: dict[Connection, tuple[RankState, str]]
     renderer: Any
 
     def _start_handshake(self) -> None:
@@ -100,3 +101,4 @@ class RankConnections:
         sock.setblocking(False)
         conn = Connection(sock)
         self._selector.register(conn, selectors.EVENT_READ, (OUTPUT, state.rank, stream))
+        self._outputs[conn] = (state, stream)
