@@ -20,6 +20,7 @@ first on the kernel's PATH. Writes ``benchmarks/results/magics.json``; nothing i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,6 +29,8 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -67,6 +70,24 @@ def _busy_seconds(cell) -> float:
     return _stamp(timing["iopub.status.idle"]) - _stamp(timing["iopub.status.busy"])
 
 
+def _peer_workers() -> set[psutil.Process]:
+    """nbdistributed's worker processes: they outlive its kernel (``%dist_shutdown`` leaves
+    them running, reparented to init), and a dozen of them left from earlier runs take
+    gigabytes of memory and skew every later figure."""
+    found = set()
+    for process in psutil.process_iter(["cmdline"]):
+        if any("nbdistributed/worker.py" in part for part in process.info["cmdline"] or ()):
+            found.add(process)
+    return found
+
+
+def _end(processes: set[psutil.Process]) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(list(processes), timeout=5)
+
+
 def measure(tool: str, rounds: int, ranks: int = 2) -> dict:
     """One fresh kernel for ``tool``: pool start, then warm empty cells (also for the gate)."""
     spec = TOOLS[tool]
@@ -82,7 +103,11 @@ def measure(tool: str, rounds: int, ranks: int = 2) -> dict:
         cells += ["pass"] * rounds + ["%dist_restart"]
     env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     started = time.perf_counter()
-    nb = run_notebook(cells, timeout=300, env=env)
+    before = _peer_workers()
+    try:
+        nb = run_notebook(cells, timeout=300, env=env)
+    finally:
+        _end(_peer_workers() - before)
     wall = time.perf_counter() - started
     text = cell_text(nb.cells[_FIRST + rounds])
     samples_line = next((line for line in text.splitlines() if line.startswith("SAMPLES ")), None)

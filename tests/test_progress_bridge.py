@@ -123,7 +123,9 @@ def _sampler_thread() -> tuple[int, int]:
     import os
     import threading
 
-    (sampler,) = [t for t in threading.enumerate() if t.name == "nbaccel-memory"]
+    from nbaccel.launch.rank_watch import WATCHER
+
+    (sampler,) = [t for t in threading.enumerate() if t.name == WATCHER]
     return os.getpid(), sampler.native_id
 
 

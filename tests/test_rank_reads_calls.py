@@ -1,6 +1,7 @@
 """A pool rank's main thread reads its calls itself: a call wakes no other thread of the rank
 (on 8 ranks and 2 cores each switch costs the cell time), the driver's end hanging up is still
-noticed by a thread asleep in ``poll``, and an interrupt between calls loses no call.
+noticed by the rank's watcher thread (asleep in ``poll``, looking on a clock for the memory
+sampler), and an interrupt between calls loses no call.
 
 Real ranks of an in-process pool; thread switches are read from ``/proc``, outside the rank.
 """
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="re
 def _watcher_thread() -> int:
     import threading
 
-    from nbaccel.launch.worker import WATCHER
+    from nbaccel.launch.rank_watch import WATCHER
 
     return next(t.native_id for t in threading.enumerate() if t.name == WATCHER)
 
@@ -48,13 +49,18 @@ def pool():
 
 
 def test_calls_wake_no_thread_but_the_ranks_main_thread(pool):
+    from nbaccel.launch.rank_watch import _LOOK
+
     watchers = pool.call(_watcher_thread)
     before = {rank: _switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
+    started = time.monotonic()
     for i in range(50):
         assert pool.call(_answer, i) == {0: i + 1, 1: i + 1}
         pool.run_cell("pass")
-    after = {rank: _switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
-    assert after == before  # asleep in poll through 100 calls (was one wake-up per call)
+    looks = (time.monotonic() - started) / _LOOK + 3  # it looks for new calls on a clock
+    for rank, tid in watchers.items():
+        woke = _switches(pool.pids[rank], tid) - before[rank]
+        assert woke <= looks, (rank, woke, looks)  # was one wake-up per call: 100
 
 
 def test_an_interrupt_between_calls_loses_no_call(pool):

@@ -8,8 +8,8 @@ the driver disappears (the kernel died or restarted), the event stream closes an
 exits at once: no orphans.
 
 The main thread reads the driver's messages itself between calls (a call costs no thread
-switch); a watcher thread sleeps in ``poll`` until the driver's end hangs up, which it notices
-even while a call runs.
+switch); the rank's one background thread (:mod:`nbaccel.launch.rank_watch`) notices the
+driver's end hang up, even while a call runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import ctypes
 import functools
 import io
 import os
-import select
 import signal
 import socket
 import sys
@@ -26,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.launch import rank_watch
 from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import EventKind, Message, Stream
@@ -56,9 +56,6 @@ _sigint_at: float | None = None  # when SIGINT last arrived (None: not during th
 # (and must not cost the message being read); after a one-shot launch's call it ends the wait
 _waiting: str | None = None
 _BETWEEN_CALLS, _FOR_RELEASE = "between calls", "for release"
-# what ``poll`` reports when the driver's end closes: POLLRDHUP (Linux) says so for TCP too
-_HANGUP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
-WATCHER = "nbaccel-driver-watch"  # the name of the thread that notices the driver hang up
 
 
 def on_worker() -> bool:
@@ -145,30 +142,6 @@ def _driver_gone() -> None:
     os._exit(_EXIT_DRIVER_GONE)
 
 
-def _watch_driver(conn: Connection) -> None:
-    """Exit the process when the driver hangs up, whatever the main thread is doing. Sleeps in
-    ``poll`` without asking to read, so messages do not wake it; where ``poll`` cannot tell a
-    hang-up (no POLLRDHUP), it looks once a second."""
-    poller = select.poll()
-    poller.register(conn.fileno(), _HANGUP)
-    timeout = None if getattr(select, "POLLRDHUP", 0) else 1000
-    while True:
-        events = poller.poll(timeout)
-        if any(flags & select.POLLNVAL for _, flags in events):
-            return  # this process closed the connection itself: it is on its way out
-        if events or _peer_closed(conn.sock):
-            _driver_gone()
-
-
-def _peer_closed(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def _next_message(waiting: str) -> Any:
     """The driver's next message, read on the main thread (see ``_waiting``)."""
     global _waiting
@@ -234,6 +207,7 @@ def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bo
     global _sigint_at
     _drop_results()
     _sigint_at = None
+    rank_watch.call_started()
     _run_hooks(_before_call)
     try:
         value = function(*args, **kwargs)
@@ -252,6 +226,7 @@ def _end_call(call_id: int, value: Any = None, error: BaseException | None = Non
     per rank, not two."""
     global _held
     _held = []
+    rank_watch.call_ended()
     try:
         _run_hooks(_after_call)
         _flush_all()
@@ -365,7 +340,7 @@ def run_worker(spec: WorkerSpec) -> int:
     sys.stderr = _redirect(2, err)
     _events = events
     _send((Message.HELLO, os.getpid()))
-    threading.Thread(target=_watch_driver, args=(events,), daemon=True, name=WATCHER).start()
+    rank_watch.start(events.sock, _driver_gone)
     for setup in spec.setup:
         setup()
     if spec.mode == Mode.SERVE:

@@ -1,4 +1,4 @@
-"""Worker side: a daemon thread that reports this rank's memory about twice a second.
+"""Worker side: this rank's memory, reported about twice a second while a call runs.
 
 Each :class:`~nbaccel.notebook.events.MemorySample` carries the host RSS (and its true peak from
 ``getrusage``), CUDA allocated / reserved / peak on the current device when this process has
@@ -12,21 +12,21 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import threading
 import time
 
 import psutil
 
-from nbaccel.launch.worker import after_each_call, before_each_call, emit
+from nbaccel.launch import rank_watch
+from nbaccel.launch.worker import after_each_call, emit
 from nbaccel.notebook.events import MEMORY, MemorySample
 
 __all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]
 
 DEFAULT_INTERVAL = 0.5
 _FIRST_SAMPLE = 0.05  # s into a call when its first sample is taken
-_SLEEP_AFTER = 2.0  # s without a call after which the sampler sleeps until the next one
 _FRESH = 1.0  # s: a call's closing sample equal (to the MiB) to one sent this recently is left out
-_thread: threading.Thread | None = None
+_started = False
+_sent: tuple[float, tuple] | None = None  # (time, _reading) of the last sample sent
 _cuda_totals: dict[int, int] = {}
 _process: psutil.Process | None = None
 _statm: tuple[int, int] | None = None  # (pid, descriptor of /proc/self/statm)
@@ -110,69 +110,24 @@ def sample_memory() -> MemorySample:
     )
 
 
-class _Activity:
-    """When the running call started (None between calls), written by the main thread without
-    waking the sampler; and whether the sampler sleeps until the next call (then, and only then,
-    a call's start wakes it)."""
-
-    started: float | None = None
-    calls = 0  # calls begun so far: quick ones end before the sampler looks
-    sleeping = False
-    wake = threading.Event()
-    sent: tuple[float, tuple] | None = None  # (time, _reading) of the last sample sent
-
-
-def _run(interval: float) -> None:
-    """Sample a call from ``_FIRST_SAMPLE`` s after its start every ``interval`` s. Between
-    calls, look every ``_FIRST_SAMPLE`` s while cells come in quick succession (a call's start
-    then costs no thread switch on the rank), and sleep once none came for ``_SLEEP_AFTER`` s
-    (an idle pool's ranks wake for nothing)."""
-    last_call, seen = time.monotonic(), 0
-    while True:
-        started, now = _Activity.started, time.monotonic()
-        if _Activity.calls != seen:
-            last_call, seen = now, _Activity.calls
-        if started is None:
-            if now - last_call < _SLEEP_AFTER:
-                time.sleep(_FIRST_SAMPLE)
-                continue
-            _Activity.sleeping = True
-            if _Activity.started is None:  # checked after saying so: no start goes unseen
-                _Activity.wake.wait()
-            _Activity.wake.clear()
-            _Activity.sleeping = False
-            continue
-        if now - started < _FIRST_SAMPLE:
-            time.sleep(_FIRST_SAMPLE - (now - started))
-            continue
-        try:
-            _send(sample_memory())
-        except Exception:  # the driver went away or a backend failed: stop quietly
-            return
-        time.sleep(interval)
-
-
-def _call_started() -> None:
-    _Activity.started = time.monotonic()
-    _Activity.calls += 1
-    if _Activity.sleeping:
-        _Activity.wake.set()
-
-
 def _last_sample() -> None:
     """A call's closing sample; left out when one just as fresh went out in the last second
     (cells in quick succession, a call already sampled): 8 ranks on 2 cores feel each one."""
-    _Activity.started = None
     sample = sample_memory()
-    sent = _Activity.sent
+    sent = _sent
     if sent is not None and sample.time - sent[0] < _FRESH and sent[1] == _reading(sample):
         return
     _send(sample)
 
 
 def _send(sample: MemorySample) -> None:
+    global _sent
     emit(MEMORY, sample)
-    _Activity.sent = (sample.time, _reading(sample))
+    _sent = (sample.time, _reading(sample))
+
+
+def _sample_during_call() -> None:
+    _send(sample_memory())
 
 
 def _reading(sample: MemorySample) -> tuple:
@@ -181,13 +136,13 @@ def _reading(sample: MemorySample) -> tuple:
 
 
 def start_memory_sampler(interval: float = DEFAULT_INTERVAL) -> None:
-    """Start this process's sampler thread (once). It samples while a call runs: the first
-    sample ``_FIRST_SAMPLE`` s into a call, then every ``interval`` seconds, and one more when
-    the call ends, so even a quick call reports every rank's peak."""
-    global _thread
-    before_each_call(_call_started)
-    after_each_call(_last_sample)
-    if _thread is not None and _thread.is_alive():
+    """Sample this rank's memory (once per process): while a call runs, the rank's watcher
+    thread takes the first sample ``_FIRST_SAMPLE`` s into it, then one every ``interval``
+    seconds; one more is taken when the call ends, so even a quick call reports every rank's
+    peak."""
+    global _started
+    if _started:
         return
-    _thread = threading.Thread(target=_run, args=(interval,), daemon=True, name="nbaccel-memory")
-    _thread.start()
+    _started = True
+    rank_watch.every(_sample_during_call, _FIRST_SAMPLE, interval)
+    after_each_call(_last_sample)

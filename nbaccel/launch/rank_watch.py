@@ -1,0 +1,157 @@
+"""A rank's one background thread: it notices the driver hang up, and does periodic duties
+while calls run (a notebook's memory sampler).
+
+A rank's main thread reads its calls itself (see :mod:`nbaccel.launch.worker`), so this thread
+sleeps in ``poll`` on the driver's connection without asking to read: messages do not wake it,
+a hang-up does, even while a call runs. Duties are registered with :func:`every`; one thread
+serves them all (a thread costs a forked rank about 0.5 ms to start, mostly page faults on the
+thread-local storage of torch's libraries). Between calls it looks every ``_LOOK`` seconds while
+calls come in quick succession (a call's start then wakes no thread), and sleeps once none came
+for ``_SLEEP_AFTER`` seconds (an idle pool's ranks wake for nothing); a call's start wakes it
+only then. Without duties it only waits for the hang-up.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["WATCHER", "call_ended", "call_started", "every", "start"]
+
+WATCHER = "nbaccel-rank-watch"  # the thread's name
+_LOOK = 0.05  # s between looks for a new call while calls come quickly
+_SLEEP_AFTER = 2.0  # s without a call after which the thread sleeps until the next one
+# what ``poll`` reports when the driver's end closes: POLLRDHUP (Linux) says so for TCP too
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+_HANGUP = _RDHUP | select.POLLHUP | select.POLLERR
+
+
+@dataclass
+class _Duty:
+    hook: Callable[[], None]
+    first: float  # s into a call
+    interval: float  # s between runs after the first
+    due: float | None = None  # when it runs next during the current call
+
+
+class _State:
+    """Written by the main thread without waking the watcher (except from its sleep)."""
+
+    started: float | None = None  # the running call's start (None between calls)
+    calls = 0  # calls begun so far: quick ones end before the watcher looks
+    sleeping = False
+    duties: list[_Duty] = []
+    wake_r = wake_w = -1
+
+
+def every(hook: Callable[[], None], first: float, interval: float) -> None:
+    """Run ``hook()`` on the watcher thread while a call runs: ``first`` seconds into it, then
+    every ``interval`` seconds. A hook that raises is dropped."""
+    _State.duties.append(_Duty(hook, first, interval))
+    _wake()  # a sleeping watcher takes up its new duty
+
+
+def call_started() -> None:
+    """The main thread begins a call."""
+    _State.started = time.monotonic()
+    _State.calls += 1
+    if _State.sleeping:
+        _wake()
+
+
+def call_ended() -> None:
+    """The main thread ended its call."""
+    _State.started = None
+
+
+def _wake() -> None:
+    if _State.wake_w >= 0:
+        try:
+            os.write(_State.wake_w, b"\0")
+        except BlockingIOError:  # already awake or about to be
+            pass
+
+
+def start(sock: socket.socket, on_hangup: Callable[[], None]) -> threading.Thread:
+    """Start the watcher on the driver's connection ``sock``; ``on_hangup()`` when it closes."""
+    _State.wake_r, _State.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    thread = threading.Thread(target=_run, args=(sock, on_hangup), daemon=True, name=WATCHER)
+    thread.start()
+    return thread
+
+
+def _run(sock: socket.socket, on_hangup: Callable[[], None]) -> None:
+    poller = select.poll()
+    poller.register(sock.fileno(), _HANGUP)
+    poller.register(_State.wake_r, select.POLLIN)
+    last_call, seen = time.monotonic(), 0
+    while True:
+        timeout = _next_timeout(last_call, seen)
+        if timeout is not None and not _RDHUP:
+            timeout = min(timeout, 1.0)  # no hang-up report here: look once a second
+        for fd, flags in poller.poll(None if timeout is None else timeout * 1000):
+            if fd == _State.wake_r:
+                while True:
+                    try:
+                        os.read(_State.wake_r, 64)
+                    except BlockingIOError:
+                        break
+            elif flags & select.POLLNVAL:
+                return  # this process closed the connection itself: it is on its way out
+            else:
+                on_hangup()
+        if not _RDHUP and _peer_closed(sock):
+            on_hangup()
+        _State.sleeping = False
+        if _State.calls != seen:
+            last_call, seen = time.monotonic(), _State.calls
+            for duty in _State.duties:
+                duty.due = None  # a new call: its own first run
+        _run_due()
+
+
+def _next_timeout(last_call: float, seen: int) -> float | None:
+    """Seconds until something is due; None to sleep until woken (or the hang-up)."""
+    if not _State.duties:
+        return None
+    started, now = _State.started, time.monotonic()
+    if started is None:
+        if now - last_call < _SLEEP_AFTER:
+            return _LOOK
+        _State.sleeping = True
+        if _State.started is None and _State.calls == seen:
+            return None  # checked after saying so: no call's start goes unseen
+        return 0.0
+    dues = [d.due if d.due is not None else started + d.first for d in _State.duties]
+    return max(0.0, min(dues) - now)
+
+
+def _run_due() -> None:
+    started, now = _State.started, time.monotonic()
+    if started is None:
+        return
+    for duty in list(_State.duties):
+        if duty.due is None:
+            duty.due = started + duty.first
+        if now < duty.due:
+            continue
+        try:
+            duty.hook()
+        except Exception:  # the driver went away or a backend failed: stop this duty quietly
+            _State.duties.remove(duty)
+            continue
+        duty.due = time.monotonic() + duty.interval
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
