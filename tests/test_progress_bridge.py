@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from proc_threads import voluntary_switches
+
 from nbaccel import notebook_launcher
 from nbaccel.launch.render import Renderer
 from nbaccel.notebook.events import MemorySample, ProgressUpdate
@@ -129,14 +131,6 @@ def _sampler_thread() -> tuple[int, int]:
     return os.getpid(), sampler.native_id
 
 
-def _wakeups(pid: int, tid: int) -> int:
-    with open(f"/proc/{pid}/task/{tid}/status") as status:
-        for line in status:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no context switch count")
-
-
 def test_an_idle_pools_memory_sampler_sleeps() -> None:
     from nbaccel.notebook.kernel import pool as pool_module
 
@@ -145,10 +139,10 @@ def test_an_idle_pools_memory_sampler_sleeps() -> None:
         threads = pool.call(_sampler_thread)
         assert sorted(threads) == [0, 1]
         time.sleep(2.5)  # after a call the samplers look every 50 ms for 2 s, then sleep
-        before = {rank: _wakeups(*ids) for rank, ids in threads.items()}
+        before = {rank: voluntary_switches(*ids) for rank, ids in threads.items()}
         time.sleep(1.0)  # an idle pool: its samplers wait for a call, they do not poll
         for rank, ids in threads.items():
-            woke = _wakeups(*ids) - before[rank]
+            woke = voluntary_switches(*ids) - before[rank]
             assert woke <= 2, (rank, woke)  # polling: ~20 a second
         rec = Recorder()  # a call after the sleep wakes them: samples during it, and at its end
         pool.call(_hold_memory, 1.2, renderer=rec)

@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+from proc_threads import voluntary_switches
 
 from nbaccel.launch.render import Renderer
 from nbaccel.notebook.kernel import pool as pool_module
@@ -26,14 +27,6 @@ def _watcher_thread() -> int:
     from nbaccel.launch.rank_watch import WATCHER
 
     return next(t.native_id for t in threading.enumerate() if t.name == WATCHER)
-
-
-def _switches(pid: int, tid: int) -> int:
-    with open(f"/proc/{pid}/task/{tid}/status") as status:
-        for line in status:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches line")
 
 
 def _answer(x: int) -> int:
@@ -52,14 +45,14 @@ def test_calls_wake_no_thread_but_the_ranks_main_thread(pool):
     from nbaccel.launch.rank_watch import _LOOK
 
     watchers = pool.call(_watcher_thread)
-    before = {rank: _switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
+    before = {rank: voluntary_switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
     started = time.monotonic()
     for i in range(50):
         assert pool.call(_answer, i) == {0: i + 1, 1: i + 1}
         pool.run_cell("pass")
     looks = (time.monotonic() - started) / _LOOK + 3  # it looks for new calls on a clock
     for rank, tid in watchers.items():
-        woke = _switches(pool.pids[rank], tid) - before[rank]
+        woke = voluntary_switches(pool.pids[rank], tid) - before[rank]
         assert woke <= looks, (rank, woke, looks)  # was one wake-up per call: 100
 
 
