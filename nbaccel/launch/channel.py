@@ -45,6 +45,7 @@ _HANDSHAKE_TIMEOUT = 10.0
 _MAX_FDS = 4  # descriptors a header may carry (a rank's stdout and stderr)
 _FRAME = struct.Struct("!Q")
 _READ_SIZE = 1 << 16  # one read of an event stream: every message a rank wrote at once
+_LARGEST_READ = 1 << 24  # one read of a large message
 
 
 class AuthenticationFailed(ConnectionError):
@@ -122,7 +123,7 @@ class Connection:
             frame = self._take_frame()
             if frame is not None:
                 return pickle.loads(frame)
-            chunk = self.sock.recv(_READ_SIZE)
+            chunk = self.sock.recv(self._wanted())
             if not chunk:
                 raise EOFError("connection closed")
             self._buffer += chunk
@@ -134,6 +135,14 @@ class Connection:
             return False
         (size,) = _FRAME.unpack_from(self._buffer)
         return len(self._buffer) >= _FRAME.size + size
+
+    def _wanted(self) -> int:
+        """How much to ask the socket for: what the message being read still lacks (a large
+        result arrives in few reads), at least ``_READ_SIZE``."""
+        if len(self._buffer) < _FRAME.size:
+            return _READ_SIZE
+        (size,) = _FRAME.unpack_from(self._buffer)
+        return min(max(_FRAME.size + size - len(self._buffer), _READ_SIZE), _LARGEST_READ)
 
     def _take_frame(self) -> bytes | None:
         if not self.buffered():

@@ -79,7 +79,9 @@ def _wake() -> None:
 
 def start(sock: socket.socket, on_hangup: Callable[[], None]) -> threading.Thread:
     """Start the watcher on the driver's connection ``sock``; ``on_hangup()`` when it closes."""
-    _State.wake_r, _State.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    _State.wake_r, _State.wake_w = os.pipe()  # not inherited by what the rank starts
+    os.set_blocking(_State.wake_r, False)
+    os.set_blocking(_State.wake_w, False)
     thread = threading.Thread(target=_run, args=(sock, on_hangup), daemon=True, name=WATCHER)
     thread.start()
     return thread
