@@ -131,24 +131,26 @@ class Connection:
     def buffered(self) -> bool:
         """True when a whole message is already read from the socket: a selector will not say
         so, so a reader woken by it calls :meth:`recv` until this is False."""
+        end = self._frame_end()
+        return end is not None and len(self._buffer) >= end
+
+    def _frame_end(self) -> int | None:
+        """Where the first message in the buffer ends (None: its length is not read yet)."""
         if len(self._buffer) < _FRAME.size:
-            return False
-        (size,) = _FRAME.unpack_from(self._buffer)
-        return len(self._buffer) >= _FRAME.size + size
+            return None
+        return _FRAME.size + _FRAME.unpack_from(self._buffer)[0]
 
     def _wanted(self) -> int:
         """How much to ask the socket for: what the message being read still lacks (a large
         result arrives in few reads), at least ``_READ_SIZE``."""
-        if len(self._buffer) < _FRAME.size:
-            return _READ_SIZE
-        (size,) = _FRAME.unpack_from(self._buffer)
-        return min(max(_FRAME.size + size - len(self._buffer), _READ_SIZE), _LARGEST_READ)
+        end = self._frame_end()
+        lacking = 0 if end is None else end - len(self._buffer)
+        return min(max(lacking, _READ_SIZE), _LARGEST_READ)
 
     def _take_frame(self) -> bytes | None:
-        if not self.buffered():
+        end = self._frame_end()
+        if end is None or len(self._buffer) < end:
             return None
-        (size,) = _FRAME.unpack_from(self._buffer)
-        end = _FRAME.size + size
         frame = bytes(memoryview(self._buffer)[_FRAME.size : end])
         del self._buffer[:end]
         return frame

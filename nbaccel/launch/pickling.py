@@ -18,15 +18,20 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["Pickler", "dumps", "dumps_message", "is_plain", "plain_class"]
+__all__ = ["Pickler", "code_named", "dumps", "dumps_message", "is_plain", "plain_class"]
 
 #: the name cloudpickle gives code pickled by value (and the placeholder this module swaps out)
 _PLACEHOLDER = "<dynamic-code>"
 
 
-def _named(code: types.CodeType, filename: str) -> types.CodeType:
-    """``code`` with its file name back (runs where the payload is loaded)."""
-    return code.replace(co_filename=filename)
+def code_named(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code``, and the code of the functions and classes it defines, under ``filename``
+    (where a traceback looks for its lines). Runs where a payload is loaded, and for each run
+    of a cached notebook cell."""
+    consts = tuple(
+        code_named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _reduce_code(code: types.CodeType) -> Any:
@@ -34,7 +39,7 @@ def _reduce_code(code: types.CodeType) -> Any:
         return cloudpickle.Pickler.dispatch_table[types.CodeType](code)
     # the placeholder copy is pickled by cloudpickle's own reducer (nested code objects in its
     # constants come back through here and keep their names too)
-    return _named, (code.replace(co_filename=_PLACEHOLDER), code.co_filename)
+    return code_named, (code.replace(co_filename=_PLACEHOLDER), code.co_filename)
 
 
 def _flat(table: Any) -> dict:

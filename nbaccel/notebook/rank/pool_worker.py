@@ -19,6 +19,7 @@ import types
 from typing import Any
 
 from nbaccel.launch.errors import hide_frames_of
+from nbaccel.launch.pickling import code_named
 from nbaccel.launch.protocol import EventKind
 from nbaccel.launch.worker import emit
 from nbaccel.notebook.rank.publish import publish
@@ -155,7 +156,7 @@ def run_cell(
 def _compiled(source: str, first_line: int) -> tuple[types.CodeType, types.CodeType | None]:
     """The cell's statements, and its last expression when it ends with one (whose value is
     displayed), under a placeholder file name. Cached by text: a cell run again (a training
-    step, a warm cell) is not parsed again; each run gets its own name (:func:`_named`)."""
+    step, a warm cell) is not parsed again; each run gets its own name (:func:`_cell_code`)."""
     tree = ast.parse(source, _PLACEHOLDER)
     ast.increment_lineno(tree, first_line - 1)
     last = None
@@ -164,23 +165,23 @@ def _compiled(source: str, first_line: int) -> tuple[types.CodeType, types.CodeT
     return compile(tree, _PLACEHOLDER, "exec"), last
 
 
-def _named(code: types.CodeType, filename: str) -> types.CodeType:
-    """``code`` (and the code of the functions and classes it defines) under ``filename``: the
-    name the notebook keeps the cell's lines under, for tracebacks."""
-    consts = tuple(
-        _named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
-    )
-    return code.replace(co_filename=filename, co_consts=consts)
-
-
-def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] | None:
-    namespace = _ns()
+@functools.lru_cache(maxsize=64)
+def _cell_code(
+    source: str, filename: str, first_line: int
+) -> tuple[types.CodeType, types.CodeType | None]:
+    """:func:`_compiled` under ``filename``, the name the notebook keeps this run's lines
+    under (for tracebacks)."""
     try:
         body, last = _compiled(source, first_line)
     except SyntaxError:
         ast.parse(source, filename)  # the same error, naming the cell
         raise
-    body, last = _named(body, filename), last and _named(last, filename)
+    return code_named(body, filename), last and code_named(last, filename)
+
+
+def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] | None:
+    namespace = _ns()
+    body, last = _cell_code(source, filename, first_line)
     try:
         exec(body, namespace)
         value = eval(last, namespace) if last else None
