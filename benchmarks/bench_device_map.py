@@ -109,8 +109,12 @@ def timed(fn, repeats: int) -> tuple[float, float, dict]:
     return best, best_cpu, result
 
 
-def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> dict:
-    """Plan one model with both libraries (same model object, same budgets)."""
+def measure(
+    label: str, layers: int, experts: int, args: argparse.Namespace, whole: bool = True
+) -> dict:
+    """Plan one model with both libraries (same model object, same budgets). ``whole``: the
+    decoder layers are ``no_split_module_classes``; without it the fill splits layers down to
+    single experts and tensors where a device fills up (maps of ~800 entries, not ~50)."""
     from accelerate.utils import infer_auto_device_map as acc_infer
 
     from nbaccel.bigmodel import compute_module_sizes
@@ -120,7 +124,7 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
     tensors = sum(1 for _ in model.parameters())
     total = compute_module_sizes(model)[""]
     max_memory = {0: int(0.3 * total), 1: int(0.3 * total), 2: int(0.3 * total), "cpu": total}
-    kwargs = {"no_split_module_classes": ["DecoderLayer"]}
+    kwargs = {"no_split_module_classes": ["DecoderLayer"] if whole else None}
     nb_t, nb_cpu, nb_map = timed(lambda: nb_infer(model, dict(max_memory), **kwargs), args.repeats)
     # The floor of any planner: one bare walk reading each module's tensors and children.
     _, floor_cpu, _ = timed(lambda: bare_walk(model), args.repeats)
@@ -133,6 +137,7 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
 
     row = {
         "model": label,
+        "no_split_module_classes": kwargs["no_split_module_classes"],
         "tensors": tensors,
         "modules": sum(1 for _ in model.modules()),
         "model_gib": round(total / 2**30, 2),
@@ -147,6 +152,7 @@ def measure(label: str, layers: int, experts: int, args: argparse.Namespace) -> 
         "nbaccel_layers_per_device": layers_on(nb_map),
         "accelerate_layers_per_device": layers_on(acc_map),
         "same_map": dict(nb_map) == dict(acc_map),
+        "map_entries": len(nb_map),
     }
     print(
         f"{label:>4} {tensors:>6} tensors  wall: nbaccel {nb_t:6.3f} s, accelerate {acc_t:6.3f} s,"
@@ -168,6 +174,8 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
     args = argparse.Namespace(repeats=repeats, accelerate_repeats=accelerate_repeats)
     rows = [measure(label, layers, experts, args) for label, (layers, experts) in SIZES.items()]
     first, last = rows[0], rows[-1]
+    layers, experts = SIZES["37k"]
+    split = measure("37k", layers, experts, args, whole=False)
     growth = {"tensors": round(last["tensors"] / first["tensors"], 2)}
     for tool in ("nbaccel", "accelerate"):
         growth[f"{tool}_cpu"] = round(last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"], 2)
@@ -182,6 +190,7 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
         "accelerate": accelerate.__version__,
         "rows": rows,
         "growth": growth,
+        "split": split,
     }
 
 

@@ -175,3 +175,63 @@ def test_identity_walk_gives_the_named_sizes_of_every_module():
     for name, module in net.named_modules():
         assert scan.piece_size(name, module) == named[name], name
         assert scan.piece_buffers(name, module) == named_buffers.get(name, 0), name
+
+
+class _Expert(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(_Expert(d) for _ in range(experts))
+
+
+def _layered_net() -> nn.Module:
+    """Equal-size experts (counts matter), a layer wider than the others, a container whose
+    only child is ``None`` (a layer of its own), and the mixed net's buffers and booleans."""
+    net = nn.Sequential(nn.Embedding(11, 4), _Layer(4, 3), _Layer(6, 2), _mixed_net())
+    hollow = nn.Module()
+    hollow.register_module("nothing", None)
+    hollow.register_buffer("steps", torch.zeros(40, dtype=torch.int64))
+    net.add_module("hollow", hollow)
+    return net
+
+
+@pytest.mark.parametrize("whole", [(), ("_Layer",), ("_Expert", "Sequential")])
+def test_the_walk_finds_the_largest_layer_under_every_module(whole):
+    """The walk's ``layers_by_id`` against a plain recursive reading: under each module, the
+    largest unsplittable piece (no children, or a class kept whole) and how many reach it."""
+    from nbaccel.bigmodel.size_walk import walk_sizes
+
+    net = _layered_net()
+    sizes = compute_module_sizes(net)
+    names = {id(m): n for n, m in net.named_modules()}
+
+    def truth(module: nn.Module) -> tuple[float, int]:
+        children = [c for c in module._modules.values() if c is not None]
+        if not children or (module is not net and type(module).__name__ in whole):
+            return sizes[names[id(module)]], 1
+        found = [truth(c) for c in children]
+        best = max(size for size, _ in found)
+        return best, sum(count for size, count in found if size == best)
+
+    layers = walk_sizes(net, whole).layers_by_id
+    checked = 0
+    for name, module in net.named_modules():
+        if id(module) not in layers:  # a leaf, or a module under one kept whole
+            assert not module._modules or any(
+                name.startswith(k + ".") and type(m).__name__ in whole
+                for k, m in net.named_modules()
+                if k
+            ), name  # the model itself is never kept whole
+            continue
+        assert layers[id(module)] == truth(module), name
+        checked += 1
+    assert checked >= 4
+    if not whole:  # nothing kept whole: both experts of a layer reach its largest size
+        assert layers[id(net[1].experts)] == (4 * 8 * 4 * 2 // 2, 6)

@@ -108,7 +108,7 @@ def infer_auto_device_map(
     no_split = set(no_split_module_classes or ())
     with no_gc():
         budgets = get_max_memory(max_memory)
-        scan = ModelScan(model, dtype, special_dtypes)
+        scan = ModelScan(model, dtype, special_dtypes, whole=no_split)
         fill = greedy_fill(
             model,
             budgets,

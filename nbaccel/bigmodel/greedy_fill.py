@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel.module_sizes import ModelScan
+from nbaccel.bigmodel.size_walk import NO_LAYER as _NONE
+from nbaccel.bigmodel.size_walk import combine as _combine
 
 __all__ = ["GreedyFill", "greedy_fill"]
 
 Piece = tuple[str, "nn.Module | torch.Tensor"]
-_NONE = (-1, 0)  # no unsplittable layer (a tensor piece, after the first measure)
 
 
 @dataclass
@@ -76,15 +77,6 @@ def _split(name: str, module: nn.Module) -> list[Piece]:
     return parts
 
 
-def _combine(a: tuple[float, int], b: tuple[float, int]) -> tuple[float, int]:
-    """(largest size, how many layers reach it) of two groups of layers."""
-    if a[0] > b[0]:
-        return a
-    if b[0] > a[0]:
-        return b
-    return a[0], a[1] + b[1]
-
-
 class _Fill:
     """State of one fill. The queue is a stack (its front is the end of the list)."""
 
@@ -92,6 +84,9 @@ class _Fill:
         self.scan, self.no_split = scan, no_split
         self.size = scan.piece_size
         self.layer_memo: dict[str, tuple[float, int]] = {}
+        # The scan's walk found the largest layer under every module with children, if it
+        # kept the same classes whole (the identity pass); otherwise they are found here.
+        self.layers_by_id = scan.layers_by_id if scan.whole == no_split else {}
         self.tied_groups = tied_groups
         self.stack: list[Piece] = []
         self.agg: list[tuple[float, int]] = []  # running (largest layer, count) of the stack
@@ -101,7 +96,7 @@ class _Fill:
 
     def layers(self, name: str, piece: nn.Module | torch.Tensor) -> tuple[float, int]:
         """(size, count) of the largest unsplittable layers under a module piece."""
-        found = self.layer_memo.get(name)
+        found = self.layers_by_id.get(id(piece)) or self.layer_memo.get(name)
         if found is not None:
             return found
         if not self.splittable(piece):

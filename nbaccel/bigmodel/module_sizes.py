@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import gc
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.size_walk import walk_sizes
+from nbaccel.bigmodel.size_walk import Layers, walk_sizes
 from nbaccel.storage.ties import shared_parameters
 
 __all__ = [
@@ -141,7 +141,8 @@ class ModelScan:
     weights or shared modules is scanned again with names, so every answer keeps Accelerate's
     by-name meaning (a tie counts under its first name). ``sizes`` / ``buffer_sizes`` (by dotted
     name, as ``compute_module_sizes`` returns them) are built on first use, or at once with
-    ``tensor_names=True``.
+    ``tensor_names=True``. ``whole`` names the classes a planner keeps in one piece: the
+    identity pass then also answers ``layers`` (the largest of them under a module).
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class ModelScan:
         dtype: torch.dtype | str | None = None,
         special_dtypes: Mapping[str, torch.dtype] | None = None,
         tensor_names: bool = False,
+        whole: Collection[str] = (),
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.replace("torch.", ""))
@@ -157,6 +159,8 @@ class ModelScan:
         self.dtype, self.special_dtypes = dtype, special_dtypes
         self._sizes: dict[str, int] | None = None
         self._buffer_sizes: dict[str, int] | None = None
+        self.whole = frozenset(whole)
+        self.layers_by_id: dict[int, Layers] = {}
         with no_gc():
             if not tensor_names and dtype is None and not special_dtypes and self._walk(model):
                 self.by_name = False
@@ -170,10 +174,11 @@ class ModelScan:
 
         Only modules with children get an entry (a leaf adds its bytes to its parent and is
         measured again on demand, which is cheaper than keeping ~10^5 entries)."""
-        found = walk_sizes(model)
+        found = walk_sizes(model, self.whole)
         if found is None:
             return False  # a tensor or module is shared: sizes depend on names
         self.size_by_id, self.buffers_by_id = found.size_by_id, found.buffers_by_id
+        self.layers_by_id = found.layers_by_id
         return True
 
     @staticmethod

@@ -6,10 +6,15 @@ by arithmetic: the walk touches each module and tensor once, builds no name, and
 leaf module (most of an MoE model) inline in its parent's step instead of pushing it on the
 stack. Leaves get no entry: their bytes go to their parent, and the few leaves a planner asks
 about are measured again on demand.
+
+The same pass finds, under each module, the largest *layer* (a leaf, or a module whose class is
+kept whole) and how many layers reach that size: the planner asks for it for every piece it
+queues, and reading it from the walk spares a second walk over the model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -17,35 +22,59 @@ from torch import nn
 
 __all__ = ["IdentitySizes", "walk_sizes"]
 
+Layers = tuple[float, int]  # (size of the largest layer, how many layers reach it)
+NO_LAYER: Layers = (-1, 0)
+
 
 @dataclass
 class IdentitySizes:
-    """Bytes (and buffer bytes, where non-zero) under each module with children, by ``id``."""
+    """Bytes (and buffer bytes, where non-zero) under each module with children, by ``id``,
+    and the largest layer under each of them (``layers_by_id``)."""
 
     size_by_id: dict[int, int | float]
     buffers_by_id: dict[int, int | float]
+    layers_by_id: dict[int, Layers]
 
 
-def walk_sizes(model: nn.Module) -> IdentitySizes | None:
+def combine(a: Layers, b: Layers) -> Layers:
+    """(largest size, how many layers reach it) of two groups of layers."""
+    if a[0] > b[0]:
+        return a
+    if b[0] > a[0]:
+        return b
+    return a[0], a[1] + b[1]
+
+
+def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes | None:
     """Sizes by module identity; ``None`` when some tensor is met twice (tied weights or a
-    shared module), where sizes depend on names. Booleans count one bit per element."""
+    shared module), where sizes depend on names. Booleans count one bit per element.
+    ``whole``: class names of modules that count as one layer (``no_split_module_classes``;
+    the model itself is always split); layers are not looked for under them."""
     modules: list[nn.Module] = []
     parents: list[int] = []
     totals: list[int | float] = []
+    layers: dict[int, Layers] = {}  # largest leaf under each module outside whole ones
     buffer_totals: dict[int, int | float] = {}
+    kept_whole: set[int] = set()  # indices of modules counted as one layer
+    whole = set(whole)
     ids: list[int] = []  # every tensor met; duplicates are looked for once, at the end
     note = ids.append
     keep, link, record = modules.append, parents.append, totals.append
-    stack, stack_parents = [model], [-1]  # two stacks: no tuple per module
-    pop, pop_parent = stack.pop, stack_parents.pop
-    push, push_parent = stack.append, stack_parents.append
+    stack, stack_parents, stack_tracked = [model], [-1], [True]  # no tuple per module
+    pop, pop_parent, pop_tracked = stack.pop, stack_parents.pop, stack_tracked.pop
+    push, push_parent, push_tracked = stack.append, stack_parents.append, stack_tracked.append
     boolean = torch.bool
     while stack:
         module = pop()
         index = len(totals)
         link(pop_parent())
         keep(module)
+        tracked = pop_tracked()  # are this module's layers wanted?
+        if index and tracked and whole and type(module).__name__ in whole:  # the model: never
+            kept_whole.add(index)  # one layer: what is under it does not matter
+            tracked = False
         own = own_buffers = 0
+        best, reaching = NO_LAYER
         if module._parameters or module._buffers:  # rare on a module with children
             own, own_buffers = _own_bytes(module, note)
         for child in module._modules.values():
@@ -54,19 +83,32 @@ def walk_sizes(model: nn.Module) -> IdentitySizes | None:
             if child._modules:
                 push(child)
                 push_parent(index)
+                push_tracked(tracked)
                 continue
-            for tensor in child._parameters.values():  # a leaf: measured right here
+            leaf = 0  # a leaf: measured right here
+            for tensor in child._parameters.values():
                 if tensor is not None:
                     note(id(tensor))
-                    own += tensor.nbytes if tensor.dtype is not boolean else tensor.numel() / 8
+                    leaf += tensor.nbytes if tensor.dtype is not boolean else tensor.numel() / 8
+            own += leaf
             if child._buffers:
-                own_buffers += _own_bytes(child, note, params=False)[1]
+                leaf_buffers = _own_bytes(child, note, params=False)[1]
+                own_buffers += leaf_buffers
+                leaf += leaf_buffers
+            if not tracked:
+                continue
+            if leaf > best:
+                best, reaching = leaf, 1
+            elif leaf == best:
+                reaching += 1
         record(own + own_buffers)
+        if tracked:
+            layers[index] = (best, reaching)
         if own_buffers:
             buffer_totals[index] = own_buffers
     if len(set(ids)) != len(ids):
         return None
-    return _finish(modules, parents, totals, buffer_totals)
+    return _finish(modules, parents, totals, layers, buffer_totals, kept_whole)
 
 
 def _bytes(tensor: torch.Tensor) -> int | float:
@@ -88,11 +130,31 @@ def _own_bytes(module: nn.Module, note, params: bool = True) -> tuple[int | floa
     return own, own_buffers
 
 
-def _finish(modules, parents, totals, buffer_totals) -> IdentitySizes:
-    """Add every entry into its parent's (children come after their parent) and key by id."""
-    for i in range(len(totals) - 1, 0, -1):
-        totals[parents[i]] += totals[i]
+def _finish(modules, parents, totals, layers, buffer_totals, kept_whole) -> IdentitySizes:
+    """Add every entry into its parent's (children come after their parent) and key by id.
+    An entry's total and layers are complete when the reverse scan reaches it; a module kept
+    whole, or one whose children are all ``None``, is one layer."""
+    for i in range(len(totals) - 1, -1, -1):
+        if i:
+            totals[parents[i]] += totals[i]
+        if i in kept_whole:
+            size, count = layers[i] = (totals[i], 1)
+        else:
+            found = layers.get(i)
+            if found is None:
+                continue  # under a module kept whole
+            size, count = found
+            if not count:
+                size, count = layers[i] = (totals[i], 1)
+        if i:  # ``combine`` into the parent, inline: this runs once per module
+            parent = parents[i]
+            above, reaching = layers[parent]
+            if size > above:
+                layers[parent] = (size, count)
+            elif size == above:
+                layers[parent] = (size, reaching + count)
     size_by_id = dict(zip(map(id, modules), totals))
+    layers_by_id = {id(modules[i]): found for i, found in layers.items()}
     buffers_by_id: dict[int, int | float] = {}
     if buffer_totals:
         buffers = [0] * len(totals)
@@ -101,4 +163,4 @@ def _finish(modules, parents, totals, buffer_totals) -> IdentitySizes:
         for i in range(len(buffers) - 1, 0, -1):
             buffers[parents[i]] += buffers[i]
         buffers_by_id = {id(m): b for m, b in zip(modules, buffers) if b}
-    return IdentitySizes(size_by_id, buffers_by_id)
+    return IdentitySizes(size_by_id, buffers_by_id, layers_by_id)
