@@ -30,12 +30,12 @@ __all__ = ["debug_launcher", "launch_request", "notebook_launcher"]
 
 def _tpu_requested() -> bool:
     """True on a TPU host with torch-xla, or when NBACCEL_XLA_LAUNCH=1 asks for the XLA path
-    explicitly (the torch-xla lane uses it with PJRT_DEVICE=CPU)."""
-    if not is_torch_xla_available():
-        return False
+    explicitly (the torch-xla lane uses it with PJRT_DEVICE=CPU). The environment is read
+    first: looking for torch-xla lists every ``sys.path`` folder that changed, per launch."""
     if os.environ.get("NBACCEL_XLA_LAUNCH") == "1":
-        return True
-    return is_tpu_requested() and os.environ.get("PJRT_DEVICE", "TPU") != "CPU"
+        return is_torch_xla_available()
+    tpu = is_tpu_requested() and os.environ.get("PJRT_DEVICE", "TPU") != "CPU"
+    return tpu and is_torch_xla_available()
 
 
 def notebook_launcher(
