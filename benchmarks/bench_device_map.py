@@ -110,17 +110,25 @@ def timed(fn, repeats: int) -> tuple[float, float, dict]:
 
 
 def measure(
-    label: str, layers: int, experts: int, args: argparse.Namespace, whole: bool = True
+    label: str,
+    layers: int,
+    experts: int,
+    args: argparse.Namespace,
+    whole: bool = True,
+    tied: bool = False,
 ) -> dict:
     """Plan one model with both libraries (same model object, same budgets). ``whole``: the
     decoder layers are ``no_split_module_classes``; without it the fill splits layers down to
-    single experts and tensors where a device fills up (maps of ~800 entries, not ~50)."""
+    single experts and tensors where a device fills up (maps of ~800 entries, not ~50).
+    ``tied``: the output head shares the embedding's weight, as many LLMs do."""
     from accelerate.utils import infer_auto_device_map as acc_infer
 
     from nbaccel.bigmodel import compute_module_sizes
     from nbaccel.bigmodel import infer_auto_device_map as nb_infer
 
     model = build(layers, experts)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
     tensors = sum(1 for _ in model.parameters())
     total = compute_module_sizes(model)[""]
     max_memory = {0: int(0.3 * total), 1: int(0.3 * total), 2: int(0.3 * total), "cpu": total}
@@ -138,6 +146,7 @@ def measure(
     row = {
         "model": label,
         "no_split_module_classes": kwargs["no_split_module_classes"],
+        "tied_embeddings": tied,
         "tensors": tensors,
         "modules": sum(1 for _ in model.modules()),
         "model_gib": round(total / 2**30, 2),
@@ -176,6 +185,7 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
     first, last = rows[0], rows[-1]
     layers, experts = SIZES["37k"]
     split = measure("37k", layers, experts, args, whole=False)
+    tied = measure("37k", layers, experts, args, tied=True)
     growth = {"tensors": round(last["tensors"] / first["tensors"], 2)}
     for tool in ("nbaccel", "accelerate"):
         growth[f"{tool}_cpu"] = round(last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"], 2)
@@ -191,6 +201,7 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
         "rows": rows,
         "growth": growth,
         "split": split,
+        "tied": tied,
     }
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+
+from nbaccel.bigmodel import compute_module_sizes, init_empty_weights
 
 
 class Block(nn.Module):
@@ -91,3 +94,63 @@ def save_sharded(model: nn.Module, folder, fmt: str = "safetensors", shards: int
     with open(os.path.join(folder, index), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return str(folder)
+
+
+class RandomBlock(nn.Module):
+    """Random leaves, lists and nested blocks (2 levels), sometimes own tensors."""
+
+    def __init__(self, rng: random.Random, depth: int):
+        super().__init__()
+        for i in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if depth > 0 and kind < 0.35:
+                child = RandomBlock(rng, depth - 1)
+            elif kind < 0.55:
+                child = nn.ModuleList(
+                    nn.Linear(rng.randint(1, 9), rng.randint(1, 9))
+                    for _ in range(rng.randint(1, 3))
+                )
+            elif kind < 0.7:
+                child = nn.BatchNorm1d(rng.randint(1, 6))
+            elif kind < 0.8:
+                child = nn.Embedding(rng.randint(2, 12), rng.randint(1, 5))
+            else:
+                child = nn.Linear(rng.randint(1, 12), rng.randint(1, 12), bias=rng.random() < 0.5)
+            self.add_module(f"m{i}", child)
+        if rng.random() < 0.2:
+            self.scale = nn.Parameter(torch.ones(rng.randint(1, 6)))
+        if rng.random() < 0.2:
+            self.register_buffer("mask", torch.ones(rng.randint(1, 40), dtype=torch.bool))
+
+
+def random_case(seed: int) -> tuple[nn.Module, dict]:
+    """A random meta model (half of them with a weight tied across the tree) and random
+    ``infer_auto_device_map`` arguments for it."""
+    rng = random.Random(seed)
+    with init_empty_weights(include_buffers=False):
+        model = nn.Sequential(*(RandomBlock(rng, 2) for _ in range(rng.randint(1, 5))))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears and rng.random() < 0.5:  # a weight tied between two places in the tree
+        source = rng.choice(linears)
+        with init_empty_weights():
+            tied = nn.Linear(source.in_features, source.out_features, bias=False)
+        tied.weight = source.weight
+        holder = rng.choice(
+            [m for m in model.modules() if isinstance(m, RandomBlock | nn.Sequential)]
+        )
+        holder.add_module("tied", tied)
+    total = compute_module_sizes(model)[""]
+    gpus = rng.randint(0, 3)
+    memory = {i: int(total * rng.uniform(0.05, 0.6)) for i in range(gpus)}
+    if rng.random() < 0.8:
+        memory["cpu"] = int(total * rng.uniform(0.1, 1.2))
+    if not memory:
+        memory["cpu"] = int(total * 0.5)
+    kwargs = {
+        "max_memory": memory,
+        "no_split_module_classes": ["RandomBlock"] if rng.random() < 0.3 else None,
+        "offload_buffers": rng.random() < 0.3,
+        "fallback_allocation": rng.random() < 0.4,
+        "clean_result": rng.random() < 0.7,
+    }
+    return model, kwargs

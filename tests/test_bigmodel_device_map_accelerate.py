@@ -4,12 +4,12 @@ needed), and the same answer as accelerate itself on many random shapes when it 
 from __future__ import annotations
 
 import logging
-import random
 import warnings
 from collections import OrderedDict
 
 import pytest
 import torch
+from _bigmodel_nets import random_case
 from torch import nn
 
 from nbaccel.bigmodel import compute_module_sizes, infer_auto_device_map, init_empty_weights
@@ -136,60 +136,6 @@ def test_fallback_allocation_with_buffers_warns():
 # --- the same answer as accelerate, on random shapes ---------------------------------------
 
 
-class Block(nn.Module):
-    def __init__(self, rng: random.Random, depth: int):
-        super().__init__()
-        for i in range(rng.randint(1, 4)):
-            kind = rng.random()
-            if depth > 0 and kind < 0.35:
-                child = Block(rng, depth - 1)
-            elif kind < 0.55:
-                child = nn.ModuleList(
-                    nn.Linear(rng.randint(1, 9), rng.randint(1, 9))
-                    for _ in range(rng.randint(1, 3))
-                )
-            elif kind < 0.7:
-                child = nn.BatchNorm1d(rng.randint(1, 6))
-            elif kind < 0.8:
-                child = nn.Embedding(rng.randint(2, 12), rng.randint(1, 5))
-            else:
-                child = nn.Linear(rng.randint(1, 12), rng.randint(1, 12), bias=rng.random() < 0.5)
-            self.add_module(f"m{i}", child)
-        if rng.random() < 0.2:
-            self.scale = nn.Parameter(torch.ones(rng.randint(1, 6)))
-        if rng.random() < 0.2:
-            self.register_buffer("mask", torch.ones(rng.randint(1, 40), dtype=torch.bool))
-
-
-def _random_case(seed: int):
-    rng = random.Random(seed)
-    with init_empty_weights(include_buffers=False):
-        model = nn.Sequential(*(Block(rng, 2) for _ in range(rng.randint(1, 5))))
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if linears and rng.random() < 0.5:  # a weight tied between two places in the tree
-        source = rng.choice(linears)
-        with init_empty_weights():
-            tied = nn.Linear(source.in_features, source.out_features, bias=False)
-        tied.weight = source.weight
-        holder = rng.choice([m for m in model.modules() if isinstance(m, Block | nn.Sequential)])
-        holder.add_module("tied", tied)
-    total = compute_module_sizes(model)[""]
-    gpus = rng.randint(0, 3)
-    memory = {i: int(total * rng.uniform(0.05, 0.6)) for i in range(gpus)}
-    if rng.random() < 0.8:
-        memory["cpu"] = int(total * rng.uniform(0.1, 1.2))
-    if not memory:
-        memory["cpu"] = int(total * 0.5)
-    kwargs = {
-        "max_memory": memory,
-        "no_split_module_classes": ["Block"] if rng.random() < 0.3 else None,
-        "offload_buffers": rng.random() < 0.3,
-        "fallback_allocation": rng.random() < 0.4,
-        "clean_result": rng.random() < 0.7,
-    }
-    return model, kwargs
-
-
 def test_same_map_and_warnings_as_accelerate_on_random_shapes():
     accelerate_utils = pytest.importorskip(
         "accelerate.utils", reason="accelerate is not installed (pip install -e '.[bench]')"
@@ -197,7 +143,7 @@ def test_same_map_and_warnings_as_accelerate_on_random_shapes():
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
     compared = 0
     for seed in range(200):
-        model, kwargs = _random_case(seed)
+        model, kwargs = random_case(seed)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -235,3 +235,75 @@ def test_the_walk_finds_the_largest_layer_under_every_module(whole):
     assert checked >= 4
     if not whole:  # nothing kept whole: both experts of a layer reach its largest size
         assert layers[id(net[1].experts)] == (4 * 8 * 4 * 2 // 2, 6)
+
+
+def _tied_everywhere() -> nn.Module:
+    """An embedding tied to the head (the usual LLM tie), a weight tied deep inside a block to
+    one in an earlier block, a weight tied to a block's own parameter, and a tie whose first
+    name is a module's second parameter (the module comes first, not the position)."""
+    with init_empty_weights():
+        net = TiedNet(d=8, vocab=40, n=3)
+        net.blocks[2].fc2.weight = net.blocks[0].fc2.weight
+        net.blocks[1].ln.weight = net.blocks[0].ln.bias
+        net.blocks[1].register_parameter("gain", net.norm.weight)
+    return net
+
+
+def test_tied_weights_are_counted_once_without_names():
+    """The identity walk takes a tie's later names back out: every module's size, the tie
+    groups and a tied name's counted bytes are the by-name scan's answers."""
+    from nbaccel.bigmodel.module_sizes import ModelScan
+    from nbaccel.storage.ties import tie_groups
+
+    net = _tied_everywhere()
+    named = compute_module_sizes(net)
+    scan = ModelScan(net, whole={"Block"})
+    assert not scan.by_name and not hasattr(scan, "_entries")  # no name was built
+    for name, module in net.named_modules():
+        assert scan.piece_size(name, module) == named[name], name
+    assert scan.tied_groups == tie_groups(net) and len(scan.tied_groups) == 4
+    assert scan.tied_dups == {
+        "head.weight",
+        "blocks.2.fc2.weight",
+        "norm.weight",
+        "blocks.1.ln.weight",
+    }
+    assert scan.tied_size("embed.weight") == 40 * 8 * 4 and scan.tied_size("head.weight") == 0
+    # blocks.1 holds "gain", the first name of norm.weight: counted there, not under norm
+    assert scan.piece_size("norm", net.norm) == 8 * 4  # its bias only
+    by_name = ModelScan(net, tensor_names=True)
+    assert by_name.tied_groups == scan.tied_groups and by_name.tied_dups == scan.tied_dups
+
+
+def test_a_shared_module_with_tensors_is_still_answered_by_name():
+    from nbaccel.bigmodel.module_sizes import ModelScan
+
+    net = TiedNet(d=4, vocab=8, n=2, tie=False)
+    net.blocks.append(net.blocks[0])  # one block object under two names
+    scan = ModelScan(net)
+    assert scan.by_name
+    named = compute_module_sizes(net)
+    assert scan.piece_size("blocks.2", net.blocks[2]) == named.get("blocks.2", 0)
+
+
+@pytest.mark.parametrize("no_split", [None, ["RandomBlock"], ["ModuleList"]])
+def test_tied_models_get_the_same_map_by_identity_as_by_name(no_split):
+    """Random tied models planned twice: by identity (the fast path), and by name (a dtype
+    equal to the model's forces the by-name scan, which matches accelerate's answers)."""
+    from _bigmodel_nets import random_case
+
+    from nbaccel.bigmodel import infer_auto_device_map
+
+    compared = tied = 0
+    for seed in range(150):
+        model, kwargs = random_case(seed)
+        kwargs["no_split_module_classes"] = no_split
+        kwargs["clean_result"] = False
+        try:
+            by_name = infer_auto_device_map(model, dtype=torch.float32, **dict(kwargs))
+        except ValueError:
+            continue
+        assert infer_auto_device_map(model, **dict(kwargs)) == by_name, (seed, kwargs)
+        compared += 1
+        tied += any(n.endswith("tied") for n, _ in model.named_modules())
+    assert compared >= 100 and tied >= 40

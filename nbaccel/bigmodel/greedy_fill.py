@@ -155,7 +155,7 @@ class _Fill:
                 continue
             names.append(holder[0])
             pieces.append(holder[1])
-            total += self.size(*holder) - self.scan.sizes.get(param, 0)
+            total += self.size(*holder) - self.scan.tied_size(param)
         return total, names, pieces
 
     def fallback(self, limit: float) -> tuple[Piece | None, list[Piece]]:

@@ -16,7 +16,8 @@ from functools import cache
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.size_walk import Layers, walk_sizes
+from nbaccel.bigmodel.size_ties import count_ties_once
+from nbaccel.bigmodel.size_walk import Layers, leaf_bytes, walk_sizes
 from nbaccel.storage.ties import shared_parameters
 
 __all__ = [
@@ -161,33 +162,34 @@ class ModelScan:
         self._buffer_sizes: dict[str, int] | None = None
         self.whole = frozenset(whole)
         self.layers_by_id: dict[int, Layers] = {}
+        self._tied_sizes: dict[str, int | float] | None = None  # set by the identity walk
         with no_gc():
             if not tensor_names and dtype is None and not special_dtypes and self._walk(model):
                 self.by_name = False
-                self.tied_groups: list[list[str]] = []
-                self.tied_dups: set[str] = set()
                 return
             self._scan(model)
 
     def _walk(self, model: nn.Module) -> bool:
-        """Sizes by module identity (``size_walk``); False if a tensor was met twice.
+        """Sizes by module identity (``size_walk``, ties counted once by ``size_ties``); False
+        if a module with tensors, or a buffer, is shared: sizes then depend on names.
 
         Only modules with children get an entry (a leaf adds its bytes to its parent and is
         measured again on demand, which is cheaper than keeping ~10^5 entries)."""
         found = walk_sizes(model, self.whole)
-        if found is None:
-            return False  # a tensor or module is shared: sizes depend on names
+        if found.met_twice is not None and not count_ties_once(found, found.met_twice):
+            return False
         self.size_by_id, self.buffers_by_id = found.size_by_id, found.buffers_by_id
         self.layers_by_id = found.layers_by_id
+        self.tied_groups: list[list[str]] = found.tied_groups
+        self.tied_dups: set[str] = found.tied_dups
+        self._tied_sizes = found.tied_sizes
         return True
 
     @staticmethod
     def _leaf(module: nn.Module, buffers_only: bool = False) -> int | float:
         """Bytes of a module without children (not kept by the identity walk)."""
-        total = 0
-        if not buffers_only:
-            total += sum(_own_bytes(t) for t in module._parameters.values() if t is not None)
-        return total + sum(_own_bytes(t) for t in module._buffers.values() if t is not None)
+        params, buffers = leaf_bytes(module)
+        return buffers if buffers_only else params + buffers
 
     def _scan(self, model: nn.Module) -> None:
         dtype, special_dtypes = self.dtype, self.special_dtypes
@@ -300,6 +302,12 @@ class ModelScan:
                 if not self._buffer_sizes[name]:
                     del self._buffer_sizes[name]
         return self._buffer_sizes
+
+    def tied_size(self, name: str) -> int | float:
+        """Bytes counted under one name of a tied parameter (0 but for its first name)."""
+        if self._tied_sizes is None:
+            return self.sizes.get(name, 0)
+        return self._tied_sizes.get(name, 0)
 
     def tensor_size(self, name: str, tensor: torch.Tensor) -> int | float:
         """Size of one tensor unit (0 for the second name of a tied weight)."""

@@ -7,6 +7,10 @@ leaf module (most of an MoE model) inline in its parent's step instead of pushin
 stack. Leaves get no entry: their bytes go to their parent, and the few leaves a planner asks
 about are measured again on demand.
 
+Tied parameters (one Parameter under several names) are counted at every occurrence here;
+``size_ties`` then takes the later ones back out (Accelerate counts a tie once, under its first
+name), walking only up from where they are.
+
 The same pass finds, under each module, the largest *layer* (a leaf, or a module whose class is
 kept whole) and how many layers reach that size: the planner asks for it for every piece it
 queues, and reading it from the walk spares a second walk over the model.
@@ -15,7 +19,7 @@ queues, and reading it from the walk spares a second walk over the model.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,6 +38,10 @@ class IdentitySizes:
     size_by_id: dict[int, int | float]
     buffers_by_id: dict[int, int | float]
     layers_by_id: dict[int, Layers]
+    tied_groups: list[list[str]] = field(default_factory=list)  # each group's names, sorted
+    tied_dups: set[str] = field(default_factory=set)  # every name but a tie's first
+    tied_sizes: dict[str, int | float] = field(default_factory=dict)  # bytes counted per name
+    met_twice: Walked | None = None  # what the walk saw, when it met a tensor twice
 
 
 def combine(a: Layers, b: Layers) -> Layers:
@@ -45,9 +53,9 @@ def combine(a: Layers, b: Layers) -> Layers:
     return a[0], a[1] + b[1]
 
 
-def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes | None:
-    """Sizes by module identity; ``None`` when some tensor is met twice (tied weights or a
-    shared module), where sizes depend on names. Booleans count one bit per element.
+def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes:
+    """Sizes by module identity, every occurrence of a tensor counted (``met_twice`` is set when
+    a tensor was met twice). Booleans count one bit per element.
     ``whole``: class names of modules that count as one layer (``no_split_module_classes``;
     the model itself is always split); layers are not looked for under them."""
     modules: list[nn.Module] = []
@@ -58,7 +66,8 @@ def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes |
     kept_whole: set[int] = set()  # indices of modules counted as one layer
     whole = set(whole)
     ids: list[int] = []  # every tensor met; duplicates are looked for once, at the end
-    note = ids.append
+    marks: list[int] = []  # where each module's tensors start in ``ids``
+    note, mark = ids.append, marks.append
     keep, link, record = modules.append, parents.append, totals.append
     stack, stack_parents, stack_tracked = [model], [-1], [True]  # no tuple per module
     pop, pop_parent, pop_tracked = stack.pop, stack_parents.pop, stack_tracked.pop
@@ -69,6 +78,7 @@ def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes |
         index = len(totals)
         link(pop_parent())
         keep(module)
+        mark(len(ids))
         tracked = pop_tracked()  # are this module's layers wanted?
         if index and tracked and whole and type(module).__name__ in whole:  # the model: never
             kept_whole.add(index)  # one layer: what is under it does not matter
@@ -106,9 +116,27 @@ def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes |
             layers[index] = (best, reaching)
         if own_buffers:
             buffer_totals[index] = own_buffers
-    if len(set(ids)) != len(ids):
-        return None
-    return _finish(modules, parents, totals, layers, buffer_totals, kept_whole)
+    found = _finish(modules, parents, totals, layers, buffer_totals, kept_whole)
+    if len(set(ids)) != len(ids):  # every occurrence was counted: see ``size_ties``
+        found.met_twice = Walked(modules, parents, ids, marks, whole)
+    return found
+
+
+@dataclass
+class Walked:
+    """What the walk saw, in its order: modules with children, each one's parent index, the id
+    of every tensor met, where each module's tensors start among them; the classes kept whole."""
+
+    modules: list[nn.Module]
+    parents: list[int]
+    ids: list[int]
+    marks: list[int]
+    whole: set[str]
+
+
+def leaf_bytes(module: nn.Module) -> tuple[int | float, int | float]:
+    """(bytes of parameters, bytes of buffers) of one module's own tensors."""
+    return _own_bytes(module, lambda _: None)
 
 
 def _bytes(tensor: torch.Tensor) -> int | float:
