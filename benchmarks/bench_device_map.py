@@ -175,6 +175,36 @@ def measure(
     return row
 
 
+def measure_balanced(layers: int, experts: int, args: argparse.Namespace) -> dict:
+    """``device_map="balanced"``: budgets spread over the GPUs, then the map (accelerate: its
+    ``get_balanced_memory`` then ``infer_auto_device_map``; nbaccel: one scan serves both)."""
+    from accelerate.utils import get_balanced_memory as acc_balanced
+    from accelerate.utils import infer_auto_device_map as acc_infer
+
+    from nbaccel.bigmodel import compute_module_sizes
+    from nbaccel.bigmodel.device_map import get_device_map
+
+    model = build(layers, experts)
+    total = compute_module_sizes(model)[""]
+    max_memory = {0: int(0.5 * total), 1: int(0.5 * total), 2: int(0.5 * total), "cpu": total}
+    whole = ["DecoderLayer"]
+
+    def theirs() -> dict:
+        budgets = acc_balanced(model, dict(max_memory), no_split_module_classes=whole)
+        return acc_infer(model, budgets, no_split_module_classes=whole)
+
+    _, nb_cpu, nb_map = timed(
+        lambda: get_device_map(model, "balanced", dict(max_memory), whole), args.repeats
+    )
+    _, acc_cpu, acc_map = timed(theirs, args.accelerate_repeats)
+    print(f"balanced: cpu {nb_cpu:.3f} s vs {acc_cpu:.3f} s, x{acc_cpu / nb_cpu:.1f}", flush=True)
+    return {
+        "nbaccel_cpu_s": round(nb_cpu, 4),
+        "accelerate_cpu_s": round(acc_cpu, 4),
+        "same_map": dict(nb_map) == dict(acc_map),
+    }
+
+
 def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
     """Both sizes, both libraries; the report (also for benchmarks/gate)."""
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
@@ -186,6 +216,7 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
     layers, experts = SIZES["37k"]
     split = measure("37k", layers, experts, args, whole=False)
     tied = measure("37k", layers, experts, args, tied=True)
+    balanced = measure_balanced(layers, experts, args)
     growth = {"tensors": round(last["tensors"] / first["tensors"], 2)}
     for tool in ("nbaccel", "accelerate"):
         growth[f"{tool}_cpu"] = round(last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"], 2)
@@ -202,6 +233,7 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
         "growth": growth,
         "split": split,
         "tied": tied,
+        "balanced": balanced,
     }
 
 

@@ -307,3 +307,56 @@ def test_tied_models_get_the_same_map_by_identity_as_by_name(no_split):
         compared += 1
         tied += any(n.endswith("tied") for n, _ in model.named_modules())
     assert compared >= 100 and tied >= 40
+
+
+def _balanced_by_names(model, memory, no_split):
+    """Accelerate's balanced budgets read off the by-name sizes (the reference)."""
+    sizes = compute_module_sizes(model)
+    gpus = sorted(k for k in memory if isinstance(k, int) and memory[k] > 0)
+    per_gpu = sizes[""] // len(gpus)
+    blocks = [sizes[n] for n, m in model.named_modules() if n and type(m).__name__ in no_split]
+    named = {n for n, v in sizes.items() if v > 0 and n}
+    parents = {n.rpartition(".")[0] for n in named}
+    modules = {n for n in named if n in parents}  # tensors are nobody's parent
+    module_parents = {n.rpartition(".")[0] for n in modules}
+    last = [n for n in modules if n not in module_parents]
+    mean = int(sum(sizes[n] for n in last) / max(len(last), 1))
+    per_gpu += int(1.25 * max(blocks[:1] + [mean]))
+    return {g: min(per_gpu, memory[g]) for g in gpus[:-1]}
+
+
+@pytest.mark.parametrize("no_split", [[], ["RandomBlock"]])
+def test_balanced_memory_by_identity_equals_the_by_name_rule(no_split):
+    """Random models, half with a tied weight and some with a shared module: the budgets from
+    one identity scan are the ones the by-name sizes give."""
+    import random
+
+    from _bigmodel_nets import random_case
+
+    checked = 0
+    for seed in range(120):
+        model, _ = random_case(seed)
+        if seed % 5 == 0:  # a module with tensors under two names
+            leaf = next(m for m in model.modules() if not m._modules and m._parameters)
+            model.add_module("again", leaf)
+        total = compute_module_sizes(model)[""]
+        share = random.Random(seed).uniform(0.2, 0.7)
+        memory = {0: int(share * total), 1: int(share * total), 2: total, "cpu": total}
+        got = get_balanced_memory(model, memory, no_split_module_classes=no_split)
+        expected = _balanced_by_names(model, memory, no_split)
+        assert {g: got[g] for g in expected} == expected, seed
+        checked += 1
+    assert checked == 120
+
+
+def test_a_block_holding_only_its_own_tensors_is_a_last_level_module():
+    holder = nn.Module()
+    holder.scale = nn.Parameter(torch.ones(100))  # 400 bytes of its own
+    holder.act = nn.ReLU()  # a child without bytes
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), holder, nn.Linear(2, 2, bias=False))
+    memory = {0: 10**6, 1: 10**6}
+    total = 64 + 400 + 16
+    mean = (64 + 400 + 16) // 3  # three last-level modules: both Linears and the holder
+    expected = total // 2 + int(1.25 * mean)
+    assert get_balanced_memory(model, memory)[0] == expected
+    assert _balanced_by_names(model, memory, [])[0] == expected

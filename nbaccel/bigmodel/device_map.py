@@ -91,6 +91,7 @@ def infer_auto_device_map(
     fallback_allocation: bool = False,
     *,
     offload_aware: bool = False,
+    scan: ModelScan | None = None,
 ) -> dict[str, int | str]:
     """Map module names to devices, filling GPUs in order, then cpu, then disk (Accelerate's map).
 
@@ -99,7 +100,8 @@ def infer_auto_device_map(
     runs there; ``fallback_allocation`` lets a device that would stay empty take a smaller later
     piece. ``offload_aware=True`` (nbaccel only): when layers must be offloaded, keep only the
     size of the layers actually offloaded (running + prefetched) free on the execution device,
-    and never leave a device empty while a later layer fits on it.
+    and never leave a device empty while a later layer fits on it. ``scan``: the model's sizes
+    when the caller already has them (same ``dtype``s; see ``get_device_map``).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""))
@@ -108,7 +110,8 @@ def infer_auto_device_map(
     no_split = set(no_split_module_classes or ())
     with no_gc():
         budgets = get_max_memory(max_memory)
-        scan = ModelScan(model, dtype, special_dtypes, whole=no_split)
+        if scan is None:
+            scan = ModelScan(model, dtype, special_dtypes, whole=no_split)
         fill = greedy_fill(
             model,
             budgets,
@@ -254,6 +257,10 @@ def get_device_map(
     if device_map is None:
         return None
     if isinstance(device_map, str) and device_map in DEVICE_MAP_STRINGS:
+        if isinstance(no_split_module_classes, str):
+            no_split_module_classes = [no_split_module_classes]
+        with no_gc():  # one scan of the model serves the budgets and the map
+            scan = ModelScan(model, dtype, whole=set(no_split_module_classes or ()))
         if device_map == "sequential":
             budgets = get_max_memory(max_memory)
         else:
@@ -263,6 +270,7 @@ def get_device_map(
                 no_split_module_classes=no_split_module_classes,
                 dtype=dtype,
                 low_zero=device_map == "balanced_low_0",
+                scan=scan,
             )
         return infer_auto_device_map(
             model,
@@ -270,6 +278,7 @@ def get_device_map(
             no_split_module_classes=no_split_module_classes,
             dtype=dtype,
             offload_buffers=offload_buffers,
+            scan=scan,
         )
     if isinstance(device_map, str | int | torch.device):
         try:

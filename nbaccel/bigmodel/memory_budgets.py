@@ -10,7 +10,8 @@ import psutil
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.module_sizes import compute_module_sizes
+from nbaccel.bigmodel.module_sizes import ModelScan, no_gc
+from nbaccel.bigmodel.size_walk import leaf_bytes
 from nbaccel.values.sizes import parse_size
 
 __all__ = [
@@ -96,6 +97,8 @@ def get_balanced_memory(
     dtype: torch.dtype | str | None = None,
     special_dtypes: Mapping[str, torch.dtype] | None = None,
     low_zero: bool = False,
+    *,
+    scan: ModelScan | None = None,
 ) -> dict[int | str, int]:
     """Lower the GPU budgets so a sequential device map spreads the model evenly over the GPUs.
 
@@ -103,7 +106,8 @@ def get_balanced_memory(
     1.25 x the larger of the biggest ``no_split_module_classes`` block and the mean size of the
     last-level modules (Accelerate's rule, so ``device_map="balanced"`` gives the same map). With
     ``low_zero`` GPU 0 only receives what does not fit on the others (room for generation
-    outputs). A single GPU with no ``max_memory`` given keeps 10% free.
+    outputs). A single GPU with no ``max_memory`` given keeps 10% free. ``scan``: the model's
+    sizes when the caller has them (a device map planned next reads the same scan).
     """
     user_set = max_memory is not None
     budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
@@ -115,30 +119,60 @@ def get_balanced_memory(
         low_zero = False
         if not user_set and gpus:
             budgets[gpus[0]] = int(budgets[gpus[0]] * 0.9)
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
-    total = sizes.get("", 0)
-    per_gpu = total // (count - 1 if low_zero else count)
     if isinstance(no_split_module_classes, str):
         no_split_module_classes = [no_split_module_classes]
     wanted = set(no_split_module_classes or ())
+    if scan is None:
+        with no_gc():
+            scan = ModelScan(model, dtype, special_dtypes, whole=wanted)
+    total = scan.piece_size("", model)
+    per_gpu = total // (count - 1 if low_zero else count)
     block = 0
     if wanted:
         found: dict[str, float] = {}
         for name, module in model.named_modules():
             cls = type(module).__name__
             if name and cls in wanted and cls not in found:
-                found[cls] = sizes.get(name, 0)
+                found[cls] = scan.piece_size(name, module)
                 if len(found) == len(wanted):
                     break
         block = max(found.values(), default=0)
-    named = [n for n, v in sizes.items() if v > 0]  # modules without tensors are not counted
-    modules_only = set(named) - set(_leaves(named))  # drop the tensors
-    last = _leaves(modules_only)
-    mean = int(sum(sizes[n] for n in last) / max(len(last), 1))
-    per_gpu += int(1.25 * max(block, mean))
+    per_gpu += int(1.25 * max(block, _last_level_mean(model, scan)))
     for g in gpus[:-1]:
         budgets[g] = min(budgets[0] if low_zero and g == 0 else per_gpu, budgets[g])
     if low_zero:
         rest = sum(budgets.get(i, 0) for i in range(1, count))
         budgets[0] = min(max(0, total - rest), budgets[0])
     return budgets
+
+
+def _last_level_mean(model: nn.Module, scan: ModelScan) -> int:
+    """Mean size of the last-level modules: those holding bytes (ties counted once) with no
+    child module holding any, the model itself excluded."""
+    if scan.by_name:  # a shared module: its bytes count under its first name only
+        sizes = scan.sizes
+        named = [n for n, v in sizes.items() if v > 0]
+        modules_only = set(named) - set(_leaves(named))  # drop the tensors
+        last = _leaves(modules_only)
+        return int(sum(sizes[n] for n in last) / max(len(last), 1))
+    total = count = 0
+    known = scan.size_by_id  # modules with children; leaves too when measured by name
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        holds = False
+        for child in module._modules.values():
+            if child is None:
+                continue
+            bytes_under = known.get(id(child))  # by identity: no name is built
+            if bytes_under is None:
+                bytes_under = sum(leaf_bytes(child))
+            if bytes_under > 0:
+                holds = True
+                if child._modules:
+                    stack.append(child)
+                else:
+                    total, count = total + bytes_under, count + 1
+        if not holds and module is not model:  # its bytes are its own tensors'
+            total, count = total + known[id(module)], count + 1
+    return int(total / max(count, 1))

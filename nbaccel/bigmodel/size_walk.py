@@ -136,7 +136,13 @@ class Walked:
 
 def leaf_bytes(module: nn.Module) -> tuple[int | float, int | float]:
     """(bytes of parameters, bytes of buffers) of one module's own tensors."""
-    return _own_bytes(module, lambda _: None)
+    params = buffers = 0
+    for tensor in module._parameters.values():
+        if tensor is not None:
+            params += tensor.nbytes if tensor.dtype is not torch.bool else tensor.numel() / 8
+    if module._buffers:
+        buffers = sum(_bytes(t) for t in module._buffers.values() if t is not None)
+    return params, buffers
 
 
 def _bytes(tensor: torch.Tensor) -> int | float:
