@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel.size_ties import count_ties_once
-from nbaccel.bigmodel.size_walk import Layers, leaf_bytes, walk_sizes
+from nbaccel.bigmodel.size_walk import Layers, leaf_bytes, tensor_bytes, walk_sizes
 from nbaccel.storage.ties import shared_parameters
 
 __all__ = [
@@ -38,13 +38,6 @@ def dtype_byte_size(dtype: torch.dtype) -> int | float:
     if dtype == torch.bool:
         return 1 / 8
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _own_bytes(tensor: torch.Tensor) -> int | float:
-    """Bytes of a tensor in its own dtype (booleans as bits)."""
-    if tensor.dtype == torch.bool:
-        return tensor.numel() / 8
-    return tensor.nbytes
 
 
 def named_module_tensors(
@@ -77,7 +70,7 @@ def _tensor_bytes(
     if dtype is not None and tensor.is_floating_point():
         # Loading casts floating tensors to ``dtype`` but never upcasts them.
         return tensor.numel() * min(dtype_byte_size(dtype), tensor.element_size())
-    return _own_bytes(tensor)
+    return tensor_bytes(tensor)
 
 
 @contextmanager
@@ -137,10 +130,11 @@ class ModelScan:
     """One pass over a model: bytes under every module (ties counted once, with their first
     name) and every tensor, the same for buffers only, and the groups of tied parameter names.
 
-    Without ``dtype``/``special_dtypes`` and without shared tensors (the usual case) the pass
-    builds no name at all: ``piece_size`` answers by module identity. A model with tied
-    weights or shared modules is scanned again with names, so every answer keeps Accelerate's
-    by-name meaning (a tie counts under its first name). ``sizes`` / ``buffer_sizes`` (by dotted
+    Without ``dtype``/``special_dtypes`` (the usual case) the pass builds no name at all:
+    ``piece_size`` answers by module identity, and tied weights are taken back out of the
+    modules above their later names (``size_ties``). A model that shares a module with tensors,
+    or a buffer, is scanned again with names, so every answer keeps Accelerate's by-name
+    meaning (a tensor counts under its first name). ``sizes`` / ``buffer_sizes`` (by dotted
     name, as ``compute_module_sizes`` returns them) are built on first use, or at once with
     ``tensor_names=True``. ``whole`` names the classes a planner keeps in one piece: the
     identity pass then also answers ``layers`` (the largest of them under a module).
@@ -217,7 +211,7 @@ class ModelScan:
                     add(key)
                     full = _join(names[i], leaf)
                     if plain:
-                        size = _own_bytes(tensor)
+                        size = tensor_bytes(tensor)
                     else:
                         size = _tensor_bytes(full, tensor, dtype, special_dtypes)
                     tensor_sizes[full] = size
@@ -230,7 +224,7 @@ class ModelScan:
                     add(id(tensor))
                     full = _join(names[i], leaf)
                     size = (
-                        _own_bytes(tensor)
+                        tensor_bytes(tensor)
                         if plain
                         else _tensor_bytes(full, tensor, dtype, special_dtypes)
                     )

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.size_walk import NO_LAYER, IdentitySizes, Walked, combine, leaf_bytes
+from nbaccel.bigmodel.size_walk import (
+    NO_LAYER,
+    IdentitySizes,
+    Walked,
+    combine,
+    leaf_bytes,
+    tensor_bytes,
+)
 
 __all__ = ["count_ties_once"]
 
@@ -61,8 +68,7 @@ def count_ties_once(found: IdentitySizes, walked: Walked) -> bool:
     leaves: dict[int, nn.Module] = {}
     groups: list[tuple[tuple, list[str]]] = []
     for group in by_tensor.values():
-        tensor = group[0].tensor
-        size = tensor.numel() / 8 if tensor.dtype is torch.bool else tensor.nbytes
+        size = tensor_bytes(group[0].tensor)
         names = [paths.name(one) for one in group]
         found.tied_sizes.update(dict.fromkeys(names, 0))
         found.tied_sizes[names[0]] = size

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["IdentitySizes", "walk_sizes"]
+__all__ = [
+    "NO_LAYER",
+    "IdentitySizes",
+    "Layers",
+    "Walked",
+    "combine",
+    "leaf_bytes",
+    "tensor_bytes",
+    "walk_sizes",
+]
 
 Layers = tuple[float, int]  # (size of the largest layer, how many layers reach it)
 NO_LAYER: Layers = (-1, 0)
@@ -141,11 +150,13 @@ def leaf_bytes(module: nn.Module) -> tuple[int | float, int | float]:
         if tensor is not None:
             params += tensor.nbytes if tensor.dtype is not torch.bool else tensor.numel() / 8
     if module._buffers:
-        buffers = sum(_bytes(t) for t in module._buffers.values() if t is not None)
+        buffers = sum(tensor_bytes(t) for t in module._buffers.values() if t is not None)
     return params, buffers
 
 
-def _bytes(tensor: torch.Tensor) -> int | float:
+def tensor_bytes(tensor: torch.Tensor) -> int | float:
+    """Bytes of a tensor in its own dtype; booleans count one bit per element, as Accelerate
+    counts them."""
     return tensor.nbytes if tensor.dtype is not torch.bool else tensor.numel() / 8
 
 
@@ -156,11 +167,11 @@ def _own_bytes(module: nn.Module, note, params: bool = True) -> tuple[int | floa
         for tensor in module._parameters.values():
             if tensor is not None:
                 note(id(tensor))
-                own += _bytes(tensor)
+                own += tensor_bytes(tensor)
     for tensor in module._buffers.values():
         if tensor is not None:
             note(id(tensor))
-            own_buffers += _bytes(tensor)
+            own_buffers += tensor_bytes(tensor)
     return own, own_buffers
 
 
