@@ -65,7 +65,7 @@ def count_ties_once(found: IdentitySizes, walked: Walked) -> bool:
     for one in sorted(seen, key=paths.order):
         by_tensor.setdefault(id(one.tensor), []).append(one)
     changed: set[int] = set()
-    leaves: dict[int, nn.Module] = {}
+    measured: set[int] = set()  # leaf holders given an entry of their own
     groups: list[tuple[tuple, list[str]]] = []
     for group in by_tensor.values():
         size = tensor_bytes(group[0].tensor)
@@ -77,8 +77,8 @@ def count_ties_once(found: IdentitySizes, walked: Walked) -> bool:
         for later in group[1:]:
             if later.leaf is not None:
                 key = id(later.holder)
-                if key not in leaves:
-                    leaves[key] = later.holder
+                if key not in measured:
+                    measured.add(key)
                     params, buffers = leaf_bytes(later.holder)
                     found.size_by_id[key] = params + buffers
                     if buffers:
