@@ -154,3 +154,32 @@ def random_case(seed: int) -> tuple[nn.Module, dict]:
         "clean_result": rng.random() < 0.7,
     }
     return model, kwargs
+
+
+class Expert(nn.Module):
+    """Two equal-size projections (layers of equal size: their count matters)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, 3 * d)
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+
+class MoeModel(nn.Module):
+    """Embedding, MoE decoder layers, a head tied to the embedding unless ``tie=False``."""
+
+    def __init__(self, layers: int, experts: int, d: int = 16, vocab: int = 64, tie: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, experts) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from _bigmodel_nets import random_case
+from _bigmodel_nets import MoeModel, random_case
 from torch import nn
 
 from nbaccel.bigmodel import compute_module_sizes, infer_auto_device_map, init_empty_weights
@@ -158,32 +158,7 @@ def test_same_map_and_warnings_as_accelerate_on_random_shapes():
     assert compared >= 120
 
 
-class Expert(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, d: int, experts: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.attn = nn.Linear(d, 3 * d)
-        self.gate = nn.Linear(d, experts, bias=False)
-        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
-
-
-class MoeModel(nn.Module):
-    def __init__(self, layers: int, experts: int, d: int = 16, vocab: int = 64, tie: bool = True):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(DecoderLayer(d, experts) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-        if tie:
-            self.head.weight = self.embed.weight
-
-
-@pytest.mark.parametrize("tie", [True, False])  # untied: sizes come from the identity walk
+@pytest.mark.parametrize("tie", [True, False])  # tied: the walk takes the head back out
 @pytest.mark.parametrize("no_split", [["DecoderLayer"], None, ["Expert"]])
 @pytest.mark.parametrize("share", [0.1, 0.3, 0.45])
 def test_same_map_as_accelerate_on_moe_models(no_split, share, tie):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _bigmodel_nets import Block, TiedNet
+from _bigmodel_nets import Block, DecoderLayer, TiedNet
 from torch import nn
 
 from nbaccel.bigmodel import (
@@ -177,24 +177,10 @@ def test_identity_walk_gives_the_named_sizes_of_every_module():
         assert scan.piece_buffers(name, module) == named_buffers.get(name, 0), name
 
 
-class _Expert(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
-
-
-class _Layer(nn.Module):
-    def __init__(self, d: int, experts: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.gate = nn.Linear(d, experts)
-        self.experts = nn.ModuleList(_Expert(d) for _ in range(experts))
-
-
 def _layered_net() -> nn.Module:
     """Equal-size experts (counts matter), a layer wider than the others, a container whose
     only child is ``None`` (a layer of its own), and the mixed net's buffers and booleans."""
-    net = nn.Sequential(nn.Embedding(11, 4), _Layer(4, 3), _Layer(6, 2), _mixed_net())
+    net = nn.Sequential(nn.Embedding(11, 4), DecoderLayer(4, 3), DecoderLayer(6, 2), _mixed_net())
     hollow = nn.Module()
     hollow.register_module("nothing", None)
     hollow.register_buffer("steps", torch.zeros(40, dtype=torch.int64))
@@ -202,7 +188,7 @@ def _layered_net() -> nn.Module:
     return net
 
 
-@pytest.mark.parametrize("whole", [(), ("_Layer",), ("_Expert", "Sequential")])
+@pytest.mark.parametrize("whole", [(), ("DecoderLayer",), ("Expert", "Sequential")])
 def test_the_walk_finds_the_largest_layer_under_every_module(whole):
     """The walk's ``layers_by_id`` against a plain recursive reading: under each module, the
     largest unsplittable piece (no children, or a class kept whole) and how many reach it."""
