@@ -242,17 +242,23 @@ def test_tied_weights_are_counted_once_without_names():
     from nbaccel.storage.ties import tie_groups
 
     net = _tied_everywhere()
+    with init_empty_weights(include_buffers=False):  # a tied leaf with buffers of its own
+        net.add_module("norms", nn.Sequential(nn.BatchNorm1d(8), nn.BatchNorm1d(8)))
+    net.norms[1].weight = net.norms[0].weight
     named = compute_module_sizes(net)
+    named_buffers = compute_module_sizes(net, buffers_only=True)
     scan = ModelScan(net, whole={"Block"})
     assert not scan.by_name and not hasattr(scan, "_entries")  # no name was built
     for name, module in net.named_modules():
         assert scan.piece_size(name, module) == named[name], name
-    assert scan.tied_groups == tie_groups(net) and len(scan.tied_groups) == 4
+        assert scan.piece_buffers(name, module) == named_buffers.get(name, 0), name
+    assert scan.tied_groups == tie_groups(net) and len(scan.tied_groups) == 5
     assert scan.tied_dups == {
         "head.weight",
         "blocks.2.fc2.weight",
         "norm.weight",
         "blocks.1.ln.weight",
+        "norms.1.weight",
     }
     assert scan.tied_size("embed.weight") == 40 * 8 * 4 and scan.tied_size("head.weight") == 0
     # blocks.1 holds "gain", the first name of norm.weight: counted there, not under norm
