@@ -52,7 +52,20 @@ def load_thresholds(path: Path) -> dict[str, dict]:
     for key, spec in data.items():
         if ("max" in spec) == ("min" in spec):
             raise ValueError(f"gate.toml [{key}]: give exactly one of max or min")
-        figures[key] = {"noise": defaults.get("noise", 0.1), "kind": "ratio", **spec}
+        figure = {"noise": defaults.get("noise", 0.1), "kind": "ratio", **spec}
+        if figure["kind"] not in ("ratio", "difference"):
+            raise ValueError(
+                f'gate.toml [{key}]: kind = {figure["kind"]!r}; use "ratio" (ours / peer, the '
+                'default) or "difference" (ours - peer, in the figure\'s unit)'
+            )
+        for field in ("max", "min", "noise"):
+            value = figure.get(field, 0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(
+                    f"gate.toml [{key}]: {field} = {value!r}; give a number >= 0 "
+                    "(a ratio, or an amount in the figure's unit for a difference)"
+                )
+        figures[key] = figure
     return figures
 
 

@@ -114,3 +114,22 @@ def test_a_threshold_needs_exactly_one_bound(tmp_path):
     path.write_text('[x]\nfigure = "x"\n')
     with pytest.raises(ValueError, match="exactly one of max or min"):
         load_thresholds(path)
+
+
+@pytest.mark.parametrize(
+    "body,names",
+    [
+        ('max = 1.0\nkind = "diff"', "kind = 'diff'"),
+        ('max = "0.25"', "max = '0.25'"),
+        ("max = 0.25\nnoise = -0.1", "noise = -0.1"),
+        ("min = true", "min = True"),
+    ],
+)
+def test_a_malformed_threshold_is_named_with_the_fix(tmp_path, body, names):
+    path = tmp_path / "gate.toml"
+    path.write_text(f'[x]\nfigure = "x"\n{body}\n')
+    with pytest.raises(ValueError, match="gate.toml \\[x\\]") as raised:
+        load_thresholds(path)
+    assert names in str(raised.value) and (
+        "use" in str(raised.value) or "give" in str(raised.value)
+    )
