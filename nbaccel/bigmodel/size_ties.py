@@ -176,7 +176,7 @@ def _relayer(found: IdentitySizes, walked: Walked, entries: list[int]) -> None:
         key = id(module)
         if key not in layers:
             continue  # under a module kept whole: its layers never matter
-        if entry and type(module).__name__ in walked.whole:
+        if entry in walked.kept_whole:
             layers[key] = (sizes[key], 1)
             continue
         best, done = NO_LAYER, set()

@@ -127,20 +127,21 @@ def walk_sizes(model: nn.Module, whole: Collection[str] = ()) -> IdentitySizes:
             buffer_totals[index] = own_buffers
     found = _finish(modules, parents, totals, layers, buffer_totals, kept_whole)
     if len(set(ids)) != len(ids):  # every occurrence was counted: see ``size_ties``
-        found.met_twice = Walked(modules, parents, ids, marks, whole)
+        found.met_twice = Walked(modules, parents, ids, marks, kept_whole)
     return found
 
 
 @dataclass
 class Walked:
     """What the walk saw, in its order: modules with children, each one's parent index, the id
-    of every tensor met, where each module's tensors start among them; the classes kept whole."""
+    of every tensor met, where each module's tensors start among them, the modules counted as
+    one layer (their indices)."""
 
     modules: list[nn.Module]
     parents: list[int]
     ids: list[int]
     marks: list[int]
-    whole: set[str]
+    kept_whole: set[int]
 
 
 def leaf_bytes(module: nn.Module) -> tuple[int | float, int | float]:
@@ -161,18 +162,17 @@ def tensor_bytes(tensor: torch.Tensor) -> int | float:
 
 
 def _own_bytes(module: nn.Module, note, params: bool = True) -> tuple[int | float, int | float]:
-    """Bytes of a module's own parameters (if ``params``) and own buffers; ``note`` gets ids."""
-    own = own_buffers = 0
+    """``leaf_bytes`` of a module (its parameters' only if ``params``); ``note`` gets the ids of
+    the tensors counted. Off the hot path: most modules are measured inline in the walk."""
+    counted = [module._buffers.values()]
     if params:
-        for tensor in module._parameters.values():
+        counted.append(module._parameters.values())
+    for tensors in counted:
+        for tensor in tensors:
             if tensor is not None:
                 note(id(tensor))
-                own += tensor_bytes(tensor)
-    for tensor in module._buffers.values():
-        if tensor is not None:
-            note(id(tensor))
-            own_buffers += tensor_bytes(tensor)
-    return own, own_buffers
+    own, own_buffers = leaf_bytes(module)
+    return (own if params else 0), own_buffers
 
 
 def _finish(modules, parents, totals, layers, buffer_totals, kept_whole) -> IdentitySizes:
