@@ -171,6 +171,12 @@ class Address:
     #: passed over it would not reach the driver
     relayed: bool = False
 
+    @property
+    def driver_on_this_host(self) -> bool:
+        """The driver itself listens here: it can take descriptors and map this host's shared
+        files. Over TCP, or through a relay, it may be on another host."""
+        return self.family == "unix" and not self.relayed
+
 
 _swept = False
 _PRIVATE_DIR = re.compile(r"^nbaccel-(\d+)-")

@@ -47,7 +47,7 @@ _send_lock = threading.Lock()
 _held: list[Any] | None = None  # main-thread messages held until a call's outcome
 _rank: int | None = None
 _EXIT_DRIVER_GONE = 70
-_shared_results = True  # the driver can map this host's shared files (same host)
+_shared_results = True  # the driver can map this host's shared files (same host, no relay)
 # shared files of results the driver may not have taken yet: this rank holds their lock (a sweep
 # reclaims them if it dies) until its next call or its exit
 _result_files: list[SharedTensors] = []
@@ -297,7 +297,7 @@ def _connect_streams(
     authenticated connection (events) carries the driver's ends of two socket pairs for the
     output (one handshake per rank instead of three); over TCP, or through a host agent's
     relay, each stream connects."""
-    if address.family != "unix" or address.relayed:
+    if not address.driver_on_this_host:
         return tuple(  # type: ignore[return-value]
             connect(address, secret, {**header, "stream": stream.value})
             for stream in (Stream.STDOUT, Stream.STDERR, Stream.EVENTS)
@@ -325,7 +325,7 @@ def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
     global _events, _rank, _shared_results
     _rank = spec.rank
-    _shared_results = spec.address.family == "unix"  # a TCP driver may be on another host
+    _shared_results = spec.address.driver_on_this_host  # else it cannot map this host's files
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
     _prepare_process(spec)

@@ -82,13 +82,16 @@ _WHERE = textwrap.dedent(
         with open("/proc/self/maps") as maps:  # the host's shared file the tensor lives in
             mapped = {x.split()[5].split("/")[-1] for x in maps if "/dev/shm/nbaccel-" in x}
         return (dist.get_rank(), socket.gethostname(), os.environ["NODE_RANK"], total.item(),
-                float(weights.sum()), sorted(mapped))
+                float(weights.sum()), sorted(mapped), weights * (dist.get_rank() + 1))
 
     weights = torch.ones(1_000_000)
     results = notebook_launcher(where, (weights,), num_processes=4, hosts=["nbh1:2", "nbh2:2"],
                                 python=sys.executable, env=["NBH_FORWARD_ME"])
     for row in results:
-        print(row)
+        print(row[:-1])
+    # a 4 MB return value from another host reaches the notebook whole (inside the message:
+    # the notebook cannot map a file in that host's /dev/shm)
+    print("returned", [(float(row[-1].sum()), row[-1].shape[0]) for row in results])
     """
 )
 
@@ -111,6 +114,8 @@ def test_launcher_results_labels_and_data_once_per_host(clean_hosts):
     # the 4 MB tensor: one file in each host's own /dev/shm, mapped by both of its ranks
     assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
     assert "-0'" in rows[0] and "-1'" in rows[2], rows  # nbaccel-<token>-<node>
+    sums = [(1e6 * (rank + 1), 1000000) for rank in range(4)]
+    assert f"returned {sums}" in text, text
 
 
 _FAIL = textwrap.dedent(
@@ -288,6 +293,8 @@ _MAGIC = [
     "%%distributed\nif os.environ['RANK'] == '1':\n    raise KeyError('missing on nbh2')",
     "%%distributed\nimport time\ntime.sleep(120)",
     "%%distributed\nprint('after interrupt', host)",
+    "%%distributed\ntwice = big * (int(os.environ['RANK']) + 2)",
+    "%dist_pull twice --rank 1\nprint('pulled from nbh2', float(twice.sum()), twice.shape[0])",
     "%dist_status",
     "%dist_shutdown",
 ]
@@ -310,8 +317,11 @@ def test_magic_pool_across_hosts(clean_hosts):
     ]
     assert [e.ename for e in cell_errors(nb.cells[10])] == ["KeyboardInterrupt"]
     assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[11], texts[10] + texts[11]
-    assert "idle" in texts[12] and "nbh2" in texts[12], texts[12]
-    assert "Pool shut down." in texts[13]
+    # a 4 MB value pulled from another host: inside the message, not a file in its /dev/shm
+    assert not cell_errors(nb.cells[13]), texts[13]
+    assert "pulled from nbh2 3000000.0 1000000" in texts[13], texts[13]
+    assert "idle" in texts[14] and "nbh2" in texts[14], texts[14]
+    assert "Pool shut down." in texts[15]
 
 
 def test_many_hosts_notebook(clean_hosts):
