@@ -42,3 +42,70 @@ def test_warns_only_when_short_and_names_the_fix():
         assert warn_if_short(short, "CPU_NUM_DEVICES") is True
     message = str(caught[0].message)
     assert "pass it in args" in message and "CPU_NUM_DEVICES" in message
+
+
+def _memory_cgroup_root() -> str | None:
+    """A memory controller this process may make a child group in (root): cgroup v1's
+    ``memory`` hierarchy, or v2's root with ``memory`` enabled for its children."""
+    import os
+
+    v1, v2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
+    if os.path.exists(f"{v1}/memory.limit_in_bytes"):
+        return v1 if os.access(v1, os.W_OK) else None
+    try:
+        with open(f"{v2}/cgroup.subtree_control") as handle:
+            enabled = "memory" in handle.read().split()
+    except OSError:
+        return None
+    return v2 if enabled and os.access(v2, os.W_OK) else None
+
+
+@pytest.mark.skipif(_memory_cgroup_root() is None, reason="needs root and a memory cgroup")
+def test_a_cgroup_limit_lowers_the_memory_a_launch_may_use(tmp_path):
+    """A real cgroup with a 256 MiB limit (a container's, a SLURM job's): a process inside it
+    sees at most that much in the capacity check, the host-RAM estimate and the CPU budget of
+    a device map (``max_memory=None``)."""
+    import os
+    import subprocess
+    import sys
+
+    root = _memory_cgroup_root()
+    group = os.path.join(root, f"nbaccel-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        v1 = os.path.exists(os.path.join(group, "memory.limit_in_bytes"))
+        limit_file = "memory.limit_in_bytes" if v1 else "memory.max"
+        with open(os.path.join(group, limit_file), "w") as handle:
+            handle.write(str(256 * MiB))
+        probe = (
+            "import os, sys\n"
+            f"open({os.path.join(group, 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+            "from nbaccel.launch.capacity import available_memory, check_capacity\n"
+            "from nbaccel.launch.host_ram import estimate_host_ram\n"
+            "from nbaccel.bigmodel import get_max_memory\n"
+            "print(available_memory(), estimate_host_ram((), ranks=2).available,"
+            " get_max_memory()['cpu'])\n"
+            "try:\n"
+            "    check_capacity(24)\n"
+            "except ValueError as exc:\n"
+            "    print(exc)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        first, _, refusal = out.stdout.partition("\n")
+        seen = [int(figure) for figure in first.split()]  # capacity, host RAM, cpu budget
+        assert len(seen) == 3 and all(0 < figure <= 256 * MiB for figure in seen), out.stdout
+        # 24 forked ranks need at least 24 x 16 MiB = 384 MiB: more than the group allows
+        assert "num_processes=24 needs at least 384 MiB" in refusal, out.stdout
+        assert "Use at most" in refusal
+    finally:
+        for _ in range(50):  # the probe has exited; its group empties as it is reaped
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)

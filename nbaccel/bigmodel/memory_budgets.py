@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import psutil
 import torch
 from torch import nn
 
 from nbaccel.bigmodel.module_sizes import ModelScan, no_gc
 from nbaccel.bigmodel.size_walk import leaf_bytes
+from nbaccel.distributed.host_memory import available_memory
 from nbaccel.values.sizes import parse_size
 
 __all__ = [
@@ -60,7 +60,8 @@ def _device_rank(key: int | str) -> tuple[int, int]:
 def get_max_memory(max_memory: Mapping[int | str, int | str] | None = None) -> dict[int | str, int]:
     """Memory budget per device in bytes, ordered GPU ids first, then mps, cpu and disk.
 
-    Without ``max_memory`` the free memory of every visible GPU and the available RAM are used.
+    Without ``max_memory`` the free memory of every visible GPU and the available RAM are used
+    (RAM within a cgroup limit, where one applies: a container's is the budget, not the host's).
     Strings like ``"10GiB"`` or ``"5GB"`` are parsed; GPU ids need not exist (planning only).
     """
     if max_memory is None:
@@ -69,8 +70,8 @@ def get_max_memory(max_memory: Mapping[int | str, int | str] | None = None) -> d
             for i in range(torch.cuda.device_count()):
                 found[i] = torch.cuda.mem_get_info(i)[0]
         elif torch.backends.mps.is_available():
-            found["mps"] = psutil.virtual_memory().available
-        found["cpu"] = psutil.virtual_memory().available
+            found["mps"] = available_memory()
+        found["cpu"] = available_memory()
         return found
     parsed: dict[int | str, int] = {}
     for key, value in max_memory.items():

@@ -9,7 +9,8 @@ Two limits are checked, each with the numbers and the fix in its error:
   forked from the fork server (page tables, stacks, the pages Python's reference counts
   dirty: 4-20 MiB measured on a fresh rank), and a whole interpreter with torch imported when it
   is started fresh (``spawn``: the fork server's own resident size, measured when one runs).
-  Available memory is the system's ``MemAvailable``, lowered by a cgroup memory limit.
+  Available memory is the system's ``MemAvailable``, lowered by the tightest cgroup memory limit
+  above this process (:func:`~nbaccel.distributed.host_memory.available_memory`).
 
 The figures are floors, not forecasts: what the function itself allocates comes on top. They
 exist to stop a typo (``num_processes=10000``, ``2**63``) from growing the kernel until the OOM
@@ -21,21 +22,14 @@ from __future__ import annotations
 import os
 import resource
 
+from nbaccel.distributed.host_memory import available_memory, read_int
+
 __all__ = ["RANK_FLOOR_BYTES", "RANK_TASKS", "check_capacity"]
 
 RANK_FLOOR_BYTES = 16 << 20  # private memory of a forked rank, at least
 RANK_TASKS = 4  # threads of a rank before it runs anything (main, driver watch, gloo, ...)
 _SPAWN_FLOOR_BYTES = 256 << 20  # a fresh interpreter with torch, when no server was measured
 _MiB = 1 << 20
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as handle:
-            text = handle.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def _tasks_in_use() -> int | None:
@@ -59,18 +53,6 @@ def _user_tasks() -> int:
     return count
 
 
-def _available_memory() -> int | None:
-    """Bytes this process's cgroup and the system can still give (None: unknown)."""
-    import psutil
-
-    available = psutil.virtual_memory().available
-    limit = _read_int("/sys/fs/cgroup/memory.max")
-    used = _read_int("/sys/fs/cgroup/memory.current")
-    if limit is not None and used is not None:
-        available = min(available, max(0, limit - used))
-    return available
-
-
 def _process_limit(num_processes: int) -> str | None:
     need = num_processes * RANK_TASKS
     in_use = _tasks_in_use()
@@ -78,7 +60,7 @@ def _process_limit(num_processes: int) -> str | None:
         ("kernel.pid_max", "/proc/sys/kernel/pid_max"),
         ("kernel.threads-max", "/proc/sys/kernel/threads-max"),
     ):
-        limit = _read_int(path)
+        limit = read_int(path)
         if limit is not None and in_use is not None and in_use + need > limit:
             return (
                 f"num_processes={num_processes} needs about {need} threads ({RANK_TASKS} per "
@@ -100,8 +82,8 @@ def _process_limit(num_processes: int) -> str | None:
 
 
 def _memory_limit(num_processes: int, per_rank: int) -> str | None:
-    available = _available_memory()
-    if available is None or num_processes * per_rank <= available:
+    available = available_memory()
+    if num_processes * per_rank <= available:
         return None
     return (
         f"num_processes={num_processes} needs at least {num_processes * per_rank // _MiB} MiB "

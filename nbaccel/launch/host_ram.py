@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
+
+from nbaccel.distributed.host_memory import available_memory
 
 __all__ = ["HostRamEstimate", "HostRamWarning", "estimate_host_ram", "warn_if_short"]
 
@@ -87,11 +88,12 @@ def estimate_host_ram(
     """The host RAM ``ranks`` ranks of a launch with ``args`` need.
 
     ``device_copies_in_host_ram``: each rank's device copy of the weights is host memory
-    (torch-xla's CPU device). ``available``: bytes free (default: ``psutil``'s available now).
+    (torch-xla's CPU device). ``available``: bytes free (default: :func:`available_memory`, cgroup
+    limits included).
     """
     real, meta = _sizes(args)
     per_rank = meta + (real if device_copies_in_host_ram else 0)
-    free = psutil.virtual_memory().available if available is None else available
+    free = available_memory() if available is None else available
     return HostRamEstimate(shared=real, per_rank=per_rank, ranks=ranks, available=free)
 
 
