@@ -220,6 +220,8 @@ class Agent:
                     sid = next(self.sids)
                     self.relays[sid] = (session.lid, Relay(conn))
                     self.send(Kind.OPEN, {"lid": session.lid, "sid": sid})
+            # in the order the connections opened (a rank opens stdout, stderr, then events),
+            # each read to its end: what a rank printed before its result leaves before it
             for sid, (_, relay) in list(self.relays.items()):
                 flags = events.get(relay.fileno(), 0) if not relay.closed else 0
                 if flags & zmq.POLLOUT:

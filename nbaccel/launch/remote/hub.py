@@ -28,7 +28,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from nbaccel.launch.channel import Address
-from nbaccel.launch.remote.relay import Relay
+from nbaccel.launch.remote.relay import Ordered, Relay
 from nbaccel.launch.remote.wire import HEARTBEAT, LOST_AFTER, Kind, decode, encode, new_keys
 
 __all__ = ["Hub"]
@@ -97,6 +97,7 @@ class Hub:
         self._sent: dict[int, float] = {}
         self._lost: set[int] = set()
         self._relays: dict[tuple[int, int], Relay] = {}
+        self._inbound: dict[int, Ordered] = {}  # agent -> the queue of its connections' bytes
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbaccel-hub")
         self._thread.start()
@@ -249,7 +250,9 @@ class Hub:
             sock.close()
             self._send_now(agent, encode(Kind.CLOSE, {"sid": sid}))
             return
-        self._relays[(agent, sid)] = Relay(sock)
+        # one queue for all of an agent's connections: a rank's output reaches the group before
+        # the result it sent after it (the agent forwards them in that order)
+        self._relays[(agent, sid)] = Relay(sock, self._inbound.setdefault(agent, Ordered()))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -274,4 +277,5 @@ class Hub:
             del self._allowed[key]  # a lost agent that comes back is refused in the handshake
         for key in [k for k in self._relays if k[0] == agent]:
             self._relays.pop(key).close()
+        self._inbound.pop(agent, None)
         self.callback(agent, Kind.LOST, {"why": why})
