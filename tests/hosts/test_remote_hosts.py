@@ -294,6 +294,8 @@ _MAGIC = [
     "%%distributed\nimport time\ntime.sleep(120)",
     "%%distributed\nprint('after interrupt', host)",
     "%%distributed\nfor i in range(100_000):\n    print('flood', i)\nprint('last line', host)",
+    "%%distributed\nspins = 0\nwhile True:\n    print('spin', spins)\n    spins += 1",
+    "%%distributed\nprint('spun', spins > 1000, host)",
     "%%distributed\ntwice = big * (int(os.environ['RANK']) + 2)",
     "%dist_pull twice --rank 1\nprint('pulled from nbh2', float(twice.sum()), twice.shape[0])",
     "%dist_status",
@@ -302,7 +304,7 @@ _MAGIC = [
 
 
 def test_magic_pool_across_hosts(clean_hosts):
-    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={10: 10}, env=NO_WARMUP)
+    nb = run_notebook(_MAGIC, timeout=240, interrupt_after={10: 10, 13: 4}, env=NO_WARMUP)
     texts = [cell_text(c) for c in nb.cells]
     assert "[rank 0 @ nbh1] up on nbh1 rank 0" in texts[1], texts[1]
     assert "[rank 1 @ nbh2] up on nbh2 rank 1" in texts[1]
@@ -322,11 +324,17 @@ def test_magic_pool_across_hosts(clean_hosts):
     # call: every one is counted in its own cell (shown or in the log), none in the next
     assert "of 200002 lines not shown" in texts[12], texts[12][-2000:]
     assert "flood" not in texts[13] and "last line" not in texts[13], texts[13][:2000]
+    # the stop button during a flood: the hosts' agents send at most a window ahead of what
+    # the kernel has shown, so both ranks' answers arrive in time and the pool is kept
+    assert [e.ename for e in cell_errors(nb.cells[13])] == ["KeyboardInterrupt"]
+    assert "the pool and its names are kept" in texts[13], texts[13][-2000:]
+    assert "restarting the pool" not in texts[13]
+    assert "[rank 0 @ nbh1] spun True nbh1" in texts[14] and "spun True nbh2" in texts[14]
     # a 4 MB value pulled from another host: inside the message, not a file in its /dev/shm
-    assert not cell_errors(nb.cells[14]), texts[14]
-    assert "pulled from nbh2 3000000.0 1000000" in texts[14], texts[14]
-    assert "idle" in texts[15] and "nbh2" in texts[15], texts[15]
-    assert "Pool shut down." in texts[16]
+    assert not cell_errors(nb.cells[16]), texts[16]
+    assert "pulled from nbh2 3000000.0 1000000" in texts[16], texts[16]
+    assert "idle" in texts[17] and "nbh2" in texts[17], texts[17]
+    assert "Pool shut down." in texts[18]
 
 
 def test_many_hosts_notebook(clean_hosts):

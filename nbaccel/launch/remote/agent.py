@@ -43,6 +43,8 @@ from nbaccel.launch.remote.wire import (
     CONFIG_VAR,
     HEARTBEAT,
     LOST_AFTER,
+    RECEIVE_SLICE,
+    WINDOW,
     Kind,
     decode,
     encode,
@@ -74,10 +76,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def relay_flags(relay: Relay) -> int:
-    """What to wait for on a tunnelled connection: input unless it is closing, output while
-    bytes wait to be written."""
-    return (0 if relay.ending else zmq.POLLIN) | (zmq.POLLOUT if relay.wants_write else 0)
+def relay_flags(relay: Relay, reading: bool = True) -> int:
+    """What to wait for on a tunnelled connection: input unless it is closing (or the kernel's
+    window is full), output while bytes wait to be written."""
+    wanted = zmq.POLLIN if reading and not relay.ending else 0
+    return wanted | (zmq.POLLOUT if relay.wants_write else 0)
 
 
 def _shm_dir() -> str:
@@ -161,10 +164,16 @@ class Agent:
         self.server.add_wakeup(self._wake)
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
+        self.sent_bytes = 0  # the ranks' bytes sent to the kernel, and those it acknowledged
+        self.acked = 0
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self.wake_w, b"x")
+
+    def ahead(self) -> int:
+        """Bytes sent that the kernel has not written to its sockets yet."""
+        return self.sent_bytes - self.acked
 
     def send(self, kind: Kind, header: dict[str, Any] | None = None, payload: bytes | None = None):
         self.link.send_multipart(encode(kind, header, payload))
@@ -200,9 +209,10 @@ class Agent:
             entrances = {s.entrance.fileno(): s for s in self.sessions.values()}
             for fd in entrances:
                 poller.register(fd, zmq.POLLIN)
+            reading = self.ahead() < WINDOW
             for _, relay in self.relays.values():
-                if relay_flags(relay):
-                    poller.register(relay, relay_flags(relay))
+                if relay_flags(relay, reading):
+                    poller.register(relay, relay_flags(relay, reading))
             events = dict(poller.poll(int(HEARTBEAT * 1000)))
             if self.watch_stdin and stdin in events and not os.read(stdin, 4096):
                 _log("the kernel's ssh connection closed: stopping the ranks")
@@ -211,7 +221,8 @@ class Agent:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
             if self.link in events:
-                while self.link.poll(0):
+                until = time.monotonic() + RECEIVE_SLICE
+                while self.link.poll(0) and time.monotonic() < until:
                     if self.handle(self.link.recv_multipart()) is False:
                         return 0
             for fd, session in entrances.items():
@@ -226,7 +237,10 @@ class Agent:
                 flags = events.get(relay.fileno(), 0) if not relay.closed else 0
                 if flags & zmq.POLLOUT:
                     relay.flush()
-                if flags & zmq.POLLIN and not relay.closed and not relay.ending:
+                # a full window stops the round's reads, not one relay's: a rank's later
+                # connection (its events) is never read before its earlier ones (its output)
+                reading = reading and self.ahead() < WINDOW
+                if flags & zmq.POLLIN and reading and not relay.closed and not relay.ending:
                     self._pump(sid, relay)
                 if relay.closed:
                     del self.relays[sid]
@@ -244,6 +258,7 @@ class Agent:
             return
         if data:
             self.send(Kind.DATA, {"sid": sid}, data)
+            self.sent_bytes += len(data)
         else:
             relay.close()
             self.send(Kind.CLOSE, {"sid": sid})
@@ -258,6 +273,8 @@ class Agent:
                 relay.feed(payload)
             elif relay is not None:
                 relay.finish()  # written out first; then the loop forgets it
+        elif kind == Kind.ACK:
+            self.acked = max(self.acked, int(header["bytes"]))
         elif kind == Kind.QUIT:
             return False
         elif kind == Kind.BEGIN:

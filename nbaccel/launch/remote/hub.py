@@ -29,7 +29,16 @@ from zmq.utils import z85
 
 from nbaccel.launch.channel import Address
 from nbaccel.launch.remote.relay import Ordered, Relay
-from nbaccel.launch.remote.wire import HEARTBEAT, LOST_AFTER, Kind, decode, encode, new_keys
+from nbaccel.launch.remote.wire import (
+    HEARTBEAT,
+    LOST_AFTER,
+    RECEIVE_SLICE,
+    WINDOW,
+    Kind,
+    decode,
+    encode,
+    new_keys,
+)
 
 __all__ = ["Hub"]
 
@@ -98,6 +107,10 @@ class Hub:
         self._lost: set[int] = set()
         self._relays: dict[tuple[int, int], Relay] = {}
         self._inbound: dict[int, Ordered] = {}  # agent -> the queue of its connections' bytes
+        # agent -> bytes of its connections received, and (bytes, time) of the last ACK: what
+        # is written to the launch's sockets (or dropped) is acknowledged, moving its window
+        self._received: dict[int, int] = {}
+        self._acked: dict[int, tuple[int, float]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbaccel-hub")
         self._thread.start()
@@ -176,7 +189,8 @@ class Hub:
                 self._lose(*self._to_lose.popleft())
             self._flush_outbox()
             if self.router in events:
-                while self.router.poll(0):
+                until = time.monotonic() + RECEIVE_SLICE
+                while self.router.poll(0) and time.monotonic() < until:
                     self._receive(self.router.recv_multipart(copy=False))
             for (agent, sid), relay in list(self._relays.items()):
                 flags = events.get(relay.fileno(), 0)  # plain fds come back as numbers
@@ -194,6 +208,7 @@ class Hub:
                         self._send_now(agent, encode(Kind.CLOSE, {"sid": sid}))
                 if relay.closed:
                     del self._relays[(agent, sid)]
+            self._acknowledge()
             self._heartbeat()
 
     def _flush_outbox(self) -> None:
@@ -225,6 +240,7 @@ class Hub:
         if kind == Kind.OPEN:
             self._open(agent, int(header["sid"]), self._channels.get(str(header.get("lid"))))
         elif kind == Kind.DATA:
+            self._received[agent] = self._received.get(agent, 0) + len(payload)
             relay = self._relays.get((agent, int(header["sid"])))
             if relay is not None:
                 relay.feed(payload)
@@ -254,6 +270,18 @@ class Hub:
         # the result it sent after it (the agent forwards them in that order)
         self._relays[(agent, sid)] = Relay(sock, self._inbound.setdefault(agent, Ordered()))
 
+    def _acknowledge(self) -> None:
+        """Tell each agent how many of its bytes are written here: every quarter window, and
+        the rest within a heartbeat (the agent stops reading its ranks a window ahead)."""
+        now = time.monotonic()
+        for agent, received in self._received.items():
+            order = self._inbound.get(agent)
+            done = received - (order.size if order is not None else 0)
+            acked, at = self._acked.get(agent, (0, 0.0))
+            if done - acked >= WINDOW // 4 or (done > acked and now - at > HEARTBEAT):
+                self._acked[agent] = (done, now)
+                self._send_now(agent, encode(Kind.ACK, {"bytes": done}))
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         for agent in list(self._identity):
@@ -278,4 +306,6 @@ class Hub:
         for key in [k for k in self._relays if k[0] == agent]:
             self._relays.pop(key).close()
         self._inbound.pop(agent, None)
+        self._received.pop(agent, None)
+        self._acked.pop(agent, None)
         self.callback(agent, Kind.LOST, {"why": why})

@@ -29,6 +29,13 @@ class Ordered:
 
     def __init__(self) -> None:
         self.items: deque[tuple[Relay, memoryview]] = deque()
+        self.size = 0  # bytes queued
+
+    def add(self, relay: Relay, data: bytes) -> None:
+        self.items.append((relay, memoryview(data)))
+        self.size += len(data)
+        relay.queued += 1
+        self.flush()
 
     def head(self) -> Relay | None:
         return self.items[0][0] if self.items else None
@@ -39,7 +46,7 @@ class Ordered:
         while items:
             relay, data = items[0]
             if relay.closed:
-                items.popleft()
+                self.size -= len(items.popleft()[1])
                 continue
             try:
                 sent = relay.sock.send(data)
@@ -48,6 +55,7 @@ class Ordered:
             except OSError:
                 relay.close()
                 continue
+            self.size -= sent
             if sent < len(data):
                 items[0] = (relay, data[sent:])
                 return  # that socket is full: the rest waits for it
@@ -60,6 +68,7 @@ class Ordered:
         """Forget what is queued for ``relay`` (closed)."""
         if any(item[0] is relay for item in self.items):
             kept = [item for item in self.items if item[0] is not relay]
+            self.size = sum(len(data) for _, data in kept)
             self.items.clear()
             self.items.extend(kept)
         relay.queued = 0
@@ -87,9 +96,7 @@ class Relay:
     def feed(self, data: bytes) -> None:
         """Queue ``data``; it is written by :meth:`flush`, after everything fed before it."""
         if data and not self.closed:
-            self._order.items.append((self, memoryview(data)))
-            self.queued += 1
-            self._order.flush()
+            self._order.add(self, data)
 
     def flush(self) -> None:
         """Write what the sockets accept now; a broken peer closes its relay."""

@@ -23,7 +23,17 @@ from typing import Any
 
 import zmq
 
-__all__ = ["CONFIG_VAR", "HEARTBEAT", "LOST_AFTER", "Kind", "decode", "encode", "new_keys"]
+__all__ = [
+    "CONFIG_VAR",
+    "HEARTBEAT",
+    "LOST_AFTER",
+    "RECEIVE_SLICE",
+    "WINDOW",
+    "Kind",
+    "decode",
+    "encode",
+    "new_keys",
+]
 
 #: where srun's agents find their configuration (the job's environment, not the command line)
 CONFIG_VAR = "NBACCEL_AGENT_CONFIG"
@@ -32,6 +42,14 @@ CONFIG_VAR = "NBACCEL_AGENT_CONFIG"
 HEARTBEAT = 0.5
 #: seconds of silence after which the other side counts as lost
 LOST_AFTER = 5.0
+#: seconds a loop reads the link at most before its other duties (pings, writes, other
+#: sockets): a rank printing without pause, or a large push, must not silence the pings
+RECEIVE_SLICE = 0.05
+#: bytes of its ranks' connections an agent sends ahead of the kernel's ACKs. Past it the agent
+#: stops reading its ranks' sockets, so a rank printing without pause blocks in ``print`` as it
+#: does on the kernel's own host, instead of queueing gigabytes in the hub; and what it sends
+#: after (its result, the stop button's answer) is never more than this behind.
+WINDOW = 1 << 20
 
 
 class Kind(bytes, Enum):
@@ -57,6 +75,8 @@ class Kind(bytes, Enum):
     DATA = b"data"  # {sid} + bytes of that connection
     CLOSE = b"close"  # {sid}: that connection closed
     PING = b"ping"
+    # kernel -> agent
+    ACK = b"ack"  # {bytes}: the agent's connections' bytes written (or dropped) here so far
     # hub -> launcher, in this kernel only (never on the wire): the host's agent is gone
     LOST = b"lost"  # {why}
 
