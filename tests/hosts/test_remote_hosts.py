@@ -7,6 +7,7 @@ network with this kernel, which they reach at 10.77.0.1.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -481,3 +482,61 @@ def test_a_dead_agent_is_restarted_on_the_next_launch_with_a_notice(clean_hosts)
     assert "nbh2: its agent ended (ssh nbh2 exited with code" in texts[3], texts[3]
     assert "starting a new agent" in texts[3]
     assert "nbh1 kept: True" in texts[3] and "nbh2 new: True" in texts[3], texts[3]
+
+
+_AGENT_USE = textwrap.dedent(
+    """
+    def agent_use(first):
+        # (rss KiB, open descriptors) of each host's agent and fork server; nbaccel shm files
+        use = {}
+        for host in ("nbh1", "nbh2"):
+            agent = next(a for h, _, a in first if h == host)
+            server = next(s for h, s, _ in first if h == host)
+            script = (
+                f"for p in {agent} {server}; do grep VmRSS /proc/$p/status | tr -dc 0-9; "
+                "echo -n ' '; ls /proc/$p/fd | wc -l; done; ls /dev/shm | grep -c nbaccel || true"
+            )
+            out = subprocess.run(['ssh', '-F', '/var/lib/nbaccel-hosts/ssh_config', host, script],
+                                 capture_output=True, text=True).stdout.split()
+            use[host] = [int(x) for x in out]
+        return use
+    """
+)
+
+
+def test_hundreds_of_launches_across_hosts_leave_the_agents_as_they_were(clean_hosts):
+    """A day's use in one kernel: 200 warm launches on 2 hosts, every result right; the agents
+    and their fork servers keep their descriptors and (nearly) their memory, no shared file is
+    left on a host, and the kernel's own descriptors are back where they started."""
+    loop = (
+        "import psutil\n"
+        "def plus(x):\n"
+        "    import os\n"
+        "    return int(os.environ['RANK']) + x\n"
+        "me = psutil.Process(); fds = me.num_fds()\n"
+        "wrong = [i for i in range(200) if notebook_launcher(plus, (i,), num_processes=4,\n"
+        "         hosts=['nbh1:2', 'nbh2:2']) != [i, i + 1, i + 2, i + 3]]\n"
+        "print('wrong', wrong, 'kernel fds', me.num_fds() - fds, '.')"
+    )
+    cells = [
+        _LINEAGE,
+        _AGENT_USE,
+        "first = launch(); before = agent_use(first)",
+        loop,
+        "import json\nafter = agent_use(first)\nprint('USE', json.dumps([before, after]))",
+    ]
+    nb = run_notebook(cells, timeout=600, env=NO_WARMUP)
+    texts = [cell_text(c) for c in nb.cells]
+    assert not any(cell_errors(c) for c in nb.cells), texts
+    assert "wrong [] kernel fds" in texts[3], texts[3][-3000:]
+    # a leak would be one or more per launch; the kernel's own machinery moves one or two
+    assert int(texts[3].split("kernel fds ", 1)[1].split()[0]) <= 2, texts[3][-3000:]
+    before, after = json.loads(texts[4].split("USE ", 1)[1])
+    for host in ("nbh1", "nbh2"):
+        agent_rss, agent_fds, server_rss, server_fds, shm = after[host]
+        assert (agent_fds, server_fds, shm) == (before[host][1], before[host][3], 0), (
+            before,
+            after,
+        )
+        assert agent_rss - before[host][0] < 8 * 1024, (before, after)  # KiB
+        assert server_rss - before[host][2] < 8 * 1024, (before, after)
