@@ -253,7 +253,8 @@ class Agent:
                 self.send(Kind.PING)
 
     def _pump(self, sid: int, relay: Relay) -> None:
-        data = relay.read()
+        data = relay.read(WINDOW - self.ahead())  # a relay cut short here fills the window:
+        # the round reads no later connection (see run)
         if data is None:
             return
         if data:

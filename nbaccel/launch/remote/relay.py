@@ -102,16 +102,16 @@ class Relay:
         """Write what the sockets accept now; a broken peer closes its relay."""
         self._order.flush()
 
-    def read(self) -> bytes | None:
+    def read(self, limit: int = _READ_AT_ONCE) -> bytes | None:
         """What arrived, up to what was there when the loop last looked (more when it keeps
-        coming, to a bound): bytes, ``b""`` when the peer closed (or broke), None when nothing
-        yet. All of it, not one chunk: what a rank wrote before a message on another of its
-        connections must leave first."""
+        coming), at most ``limit`` bytes: bytes, ``b""`` when the peer closed (or broke), None
+        when nothing yet. All of it, not one chunk: what a rank wrote before a message on
+        another of its connections must leave first."""
         pieces: list[bytes] = []
         size = 0
-        while size < _READ_AT_ONCE:
+        while size < limit:
             try:
-                piece = self.sock.recv(_CHUNK)
+                piece = self.sock.recv(min(_CHUNK, limit - size))
             except BlockingIOError:
                 break
             except OSError:
