@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from nbaccel.launch.channel import Connection, encode
+from nbaccel.launch.channel import INCOMPLETE, Connection, encode
 from nbaccel.launch.protocol import Message
 
 
@@ -59,3 +59,38 @@ def test_a_message_arriving_a_byte_at_a_time_comes_out_whole():
         a.close()
         with pytest.raises(EOFError):
             conn.recv()
+
+
+def test_a_reader_of_many_connections_takes_a_large_message_in_pieces_without_waiting():
+    """``recv_ready`` reads once and returns: a 6 MB message whose bytes arrive in pieces (as
+    through a host agent's paced tunnel) is handed over only when whole, and the reader is
+    never stuck in the middle of it while another connection has bytes for it."""
+    a, b = socket.socketpair()
+    other_a, other_b = socket.socketpair()
+    reader = Connection(_CountingSocket(a))
+    payload = bytes(range(256)) * 24_000  # 6 MB
+    frames = encode([(Message.RESULT, 7, payload)])
+    pieces = [frames[i : i + 100_000] for i in range(0, len(frames), 100_000)]
+    seen_other = []
+    for piece in pieces[:-1]:
+        b.sendall(piece)
+        other_b.sendall(b"x")  # the other connection, served between the pieces
+        while _readable(a):  # what a selector does: read while the socket says readable
+            assert reader.recv_ready() is INCOMPLETE
+        seen_other.append(other_a.recv(1))
+    b.sendall(pieces[-1])
+    message = INCOMPLETE
+    while message is INCOMPLETE and _readable(a):
+        message = reader.recv_ready()
+    assert message == (Message.RESULT, 7, payload)
+    assert seen_other == [b"x"] * (len(pieces) - 1)
+    assert not reader.buffered()
+    b.close()
+    with pytest.raises(EOFError):
+        reader.recv_ready()
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])

@@ -31,6 +31,7 @@ from typing import Any
 from nbaccel.launch.pickling import dumps_message
 
 __all__ = [
+    "INCOMPLETE",
     "AuthenticationFailed",
     "Connection",
     "Handshake",
@@ -128,6 +129,23 @@ class Connection:
                 raise EOFError("connection closed")
             self._buffer += chunk
 
+    def recv_ready(self) -> Any:
+        """The next message if it is whole after at most one read (call it when a selector
+        says the socket is readable), else :data:`INCOMPLETE`. A reader serving many
+        connections uses it: a large message arriving in pieces (through a host agent's
+        tunnel, which paces each connection) must not hold the reader while the pieces it
+        waits for sit behind the other connections' bytes."""
+        frame = self._take_frame()
+        if frame is None:
+            chunk = self.sock.recv(self._wanted())
+            if not chunk:
+                raise EOFError("connection closed")
+            self._buffer += chunk
+            frame = self._take_frame()
+            if frame is None:
+                return INCOMPLETE
+        return pickle.loads(frame)
+
     def buffered(self) -> bool:
         """True when a whole message is already read from the socket: a selector will not say
         so, so a reader woken by it calls :meth:`recv` until this is False."""
@@ -161,6 +179,10 @@ class Connection:
             self.sock.close()
         except OSError:
             pass
+
+
+#: what :meth:`Connection.recv_ready` returns while a message is not whole yet
+INCOMPLETE = object()
 
 
 @dataclass

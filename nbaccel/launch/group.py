@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from nbaccel.launch.channel import (
+    INCOMPLETE,
     Connection,
     Handshake,
     Listener,
@@ -291,10 +292,13 @@ class WorkerGroup(RankConnections, RankEnds):
 
     def _read_event(self, state: RankState) -> None:
         """Handle the messages that woke the selector: one read, then every whole message it
-        brought (a rank's last events and its outcome come in one write)."""
+        brought (a rank's last events and its outcome come in one write). A message not whole
+        yet waits in the connection's buffer for the next wake-up."""
         while True:
             try:
-                message = state.events.recv()
+                message = state.events.recv_ready()
+                if message is INCOMPLETE:
+                    return
             except (EOFError, OSError, pickle.UnpicklingError):
                 self._news = True
                 self._selector.unregister(state.events)
