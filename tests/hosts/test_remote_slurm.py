@@ -133,6 +133,8 @@ def test_magic_through_srun(allocation, slurm_cluster):
         "%%distributed\nprint('kept', me * 10)",
         "%%distributed\nimport time\ntime.sleep(120)",
         "%%distributed --ranks 1\nprint('after interrupt', me)",
+        "%%distributed\nfor i in range(50_000):\n    print('flood', i)",
+        "%%distributed\nimport torch\ntorch.full((1_000_000,), float(me))",
         "%dist_shutdown",
     ]
     nb = run_notebook(cells, timeout=240, interrupt_after={3: 8}, env=allocation)
@@ -141,7 +143,11 @@ def test_magic_through_srun(allocation, slurm_cluster):
     assert f"[rank 1 @ {node}] kept 10" in texts[2]
     assert [e.ename for e in cell_errors(nb.cells[3])] == ["KeyboardInterrupt"]
     assert f"[rank 1 @ {node}] after interrupt 1" in texts[4]
-    assert "Pool shut down." in texts[5]
+    # through the job step's agent: every line counted in its own cell, none in the next
+    assert "of 100000 lines not shown" in texts[5], texts[5][-2000:]
+    assert "flood" not in texts[6] and not cell_errors(nb.cells[6]), texts[6][:2000]
+    assert f"[rank 1 @ {node}] tensor([1., 1., 1.,  ..., 1., 1., 1.])" in texts[6], texts[6]
+    assert "Pool shut down." in texts[7]
 
 
 _LINEAGE = textwrap.dedent(
