@@ -143,7 +143,9 @@ def test_first_failure_has_its_type_rank_and_host(clean_hosts):
     assert "kernel still usable" in cell_text(nb.cells[1])
 
 
-def _sleeper(folder: str, hosts: str = '["nbh1:1", "nbh2:1"]') -> str:
+def _sleeper(folder: str, hosts: str = '["nbh1:1", "nbh2:1"]', flood: bool = False) -> str:
+    """Ranks that say they are up (a file in ``folder``), then sleep, or print without pause."""
+    wait = "while True:\n                print('flood ' * 20)" if flood else "time.sleep(300)"
     return textwrap.dedent(
         f"""
         from nbaccel import notebook_launcher
@@ -151,7 +153,7 @@ def _sleeper(folder: str, hosts: str = '["nbh1:1", "nbh2:1"]') -> str:
         def sleep_long(folder):
             import os, time
             open(os.path.join(folder, os.environ["RANK"]), "w").close()
-            time.sleep(300)
+            {wait}
 
         notebook_launcher(sleep_long, ({folder!r},), num_processes=2, hosts={hosts})
         """
@@ -198,8 +200,10 @@ def test_killed_agent_names_its_host(clean_hosts, shared_tmp):
     assert "rank 1 @ nbh2 was lost: host nbh2 lost" in errors[0].evalue
 
 
-def test_kernel_death_leaves_no_process_on_any_host(clean_hosts, shared_tmp):
-    """SIGKILL the kernel mid-launch: ssh's stdin closes, each agent kills its ranks."""
+@pytest.mark.parametrize("flood", [False, True], ids=["sleeping", "printing"])
+def test_kernel_death_leaves_no_process_on_any_host(clean_hosts, shared_tmp, flood):
+    """SIGKILL the kernel mid-launch: ssh's stdin closes, each agent kills its ranks (also
+    while they print without pause and the agents hold back a full window)."""
     from jupyter_client.manager import KernelManager
 
     folder = shared_tmp / "up"
@@ -212,7 +216,7 @@ def test_kernel_death_leaves_no_process_on_any_host(clean_hosts, shared_tmp):
         client.start_channels()
         client.wait_for_ready(60)
         client.execute(f"import sys; sys.executable == {sys.executable!r} or exit(3)")
-        client.execute(_sleeper(str(folder)))
+        client.execute(_sleeper(str(folder), flood=flood))
         deadline = time.monotonic() + 200
         while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
