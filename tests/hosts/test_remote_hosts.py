@@ -544,3 +544,40 @@ def test_hundreds_of_launches_across_hosts_leave_the_agents_as_they_were(clean_h
         )
         assert agent_rss - before[host][0] < 8 * 1024, (before, after)  # KiB
         assert server_rss - before[host][2] < 8 * 1024, (before, after)
+
+
+def test_a_pool_printing_between_cells_does_not_hold_up_a_launch_on_the_same_hosts(clean_hosts):
+    """A pool rank's thread prints while no cell runs (nobody reads the pool's output then, so
+    its window on the host fills); a one-shot launch on the same hosts still starts and
+    returns, and the pool's next cell still works. Each launch has its own window and queue."""
+    cells = [
+        "%load_ext nbaccel",
+        "%%distributed --hosts nbh1:1,nbh2:1\n"
+        "import threading, itertools\n"
+        "stop = threading.Event()\n"
+        "def chatter():\n"
+        "    for i in itertools.count():\n"
+        "        if stop.is_set():\n"
+        "            return\n"
+        "        print('chatter', i)\n"
+        "threading.Thread(target=chatter, daemon=True).start()",
+        "import time\ntime.sleep(3)",  # the pool's window on each host fills meanwhile
+        "from nbaccel import notebook_launcher\n"
+        "def rank():\n"
+        "    import os\n"
+        "    return int(os.environ['RANK'])\n"
+        "t = time.perf_counter()\n"
+        "got = notebook_launcher(rank, num_processes=4, hosts=['nbh1:2', 'nbh2:2'], timeout=60)\n"
+        "print('launch returned', got, time.perf_counter() - t < 30)",
+        "%%distributed\nstop.set()",  # shows the chatter held back so far, then it stops
+        "%%distributed\nprint('pool still here')",
+        "%dist_shutdown",
+    ]
+    nb = run_notebook(cells, timeout=240, env=NO_WARMUP)
+    texts = [cell_text(c) for c in nb.cells]
+    assert not cell_errors(nb.cells[3]), texts[3][-2000:]
+    assert "launch returned [0, 1, 2, 3] True" in texts[3], texts[3][-2000:]
+    assert not cell_errors(nb.cells[4]), texts[4][-2000:]
+    assert "chatter" in texts[4]  # what the pool's ranks printed between cells is not lost
+    assert "[rank 1 @ nbh2] pool still here" in texts[5], texts[5][-2000:]
+    assert "chatter" not in texts[5], texts[5][-2000:]

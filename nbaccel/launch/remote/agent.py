@@ -164,16 +164,17 @@ class Agent:
         self.server.add_wakeup(self._wake)
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
-        self.sent_bytes = 0  # the ranks' bytes sent to the kernel, and those it acknowledged
-        self.acked = 0
+        # launch id -> its ranks' bytes sent to the kernel, and those the kernel acknowledged
+        self.sent_bytes: dict[str, int] = {}
+        self.acked: dict[str, int] = {}
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self.wake_w, b"x")
 
-    def ahead(self) -> int:
-        """Bytes sent that the kernel has not written to its sockets yet."""
-        return self.sent_bytes - self.acked
+    def ahead(self, lid: str) -> int:
+        """Bytes of launch ``lid`` sent that the kernel has not written to its sockets yet."""
+        return self.sent_bytes.get(lid, 0) - self.acked.get(lid, 0)
 
     def send(self, kind: Kind, header: dict[str, Any] | None = None, payload: bytes | None = None):
         self.link.send_multipart(encode(kind, header, payload))
@@ -209,10 +210,13 @@ class Agent:
             entrances = {s.entrance.fileno(): s for s in self.sessions.values()}
             for fd in entrances:
                 poller.register(fd, zmq.POLLIN)
-            reading = self.ahead() < WINDOW
-            for _, relay in self.relays.values():
-                if relay_flags(relay, reading):
-                    poller.register(relay, relay_flags(relay, reading))
+            # each launch has its own window: a pool whose output waits for its next cell
+            # (nobody reads it in between) must not hold up another launch's ranks
+            reading = {lid: self.ahead(lid) < WINDOW for lid in self.sessions}
+            for lid, relay in self.relays.values():
+                flags = relay_flags(relay, reading.get(lid, False))
+                if flags:
+                    poller.register(relay, flags)
             events = dict(poller.poll(int(HEARTBEAT * 1000)))
             if self.watch_stdin and stdin in events and not os.read(stdin, 4096):
                 _log("the kernel's ssh connection closed: stopping the ranks")
@@ -233,15 +237,15 @@ class Agent:
                     self.send(Kind.OPEN, {"lid": session.lid, "sid": sid})
             # in the order the connections opened (a rank opens stdout, stderr, then events),
             # each read to its end: what a rank printed before its result leaves before it
-            for sid, (_, relay) in list(self.relays.items()):
+            for sid, (lid, relay) in list(self.relays.items()):
                 flags = events.get(relay.fileno(), 0) if not relay.closed else 0
                 if flags & zmq.POLLOUT:
                     relay.flush()
-                # a full window stops the round's reads, not one relay's: a rank's later
-                # connection (its events) is never read before its earlier ones (its output)
-                reading = reading and self.ahead() < WINDOW
-                if flags & zmq.POLLIN and reading and not relay.closed and not relay.ending:
-                    self._pump(sid, relay)
+                # a full window stops the round's reads of that launch, not one relay's: a
+                # rank's later connection (its events) is never read before its earlier ones
+                reading[lid] = reading.get(lid, False) and self.ahead(lid) < WINDOW
+                if flags & zmq.POLLIN and reading[lid] and not relay.closed and not relay.ending:
+                    self._pump(sid, lid, relay)
                 if relay.closed:
                     del self.relays[sid]
             self.report_exits()
@@ -252,14 +256,14 @@ class Agent:
             if now - self.last_sent > HEARTBEAT:
                 self.send(Kind.PING)
 
-    def _pump(self, sid: int, relay: Relay) -> None:
-        data = relay.read(WINDOW - self.ahead())  # a relay cut short here fills the window:
-        # the round reads no later connection (see run)
+    def _pump(self, sid: int, lid: str, relay: Relay) -> None:
+        data = relay.read(WINDOW - self.ahead(lid))  # a relay cut short here fills the window:
+        # the round reads no later connection of the launch (see run)
         if data is None:
             return
         if data:
-            self.send(Kind.DATA, {"sid": sid}, data)
-            self.sent_bytes += len(data)
+            self.send(Kind.DATA, {"sid": sid, "lid": lid}, data)
+            self.sent_bytes[lid] = self.sent_bytes.get(lid, 0) + len(data)
         else:
             relay.close()
             self.send(Kind.CLOSE, {"sid": sid})
@@ -275,7 +279,9 @@ class Agent:
             elif relay is not None:
                 relay.finish()  # written out first; then the loop forgets it
         elif kind == Kind.ACK:
-            self.acked = max(self.acked, int(header["bytes"]))
+            lid = str(header["lid"])
+            if lid in self.sessions:
+                self.acked[lid] = max(self.acked.get(lid, 0), int(header["bytes"]))
         elif kind == Kind.QUIT:
             return False
         elif kind == Kind.BEGIN:
@@ -332,6 +338,8 @@ class Agent:
             return
         for sid in [sid for sid, (owner, _) in self.relays.items() if owner == lid]:
             self.relays.pop(sid)[1].close()
+        self.sent_bytes.pop(lid, None)
+        self.acked.pop(lid, None)
         self.dying.extend(session.close())
 
     def spawn(self, session: Session, rank: int, spec_bytes: bytes) -> None:

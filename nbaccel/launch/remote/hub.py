@@ -106,11 +106,12 @@ class Hub:
         self._sent: dict[int, float] = {}
         self._lost: set[int] = set()
         self._relays: dict[tuple[int, int], Relay] = {}
-        self._inbound: dict[int, Ordered] = {}  # agent -> the queue of its connections' bytes
-        # agent -> bytes of its connections received, and (bytes, time) of the last ACK: what
-        # is written to the launch's sockets (or dropped) is acknowledged, moving its window
-        self._received: dict[int, int] = {}
-        self._acked: dict[int, tuple[int, float]] = {}
+        # (agent, launch id) -> the queue of that launch's connections' bytes on that host,
+        # the bytes received, and (bytes, time) of the last ACK: what is written to the
+        # launch's sockets (or dropped) is acknowledged, moving the agent's window for it
+        self._inbound: dict[tuple[int, str], Ordered] = {}
+        self._received: dict[tuple[int, str], int] = {}
+        self._acked: dict[tuple[int, str], tuple[int, float]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbaccel-hub")
         self._thread.start()
@@ -238,9 +239,10 @@ class Hub:
         self._identity[agent] = identity.bytes
         self._heard[agent] = time.monotonic()
         if kind == Kind.OPEN:
-            self._open(agent, int(header["sid"]), self._channels.get(str(header.get("lid"))))
+            self._open(agent, int(header["sid"]), str(header.get("lid")))
         elif kind == Kind.DATA:
-            self._received[agent] = self._received.get(agent, 0) + len(payload)
+            key = (agent, str(header.get("lid")))
+            self._received[key] = self._received.get(key, 0) + len(payload)
             relay = self._relays.get((agent, int(header["sid"])))
             if relay is not None:
                 relay.feed(payload)
@@ -251,8 +253,9 @@ class Hub:
         elif kind != Kind.PING:
             self.callback(agent, kind, header)
 
-    def _open(self, agent: int, sid: int, address: Address | None) -> None:
+    def _open(self, agent: int, sid: int, lid: str) -> None:
         """A rank of agent ``agent`` connects to its group's listener: connect on its behalf."""
+        address = self._channels.get(lid)
         family = (
             socket.AF_UNIX if address is not None and address.family == "unix" else socket.AF_INET
         )
@@ -266,21 +269,26 @@ class Hub:
             sock.close()
             self._send_now(agent, encode(Kind.CLOSE, {"sid": sid}))
             return
-        # one queue for all of an agent's connections: a rank's output reaches the group before
-        # the result it sent after it (the agent forwards them in that order)
-        self._relays[(agent, sid)] = Relay(sock, self._inbound.setdefault(agent, Ordered()))
+        # one queue for all of a launch's connections on a host: a rank's output reaches the
+        # group before the result it sent after it (the agent forwards them in that order)
+        order = self._inbound.setdefault((agent, lid), Ordered())
+        self._relays[(agent, sid)] = Relay(sock, order)
 
     def _acknowledge(self) -> None:
         """Tell each agent how many of its bytes are written here: every quarter window, and
         the rest within a heartbeat (the agent stops reading its ranks a window ahead)."""
         now = time.monotonic()
-        for agent, received in self._received.items():
-            order = self._inbound.get(agent)
+        for key, received in list(self._received.items()):
+            agent, lid = key
+            order = self._inbound.get(key)
             done = received - (order.size if order is not None else 0)
-            acked, at = self._acked.get(agent, (0, 0.0))
+            acked, at = self._acked.get(key, (0, 0.0))
             if done - acked >= WINDOW // 4 or (done > acked and now - at > HEARTBEAT):
-                self._acked[agent] = (done, now)
-                self._send_now(agent, encode(Kind.ACK, {"bytes": done}))
+                self._acked[key] = (done, now)
+                self._send_now(agent, encode(Kind.ACK, {"lid": lid, "bytes": done}))
+            elif lid not in self._channels and done == acked:  # the launch is over
+                for table in (self._received, self._acked, self._inbound):
+                    table.pop(key, None)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -305,7 +313,7 @@ class Hub:
             del self._allowed[key]  # a lost agent that comes back is refused in the handshake
         for key in [k for k in self._relays if k[0] == agent]:
             self._relays.pop(key).close()
-        self._inbound.pop(agent, None)
-        self._received.pop(agent, None)
-        self._acked.pop(agent, None)
+        for table in (self._inbound, self._received, self._acked):
+            for key in [k for k in table if k[0] == agent]:
+                del table[key]
         self.callback(agent, Kind.LOST, {"why": why})

@@ -45,10 +45,11 @@ LOST_AFTER = 5.0
 #: seconds a loop reads the link at most before its other duties (pings, writes, other
 #: sockets): a rank printing without pause, or a large push, must not silence the pings
 RECEIVE_SLICE = 0.05
-#: bytes of its ranks' connections an agent sends ahead of the kernel's ACKs. Past it the agent
-#: stops reading its ranks' sockets, so a rank printing without pause blocks in ``print`` as it
-#: does on the kernel's own host, instead of queueing gigabytes in the hub; and what it sends
-#: after (its result, the stop button's answer) is never more than this behind.
+#: bytes of a launch's connections an agent sends ahead of the kernel's ACKs (each launch its
+#: own window). Past it the agent stops reading that launch's ranks' sockets, so a rank printing
+#: without pause blocks in ``print`` as it does on the kernel's own host, instead of queueing
+#: gigabytes in the hub; and what it sends after (its result, the stop button's answer) is never
+#: more than this behind.
 WINDOW = 1 << 20
 
 
@@ -72,11 +73,11 @@ class Kind(bytes, Enum):
     QUIT = b"quit"  # the kernel is ending: stop every rank and exit
     # both ways
     OPEN = b"open"  # {lid, sid}: a rank opened a connection to its launch's channel
-    DATA = b"data"  # {sid} + bytes of that connection
+    DATA = b"data"  # {sid} (+ {lid} from an agent: whose window) + bytes of that connection
     CLOSE = b"close"  # {sid}: that connection closed
     PING = b"ping"
     # kernel -> agent
-    ACK = b"ack"  # {bytes}: the agent's connections' bytes written (or dropped) here so far
+    ACK = b"ack"  # {lid, bytes}: that launch's bytes from the agent written (or dropped) here
     # hub -> launcher, in this kernel only (never on the wire): the host's agent is gone
     LOST = b"lost"  # {why}
 
