@@ -25,6 +25,10 @@ SIZES = {  # label: (layers, experts); tensors = layers * (7 + 3 * experts) + 3
     "3k": (16, 64),  # 3,187 tensors
     "37k": (48, 256),  # 37,203 tensors: 12x the tensors of 3k
 }
+# The model of issue 23 and ANCHORS.md ("3,104 tensors 0.34 s; ... 36,960 tensors 5.7 s"):
+# blocks of a norm, a router and the experts, nothing kept whole.
+# tensors = layers * (2 + 3 * experts)
+ISSUE_SIZES = {"moe_3k": (16, 64), "moe_37k": (48, 256)}  # 3,104 and 36,960 tensors
 
 
 class RMSNorm(nn.Module):
@@ -75,9 +79,30 @@ class MoeModel(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
 
+class MoeBlock(nn.Module):
+    def __init__(self, d: int, f: int, experts: int):
+        super().__init__()
+        self.norm = RMSNorm(d)
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, f) for _ in range(experts))
+
+
+class MoeStack(nn.Module):
+    """The issue's model: MoE blocks only (no attention, no embeddings)."""
+
+    def __init__(self, layers: int, experts: int, d: int = 1024, f: int = 512):
+        super().__init__()
+        self.layers = nn.ModuleList(MoeBlock(d, f, experts) for _ in range(layers))
+
+
 def build(layers: int, experts: int) -> nn.Module:
     with torch.device("meta"):
         return MoeModel(layers, experts)
+
+
+def build_issue(layers: int, experts: int) -> nn.Module:
+    with torch.device("meta"):
+        return MoeStack(layers, experts)
 
 
 def bare_walk(model: nn.Module) -> int:
@@ -116,17 +141,19 @@ def measure(
     args: argparse.Namespace,
     whole: bool = True,
     tied: bool = False,
+    builder=build,
 ) -> dict:
     """Plan one model with both libraries (same model object, same budgets). ``whole``: the
     decoder layers are ``no_split_module_classes``; without it the fill splits layers down to
     single experts and tensors where a device fills up (maps of ~800 entries, not ~50).
-    ``tied``: the output head shares the embedding's weight, as many LLMs do."""
+    ``tied``: the output head shares the embedding's weight, as many LLMs do. ``builder``:
+    ``build`` (decoder layers with attention and embeddings) or ``build_issue``."""
     from accelerate.utils import infer_auto_device_map as acc_infer
 
     from nbaccel.bigmodel import compute_module_sizes
     from nbaccel.bigmodel import infer_auto_device_map as nb_infer
 
-    model = build(layers, experts)
+    model = builder(layers, experts)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     tensors = sum(1 for _ in model.parameters())
@@ -205,8 +232,21 @@ def measure_balanced(layers: int, experts: int, args: argparse.Namespace) -> dic
     }
 
 
+def growth_of(small: dict, large: dict) -> dict:
+    """How the tensors, and each library's time, grow from one size to the other."""
+    growth = {"tensors": round(large["tensors"] / small["tensors"], 2)}
+    for tool in ("nbaccel", "accelerate"):
+        growth[f"{tool}_cpu"] = round(large[f"{tool}_cpu_s"] / small[f"{tool}_cpu_s"], 2)
+        growth[f"{tool}_wall"] = round(large[f"{tool}_s"] / small[f"{tool}_s"], 2)
+        print(
+            f"{small['model']} -> {large['model']}, {tool}: {growth['tensors']:.1f}x the tensors"
+            f" -> {growth[f'{tool}_cpu']:.1f}x the CPU time"
+        )
+    return growth
+
+
 def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
-    """Both sizes, both libraries; the report (also for benchmarks/gate)."""
+    """Both sizes of both models, both libraries; the report (also for benchmarks/gate)."""
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available"
     import accelerate
 
@@ -217,20 +257,18 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
     split = measure("37k", layers, experts, args, whole=False)
     tied = measure("37k", layers, experts, args, tied=True)
     balanced = measure_balanced(layers, experts, args)
-    growth = {"tensors": round(last["tensors"] / first["tensors"], 2)}
-    for tool in ("nbaccel", "accelerate"):
-        growth[f"{tool}_cpu"] = round(last[f"{tool}_cpu_s"] / first[f"{tool}_cpu_s"], 2)
-        growth[f"{tool}_wall"] = round(last[f"{tool}_s"] / first[f"{tool}_s"], 2)
-        print(
-            f"{tool}: {growth['tensors']:.1f}x the tensors -> {growth[f'{tool}_cpu']:.1f}x the "
-            "CPU time"
-        )
+    issue = [
+        measure(label, layers, experts, args, whole=False, builder=build_issue)
+        for label, (layers, experts) in ISSUE_SIZES.items()
+    ]
     return {
         "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
         "accelerate": accelerate.__version__,
         "rows": rows,
-        "growth": growth,
+        "growth": growth_of(first, last),
+        "issue_rows": issue,
+        "issue_growth": growth_of(*issue),
         "split": split,
         "tied": tied,
         "balanced": balanced,
