@@ -34,6 +34,15 @@ CELLS = {
         '    raise ValueError(f"bad shard on rank {rank}")\n'
         '"fine"'
     ),
+    "runaway": (
+        "%%distributed\n"
+        "def down(n):\n"
+        "    return down(n + 1) if rank == 0 else 1 / 0 if n > 5 else down(n + 1)\n"
+        "try:\n"
+        "    down(0)\n"
+        "except ZeroDivisionError:\n"
+        '    raise ValueError("v" * 300_000)'
+    ),
     "name_error": "only_here = 3\n%dist_status --help",
     "name_error_cell": "%%distributed\nonly_here + 1",
     "after_error": '%%distributed\nprint("after error", rank, t.item(), x)',
@@ -148,6 +157,19 @@ def test_rank_error_is_original_type_with_cell_traceback(nb):
     assert re.search(r"<rank-cell-\d+>\", line 4", traceback)
     assert 'raise ValueError(f"bad shard on rank {rank}")' in traceback
     assert "[rank 0] 'fine'" in cell_text(nb["error"])
+
+
+def test_rank_errors_show_bounded_in_the_cell(nb):
+    """A runaway recursion and a 300,000-character message: the cell's error shows Python's
+    "[Previous line repeated ...]" and a cut message with its notice, not megabytes."""
+    (error,) = cell_errors(nb["runaway"])
+    assert error.ename in ("RecursionError", "ValueError")  # whichever rank reported first
+    shown = error.evalue + "\n".join(error.traceback)
+    if error.ename == "RecursionError":
+        assert re.search(r"\[Previous line repeated \d{3} more times\]", shown)
+    else:
+        assert "290,000 more characters not shown" in shown
+    assert len(shown) < 60_000, len(shown)
 
 
 def test_name_error_says_to_push(nb):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import sys
+import traceback
 
 import pytest
 import torch
@@ -162,3 +164,72 @@ def test_large_result_arrives_through_shared_memory_and_leaves_nothing():
         where = _mapped_file(value["whole"].data_ptr())
         assert where.startswith("/dev/shm/nbaccel-") and where.endswith("(deleted)"), where
     assert _shm() - before == set()
+
+
+def _runaway(kind: str) -> None:
+    def down(n: int) -> int:
+        return down(n + 1)
+
+    if os.environ["RANK"] == "1":
+        if kind == "recursion":
+            down(0)
+        raise ValueError("m" * 500_000 + "END")
+
+
+def test_a_huge_message_is_cut_with_a_notice_and_kept_whole_in_args():
+    with pytest.raises(ValueError) as info:
+        notebook_launcher(_runaway, ("message",), num_processes=2, renderer=Renderer())
+    exc = info.value
+    shown = str(exc)
+    assert shown.startswith("[rank 1] mmm") and "END" not in shown
+    assert shown.endswith(
+        "[490,003 more characters not shown: the whole message is in the exception's args]"
+    )
+    assert exc.args == ("m" * 500_000 + "END",)  # nothing lost
+    text = "".join(traceback.format_exception(exc))  # what the notebook prints, cause included
+    assert len(text) < 25_000 and text.count("more characters not shown") == 2
+    again = pickle.loads(pickle.dumps(exc))
+    assert isinstance(again, ValueError) and again.args == exc.args
+
+
+def test_a_runaway_recursion_collapses_as_python_collapses_it():
+    with pytest.raises(RecursionError) as info:
+        notebook_launcher(_runaway, ("recursion",), num_processes=2, renderer=Renderer())
+    remote = str(info.value.__cause__)
+    assert remote.count("in down") == 3  # three shown, then the notice, as Python does
+    repeated = re.search(r"\[Previous line repeated (\d+) more times\]", remote)
+    assert repeated and int(repeated.group(1)) > 900
+    assert len(remote.splitlines()) < 20
+    assert str(info.value) == "[rank 1] maximum recursion depth exceeded"
+
+
+def test_frame_runs_collapse_like_pythons_own_tracebacks():
+    """format_frames against traceback.format_list on the same frames: runs of 1 to 5 calls."""
+    from nbaccel.launch.errors import format_frames
+
+    def run(depth: int, n: int = 0) -> None:
+        if n < depth:
+            run(depth, n + 1)
+        else:
+            raise KeyError("bottom")
+
+    for depth in range(6):
+        try:
+            run(depth)
+        except KeyError as err:
+            summary = traceback.extract_tb(err.__traceback__)
+        ours = format_frames(
+            {
+                "frames": [(f.filename, f.lineno, f.name, f.line) for f in summary],
+                "name": "KeyError",
+                "message": "'bottom'",
+            },
+            None,
+        )
+        pythons = [
+            line
+            for chunk in summary.format()
+            for line in chunk.splitlines()
+            if not set(line.strip()) <= {"^", "~"}  # Python 3.11's carets under the code
+        ]
+        assert ours.splitlines()[1:-1] == pythons, depth

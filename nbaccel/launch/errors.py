@@ -3,6 +3,10 @@
 The original exception type is re-raised (``ValueError`` stays ``ValueError``) with its message
 prefixed by the rank, and a :class:`RemoteTraceback` attached as ``__cause__`` so the notebook
 shows the rank's own frames (launcher internals trimmed, notebook cell lines filled in).
+
+What the notebook shows is bounded like a rank's output: a message longer than
+``MESSAGE_SHOWN_CHARS`` is cut with a notice (the exception's ``args`` keep all of it), and runs of
+one repeated frame (a runaway recursion) collapse as Python's own tracebacks collapse them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 
 __all__ = [
+    "MESSAGE_SHOWN_CHARS",
     "add_to_message",
+    "bounded_message",
     "LaunchTimeout",
     "RankCrashed",
     "RankError",
@@ -46,6 +52,22 @@ _PEER_LOSS_TEXT = (
 
 _INTERNAL: list[str] = [os.path.dirname(os.path.abspath(__file__))]
 
+# Characters of a rank's exception message the notebook shows (as many as of one output line).
+MESSAGE_SHOWN_CHARS = 10_000
+_REPEATS_SHOWN = 3  # identical frames in a row shown before "[Previous line repeated ...]"
+
+
+def bounded_message(message: str) -> str:
+    """``message`` as the notebook shows it: whole up to ``MESSAGE_SHOWN_CHARS``, else cut there
+    with a notice of what was held back and where all of it is."""
+    if len(message) <= MESSAGE_SHOWN_CHARS:
+        return message
+    held = len(message) - MESSAGE_SHOWN_CHARS
+    return (
+        f"{message[:MESSAGE_SHOWN_CHARS]}... [{held:,} more characters not shown: the whole "
+        "message is in the exception's args]"
+    )
+
 
 def hide_frames_of(path: str) -> None:
     """Trim the frames of ``path`` (a file or folder) from remote tracebacks, like the
@@ -59,7 +81,7 @@ class RankError(RuntimeError):
     def __init__(
         self, rank: int, type_name: str, message: str, labels: RankLabels = LOCAL_LABELS
     ) -> None:
-        super().__init__(f"[{labels.label(rank)}] {type_name}: {message}")
+        super().__init__(f"[{labels.label(rank)}] {type_name}: {bounded_message(message)}")
         self.rank = rank
         self.type_name = type_name
         self.remote_message = message
@@ -161,13 +183,29 @@ def format_frames(info: dict[str, Any], rank: int | None) -> str:
     own header."""
     origin = "" if rank is None else f" from rank {rank}"
     lines = [f"Traceback{origin} (most recent call last):"]
+    previous, repeats = None, 0
     for filename, lineno, name, line in info["frames"]:
+        if (filename, lineno, name) == previous:
+            repeats += 1
+            if repeats >= _REPEATS_SHOWN:
+                continue
+        else:
+            _note_repeats(lines, repeats)
+            previous, repeats = (filename, lineno, name), 0
         lines.append(f'  File "{filename}", line {lineno}, in {name}')
         text = line or linecache.getline(filename, lineno).strip()
         if text:
             lines.append(f"    {text}")
-    lines.append(f"{info['name']}: {info['message']}")
+    _note_repeats(lines, repeats)
+    lines.append(f"{info['name']}: {bounded_message(str(info['message']))}")
     return "\n".join(lines)
+
+
+def _note_repeats(lines: list[str], repeats: int) -> None:
+    """Python's notice for the frames of a run that were not shown."""
+    hidden = repeats - _REPEATS_SHOWN + 1
+    if hidden > 0:
+        lines.append(f"  [Previous line repeated {hidden} more time{'s' if hidden > 1 else ''}]")
 
 
 def _same_type(info: dict[str, Any]) -> BaseException | None:
@@ -300,8 +338,11 @@ def rebuild_exception(
     labelled: BaseException | None = None
     if exc is not None:
         try:
-            text = f"[{labels.label(rank)}] {info.get('message', '')}".rstrip()
-            labelled = _label(exc, text)
+            message = str(info.get("message", ""))
+            shown = bounded_message(message)
+            text = f"[{labels.label(rank)}] {shown}".rstrip()
+            # a cut message must stay whole in args: only a labelled copy shows other text
+            labelled = _label(exc, text) if shown is message else _labelled_copy(exc, text)
             str(labelled)  # the report must never fail on the way to the notebook
         except Exception:
             labelled = None
