@@ -34,14 +34,14 @@ CELLS = {
         '    raise ValueError(f"bad shard on rank {rank}")\n'
         '"fine"'
     ),
-    "runaway": (
+    "runaway": ("%%distributed\ndef down(n):\n    return down(n + 1)\nif rank == 0:\n    down(0)"),
+    "huge_message": (
         "%%distributed\n"
-        "def down(n):\n"
-        "    return down(n + 1) if rank == 0 else 1 / 0 if n > 5 else down(n + 1)\n"
         "try:\n"
-        "    down(0)\n"
+        "    1 / 0\n"
         "except ZeroDivisionError:\n"
-        '    raise ValueError("v" * 300_000)'
+        "    if rank == 1:\n"
+        '        raise ValueError("v" * 300_000)'
     ),
     "name_error": "only_here = 3\n%dist_status --help",
     "name_error_cell": "%%distributed\nonly_here + 1",
@@ -160,16 +160,20 @@ def test_rank_error_is_original_type_with_cell_traceback(nb):
 
 
 def test_rank_errors_show_bounded_in_the_cell(nb):
-    """A runaway recursion and a 300,000-character message: the cell's error shows Python's
-    "[Previous line repeated ...]" and a cut message with its notice, not megabytes."""
+    """A runaway recursion, and a 300,000-character message raised while handling another error:
+    the cell shows Python's "[Previous line repeated ...]", or the cut message with its notice
+    after the error it was handling; not megabytes."""
     (error,) = cell_errors(nb["runaway"])
-    assert error.ename in ("RecursionError", "ValueError")  # whichever rank reported first
+    assert error.ename == "RecursionError"
     shown = error.evalue + "\n".join(error.traceback)
-    if error.ename == "RecursionError":
-        assert re.search(r"\[Previous line repeated \d{3} more times\]", shown)
-    else:
-        assert "290,000 more characters not shown" in shown
-    assert len(shown) < 60_000, len(shown)
+    assert re.search(r"\[Previous line repeated \d{3} more times\]", shown)
+    assert len(shown) < 10_000, len(shown)
+    (error,) = cell_errors(nb["huge_message"])
+    assert error.ename == "ValueError" and "290,000 more characters not shown" in error.evalue
+    shown = error.evalue + "\n".join(error.traceback)
+    during = shown.index("During handling of the above exception, another exception occurred")
+    assert shown.index("ZeroDivisionError: division by zero") < during
+    assert len(shown) < 40_000, len(shown)
 
 
 def test_name_error_says_to_push(nb):

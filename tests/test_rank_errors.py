@@ -233,3 +233,52 @@ def test_frame_runs_collapse_like_pythons_own_tracebacks():
             if not set(line.strip()) <= {"^", "~"}  # Python 3.11's carets under the code
         ]
         assert ours.splitlines()[1:-1] == pythons, depth
+
+
+def _load(path: str) -> str:
+    with open(path) as file:
+        return file.read()
+
+
+def _chained(how: str) -> None:
+    if os.environ["RANK"] != "1":
+        return
+    try:
+        try:
+            _load("/nope/weights.bin")
+        except OSError as err:
+            if how == "from None":
+                raise RuntimeError("could not load the checkpoint") from None
+            if how == "cycle":
+                wrapper = RuntimeError("could not load the checkpoint")
+                err.__context__ = wrapper  # a chain that points back at itself
+                raise wrapper from err
+            raise RuntimeError("could not load the checkpoint") from err
+    except RuntimeError:
+        if how == "while handling":
+            {}["learning_rate"]
+        raise
+
+
+@pytest.mark.parametrize("how", ["from", "while handling", "from None", "cycle"])
+def test_a_ranks_chain_of_causes_reaches_the_notebook(how):
+    """``raise ... from err`` and an error while handling another: the root cause (the missing
+    file) is shown before the error that reported it, with Python's words between them."""
+    raised = KeyError if how == "while handling" else RuntimeError
+    with pytest.raises(raised) as info:
+        notebook_launcher(_chained, (how,), num_processes=2, renderer=Renderer())
+    remote = str(info.value.__cause__)
+    root = "FileNotFoundError: [Errno 2] No such file or directory: '/nope/weights.bin'"
+    if how == "from None":
+        assert root not in remote and "During handling" not in remote
+        assert remote.count("Traceback from rank 1") == 1
+        return
+    assert root in remote and 'File "' in remote.split(root)[0]
+    direct = "The above exception was the direct cause of the following exception:"
+    assert remote.index(root) < remote.index(direct) < remote.index("could not load")
+    if how == "while handling":
+        during = "During handling of the above exception, another exception occurred:"
+        assert remote.index("could not load") < remote.index(during)
+        assert remote.rstrip().endswith("KeyError: 'learning_rate'")
+    else:
+        assert remote.count("Traceback from rank 1") == 2  # a cycle is followed once

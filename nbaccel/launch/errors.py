@@ -4,6 +4,10 @@ The original exception type is re-raised (``ValueError`` stays ``ValueError``) w
 prefixed by the rank, and a :class:`RemoteTraceback` attached as ``__cause__`` so the notebook
 shows the rank's own frames (launcher internals trimmed, notebook cell lines filled in).
 
+The rank's chain of causes (``raise ... from err``, or an error while handling another) comes
+along as text and is shown as Python shows it locally, oldest first: the root cause of a failed
+load is in the notebook, not only the wrapper that reported it.
+
 What the notebook shows is bounded like a rank's output: a message longer than
 ``MESSAGE_SHOWN_CHARS`` is cut with a notice (the exception's ``args`` keep all of it), and runs of
 one repeated frame (a runaway recursion) collapse as Python's own tracebacks collapse them.
@@ -55,6 +59,11 @@ _INTERNAL: list[str] = [os.path.dirname(os.path.abspath(__file__))]
 # Characters of a rank's exception message the notebook shows (as many as of one output line).
 MESSAGE_SHOWN_CHARS = 10_000
 _REPEATS_SHOWN = 3  # identical frames in a row shown before "[Previous line repeated ...]"
+_CHAIN_LINKS = 16  # causes described behind a rank's exception (a cycle or a deeper chain stops)
+_LINK_TEXT = {  # Python's words between an exception and the one it led to
+    "cause": "The above exception was the direct cause of the following exception:",
+    "context": "During handling of the above exception, another exception occurred:",
+}
 
 
 def bounded_message(message: str) -> str:
@@ -162,12 +171,42 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
         "name": type(exc).__name__,
         "message": safe_message(exc),
         "frames": _user_frames(exc.__traceback__),
+        "chain": _chain(exc),
         "pickled": pickled,
         "time": time.time(),
         # the rank to name, when the worker knows better than the driver (an XLA device thread)
         "rank": getattr(exc, "_nbaccel_rank", None),
         "exit_code": _exit_code(exc) if isinstance(exc, SystemExit) else None,
     }
+
+
+def _chain(exc: BaseException) -> list[dict[str, Any]]:
+    """The exceptions behind ``exc``, nearest first, as Python's traceback follows them
+    (``__cause__``, else ``__context__`` unless suppressed): name, message, frames, and ``link``,
+    how each led to the one before it in the list."""
+    links: list[dict[str, Any]] = []
+    seen = {id(exc)}
+    current = exc
+    while len(links) < _CHAIN_LINKS:
+        if current.__cause__ is not None:
+            behind, link = current.__cause__, "cause"
+        elif current.__context__ is not None and not current.__suppress_context__:
+            behind, link = current.__context__, "context"
+        else:
+            break
+        if id(behind) in seen:
+            break
+        seen.add(id(behind))
+        links.append(
+            {
+                "name": type(behind).__name__,
+                "message": safe_message(behind),
+                "frames": _user_frames(behind.__traceback__),
+                "link": link,
+            }
+        )
+        current = behind
+    return links
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -178,9 +217,17 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def format_frames(info: dict[str, Any], rank: int | None) -> str:
-    """Render the remote traceback; lines missing remotely come from this process's linecache
-    (that is where IPython keeps the source of notebook cells). ``rank=None`` gives Python's
-    own header."""
+    """Render the remote traceback, its chain of causes first as Python orders them; lines
+    missing remotely come from this process's linecache (that is where IPython keeps the source
+    of notebook cells). ``rank=None`` gives Python's own header."""
+    blocks = []
+    for behind in reversed(info.get("chain", ())):
+        blocks += [_format_one(behind, rank), "", _LINK_TEXT[behind["link"]], ""]
+    return "\n".join([*blocks, _format_one(info, rank)])
+
+
+def _format_one(info: dict[str, Any], rank: int | None) -> str:
+    """One exception's frames and message (runs of a frame collapsed, the message bounded)."""
     origin = "" if rank is None else f" from rank {rank}"
     lines = [f"Traceback{origin} (most recent call last):"]
     previous, repeats = None, 0
