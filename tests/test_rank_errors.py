@@ -282,3 +282,36 @@ def test_a_ranks_chain_of_causes_reaches_the_notebook(how):
         assert remote.rstrip().endswith("KeyError: 'learning_rate'")
     else:
         assert remote.count("Traceback from rank 1") == 2  # a cycle is followed once
+
+
+class _Lines(Renderer):
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str]] = []
+
+    def line(self, rank, stream, text) -> None:
+        self.lines.append((rank, text))
+
+
+def _segfault_in_user_code() -> str:
+    import ctypes
+
+    def read_null() -> None:
+        ctypes.string_at(0)
+
+    if os.environ["RANK"] == "1":
+        read_null()
+    return "ok"
+
+
+def test_a_native_crash_shows_the_ranks_python_stack_before_the_error():
+    """A segfault in native code: the rank's Python stack at the crash (faulthandler) reaches
+    the cell's output, naming the user's function, and the launch raises RankCrashed."""
+    from nbaccel.launch.errors import RankCrashed
+
+    lines = _Lines()
+    with pytest.raises(RankCrashed, match="SIGSEGV"):
+        notebook_launcher(_segfault_in_user_code, num_processes=2, renderer=lines)
+    text = "\n".join(text for rank, text in lines.lines if rank == 1)
+    assert "Fatal Python error: Segmentation fault" in text
+    assert re.search(r'File ".*test_rank_errors\.py", line \d+ in read_null', text)
+    assert text.index("in read_null") < text.index("in _segfault_in_user_code")

@@ -15,6 +15,7 @@ driver's end hang up, even while a call runs.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import io
 import os
@@ -338,6 +339,9 @@ def run_worker(spec: WorkerSpec) -> int:
         return 1
     sys.stdout = _redirect(1, out)
     sys.stderr = _redirect(2, err)
+    # a crash in native code (SIGSEGV, abort, ...) prints the Python stack of every thread to
+    # the driver first: the notebook shows where in the user's code the rank died
+    faulthandler.enable(sys.stderr)
     _events = events
     _send((Message.HELLO, os.getpid()))
     rank_watch.start(events.sock, _driver_gone)
