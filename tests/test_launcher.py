@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -144,6 +145,33 @@ def test_timeout_stops_every_rank(no_leaks):
     with pytest.raises(LaunchTimeout, match=r"rank\(s\) \[0, 1\]"):
         notebook_launcher(time.sleep, (60,), num_processes=2, timeout=1.5, renderer=Recorder())
     assert time.monotonic() - start < 8
+
+
+def _hang_in_two_places() -> None:
+    from nbaccel import PartialState
+
+    PartialState()  # a gloo group of 2
+
+    def waits_for_a_file() -> None:
+        time.sleep(60)
+
+    if os.environ["RANK"] == "1":
+        waits_for_a_file()
+    torch.distributed.barrier()  # rank 0 waits here for rank 1
+
+
+def test_a_timeout_shows_where_each_rank_hung(no_leaks):
+    """Before the late ranks are stopped, each prints every thread's Python stack: rank 0 in the
+    barrier, rank 1 in the function it was sleeping in."""
+    recorder = Recorder()
+    with pytest.raises(LaunchTimeout, match="Their Python stacks at the timeout are above"):
+        notebook_launcher(_hang_in_two_places, num_processes=2, timeout=3, renderer=recorder)
+    by_rank = {
+        rank: "\n".join(text for r, _, text in recorder.lines if r == rank) for rank in (0, 1)
+    }
+    assert re.search(r"line \d+ in barrier\n.*\n.*line \d+ in _hang_in_two_places", by_rank[0])
+    assert re.search(r"line \d+ in waits_for_a_file\n.*line \d+ in _hang", by_rank[1])
+    assert "Fatal Python error" not in by_rank[0] + by_rank[1]  # a dump, not a crash
 
 
 def test_bad_input_refused_before_start():

@@ -248,6 +248,9 @@ def test_mixed_precision_and_timeout(nb):
     assert "[rank 0] ('no', 'no')" in after and "[rank 1] ('no', 'no')" in after
     (error,) = cell_errors(nb["timeout"])
     assert error.ename == "LaunchTimeout" and "timeout=1.0 s on rank(s) [0, 1]" in error.evalue
+    stderr = stream_text(nb["timeout"], "stderr")  # where each rank was: the cell's sleep
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\]   File \"<rank-cell-\d+>\", line 3 in <module>", stderr)
 
 
 def test_peer_blocked_in_collective_gets_pool_restarted(nb):

@@ -30,7 +30,7 @@ from nbaccel.launch.errors import (
 from nbaccel.launch.group import Outcome, WorkerGroup
 from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
 from nbaccel.launch.processes import describe_exit
-from nbaccel.launch.protocol import OutcomeKind
+from nbaccel.launch.protocol import STACKS_SIGNAL, OutcomeKind
 
 __all__ = [
     "ONE_SHOT",
@@ -65,6 +65,8 @@ class Settle:
             ones still busy are reported as stuck.
         dead_drain: at most this long, ranks whose process died get their streams read to the
             end and their crash recorded before the others are stopped.
+        stacks_wait: after a timeout, how long the late ranks' stack dumps get to arrive
+            before the ranks are stopped or interrupted.
     """
 
     failure_grace: float = 0.5
@@ -73,6 +75,7 @@ class Settle:
     stop_grace: float = 2.0
     recover: float = 3.0
     dead_drain: float = 3.0
+    stacks_wait: float = 0.3
 
 
 ONE_SHOT = Settle()
@@ -179,9 +182,12 @@ class CallReport:
             return KeyboardInterrupt()
         if self.state == CallState.TIMEOUT:
             done = "stopped" if self.policy.disposable else "interrupted"
+            stacks = (
+                "" if STACKS_SIGNAL is None else " Their Python stacks at the timeout are above."
+            )
             return LaunchTimeout(
                 f"{what} exceeded timeout={self.timeout} s on rank(s) {self.late}; they were "
-                f"{done}."
+                f"{done}.{stacks}"
             )
         failure = self.first_failure()
         if failure is None:
@@ -252,6 +258,8 @@ def _settle(
     if not pending():
         return []
     stuck = pending()
+    if state == CallState.TIMEOUT and group.dump_stacks(stuck):  # where each one hung
+        group.pump_until(lambda: False, policy.stacks_wait)
     if policy.disposable:
         group.stop(policy.stop_grace)
         return stuck

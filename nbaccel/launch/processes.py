@@ -118,6 +118,20 @@ class WorkerProcess:
         if self.poll() is None:
             self._kill_tree(sig)
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to this worker alone (not its children)."""
+        if self.poll() is None:
+            self._signal_self(sig)
+
+    def _signal_self(self, sig: int) -> None:
+        try:
+            if self._ps is not None:
+                self._ps.send_signal(sig)  # psutil refuses a pid reused by another process
+            else:
+                os.kill(self.pid, sig)
+        except (ProcessLookupError, psutil.Error):
+            pass
+
     def _kill_tree(self, sig: int) -> None:
         targets = []
         if self._ps is not None:
@@ -130,13 +144,7 @@ class WorkerProcess:
                 proc.send_signal(sig)
             except psutil.Error:
                 pass
-        try:
-            if self._ps is not None:
-                self._ps.send_signal(sig)  # psutil refuses a pid reused by another process
-            else:
-                os.kill(self.pid, sig)
-        except (ProcessLookupError, psutil.Error):
-            pass
+        self._signal_self(sig)
 
 
 _HINTS = {

@@ -8,6 +8,7 @@ members are ``str`` enums, so they pickle by name, print as their value and comp
 
 from __future__ import annotations
 
+import signal
 from enum import Enum
 
 from nbaccel.launch.pickling import plain_class
@@ -17,6 +18,7 @@ __all__ = [
     "LaunchKind",
     "Message",
     "OutcomeKind",
+    "STACKS_SIGNAL",
     "ServerMessage",
     "Stream",
     "Word",
@@ -37,6 +39,16 @@ class Word(str, Enum):
     def __init_subclass__(cls, **options: object) -> None:
         super().__init_subclass__(**options)
         plain_class(cls)  # channel messages holding only words and builtins skip cloudpickle
+
+
+#: The signal that makes a rank print the Python stack of each of its threads to its stderr
+#: (``faulthandler``): sent to the ranks a call timed out on, just before they are stopped or
+#: interrupted, so the notebook shows where each one hung. A real-time signal, as user code and
+#: schedulers use SIGUSR1/SIGUSR2 (SLURM's ``--signal``, Lightning's requeue); None where the
+#: platform has none.
+STACKS_SIGNAL: int | None = (
+    int(signal.SIGRTMIN) + 6 if hasattr(signal, "SIGRTMIN") else None  # type: ignore[attr-defined]
+)
 
 
 class Message(Word):

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from nbaccel.launch.channel import Listener, readable
-from nbaccel.launch.protocol import Message, OutcomeKind
+from nbaccel.launch.protocol import STACKS_SIGNAL, Message, OutcomeKind
 from nbaccel.launch.rank_state import Outcome, RankState
 
 __all__ = ["DRAIN_IDLE", "DRAIN_MAX", "EVENTS", "OUTPUT", "RankEnds"]
@@ -131,6 +131,17 @@ class RankEnds:
                 if state.process.poll() is None:
                     state.stopped = True
                 state.process.signal_tree(sig)
+
+    def dump_stacks(self, ranks: Iterable[int]) -> bool:
+        """Ask ``ranks`` to print every thread's Python stack to their stderr (a call timed
+        out on them); False where the platform has no signal for it."""
+        if STACKS_SIGNAL is None:
+            return False
+        for rank in ranks:
+            process = self._by_rank[rank].process
+            if process is not None:
+                process.signal(STACKS_SIGNAL)
+        return True
 
     def ignoring(self, sig: int, ranks: Iterable[int]) -> list[int]:
         """Those of ``ranks`` whose process ignores ``sig`` (signalling them again with it, or

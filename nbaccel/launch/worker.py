@@ -29,7 +29,7 @@ from typing import Any
 from nbaccel.launch import rank_watch
 from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
-from nbaccel.launch.protocol import EventKind, Message, Stream
+from nbaccel.launch.protocol import STACKS_SIGNAL, EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
 from nbaccel.launch.transport import SharedTensors, UnpicklableError, pack, unpack
 
@@ -342,6 +342,8 @@ def run_worker(spec: WorkerSpec) -> int:
     # a crash in native code (SIGSEGV, abort, ...) prints the Python stack of every thread to
     # the driver first: the notebook shows where in the user's code the rank died
     faulthandler.enable(sys.stderr)
+    if STACKS_SIGNAL is not None:  # and on the driver's request (a call that timed out)
+        faulthandler.register(STACKS_SIGNAL, sys.stderr, all_threads=True)
     _events = events
     _send((Message.HELLO, os.getpid()))
     rank_watch.start(events.sock, _driver_gone)

@@ -295,8 +295,10 @@ class Agent:
                 self.store(session, header["name"], payload)
             elif kind == Kind.SIGNAL:
                 process = session.ranks.get(int(header["rank"]))
-                if process is not None:
+                if process is not None and header.get("tree", True):
                     process.signal_tree(int(header["signal"]))
+                elif process is not None:
+                    process.signal(int(header["signal"]))
             elif kind == Kind.UNLINK:
                 for name in header["names"]:
                     session.unlink(os.path.join(_shm_dir(), os.path.basename(name)))

@@ -256,8 +256,9 @@ class RemoteLauncher(ProcessLauncher):
         for node, names in by_node.items():
             self._send(node, Kind.UNLINK, {"names": names})
 
-    def _signal(self, rank: int, sig: int) -> None:
-        self._send(self.layout.place(rank)[0], Kind.SIGNAL, {"rank": rank, "signal": sig})
+    def _signal(self, rank: int, sig: int, tree: bool) -> None:
+        header = {"rank": rank, "signal": sig, "tree": tree}
+        self._send(self.layout.place(rank)[0], Kind.SIGNAL, header)
 
     # ------------------------------------------------------------------ events (hub thread)
     def _on_event(self, agent: int, kind: Any, header: dict[str, Any]) -> None:

@@ -17,14 +17,14 @@ __all__ = ["RemoteProcess"]
 
 
 class RemoteProcess:
-    """One rank on host ``host``; ``send_signal(rank, sig)`` reaches its agent."""
+    """One rank on host ``host``; ``send_signal(rank, sig, tree)`` reaches its agent."""
 
     def __init__(
         self,
         rank: int,
         host: str,
         method: str,
-        send_signal: Callable[[int, int], None],
+        send_signal: Callable[[int, int, bool], None],
         error_path: str | None = None,
     ) -> None:
         self.rank = rank
@@ -68,4 +68,9 @@ class RemoteProcess:
     def signal_tree(self, sig: int) -> None:
         """Send ``sig`` to the rank and its children, on its host."""
         if self._returncode is None:
-            self._send_signal(self.rank, int(sig))
+            self._send_signal(self.rank, int(sig), True)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the rank alone, on its host."""
+        if self._returncode is None:
+            self._send_signal(self.rank, int(sig), False)
