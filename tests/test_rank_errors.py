@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import sys
+import time
 import traceback
 
 import pytest
@@ -315,3 +316,22 @@ def test_a_native_crash_shows_the_ranks_python_stack_before_the_error():
     assert "Fatal Python error: Segmentation fault" in text
     assert re.search(r'File ".*test_rank_errors\.py", line \d+ in read_null', text)
     assert text.index("in read_null") < text.index("in _segfault_in_user_code")
+
+
+def _reads_stdin(how: str) -> int:
+    if how == "input":
+        return len(input("your name? "))
+    breakpoint()
+    return 1
+
+
+@pytest.mark.parametrize("how", ["input", "breakpoint"])
+def test_reading_stdin_in_a_rank_ends_at_once_and_says_why(how):
+    """Ranks have no keyboard: input() and pdb end at once (no hang) with what to do instead."""
+    import bdb
+
+    start = time.monotonic()
+    with pytest.raises(EOFError if how == "input" else bdb.BdbQuit) as info:
+        notebook_launcher(_reads_stdin, (how,), num_processes=2, renderer=Renderer(), timeout=60)
+    assert time.monotonic() - start < 30
+    assert "no stdin" in str(info.value)

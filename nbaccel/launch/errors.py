@@ -157,6 +157,20 @@ def safe_message(exc: BaseException) -> str:
             return f"<{type(exc).__name__}.__str__ failed>"
 
 
+# A rank's stdin is empty (no keyboard reaches it): what reading it ends in, and what to do.
+_NO_STDIN = {
+    ("EOFError", "EOF when reading a line"): " (input() in a rank: ranks have no stdin; ask in "
+    "the notebook and pass the answer in args)",
+    ("BdbQuit", ""): "pdb stopped: breakpoint()/pdb in a rank has no stdin to read commands "
+    "from. Debug the function in the notebook itself (one process), or print from the ranks.",
+}
+
+
+def _with_hint(exc: BaseException, message: str) -> str:
+    """``message``, with what to do when it is a rank reading its empty stdin."""
+    return message + _NO_STDIN.get((type(exc).__name__, message), "")
+
+
 def describe_exception(exc: BaseException) -> dict[str, Any]:
     """What a worker sends about an exception: type, message, frames, and the pickled object."""
     from nbaccel.launch.pickling import dumps
@@ -169,7 +183,7 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "name": type(exc).__name__,
-        "message": safe_message(exc),
+        "message": _with_hint(exc, safe_message(exc)),
         "frames": _user_frames(exc.__traceback__),
         "chain": _chain(exc),
         "pickled": pickled,

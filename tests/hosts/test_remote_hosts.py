@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel import cell_errors, cell_text
+from kernel import cell_errors, cell_text, stream_text
 from kernel import run_notebook as _run_notebook
 
 pytestmark = pytest.mark.hosts
@@ -374,6 +375,10 @@ def test_timeout_stops_the_ranks_on_every_host(clean_hosts):
     errors = cell_errors(nb.cells[0])
     assert [e.ename for e in errors] == ["LaunchTimeout"], cell_text(nb.cells[0])
     assert "exceeded timeout=30 s" in errors[0].evalue
+    # each remote rank's Python stack at the timeout, through its host's agent
+    stderr = stream_text(nb.cells[0], "stderr")
+    for label in ("rank 0 @ nbh1", "rank 1 @ nbh2"):
+        assert re.search(rf"\[{label}\]   File .*, line \d+ in too_slow", stderr), stderr[-3000:]
 
 
 _UNREACHABLE = textwrap.dedent(
