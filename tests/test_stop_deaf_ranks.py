@@ -1,7 +1,10 @@
 """The stop button on ranks that ignore SIGINT (they honour SIGTERM): the pool does not wait for a
-reaction that cannot come. It restarts at once, saying why, and the next cell runs."""
+reaction that cannot come. It shows where each rank was, restarts at once, saying why, and the
+next cell runs."""
 
 from __future__ import annotations
+
+import re
 
 from kernel import cell_errors, cell_text, run_notebook, stream_text
 
@@ -29,5 +32,7 @@ def test_stop_on_ranks_ignoring_sigint_restarts_the_pool_and_says_why():
     notice = stream_text(nb.cells[2], "stderr")
     assert "rank(s) [0, 1] ignore SIGINT, which the stop button sends" in notice
     assert "restarting the pool; names defined on the ranks are lost" in notice
+    for rank in (0, 1):  # where each deaf rank was when the stop came: the cell's loop
+        assert re.search(rf"\[rank {rank}\]   File \"<rank-cell-\d+>\", line 6 in <module>", notice)
     text = cell_text(nb.cells[3])
     assert "[rank 0] False" in text and "[rank 1] False" in text  # fresh ranks, running again

@@ -65,8 +65,8 @@ class Settle:
             ones still busy are reported as stuck.
         dead_drain: at most this long, ranks whose process died get their streams read to the
             end and their crash recorded before the others are stopped.
-        stacks_wait: after a timeout, how long the late ranks' stack dumps get to arrive
-            before the ranks are stopped or interrupted.
+        stacks_wait: after a timeout, or a stop the ranks did not answer within their grace,
+            how long their stack dumps get to arrive before they are stopped.
     """
 
     failure_grace: float = 0.5
@@ -258,7 +258,8 @@ def _settle(
     if not pending():
         return []
     stuck = pending()
-    if state == CallState.TIMEOUT and group.dump_stacks(stuck):  # where each one hung
+    # a timeout, or ranks the stop button did not reach: show where each one hangs
+    if state in (CallState.TIMEOUT, CallState.INTERRUPTED) and group.dump_stacks(stuck):
         group.pump_until(lambda: False, policy.stacks_wait)
     if policy.disposable:
         group.stop(policy.stop_grace)
