@@ -134,13 +134,14 @@ class RankEnds:
 
     def dump_stacks(self, ranks: Iterable[int]) -> bool:
         """Ask ``ranks`` to print every thread's Python stack to their stderr (a call timed
-        out on them); False where the platform has no signal for it."""
+        out on them); False where the platform has no signal for it. Only ranks that connected
+        have set the signal up (before that it would end them)."""
         if STACKS_SIGNAL is None:
             return False
         for rank in ranks:
-            process = self._by_rank[rank].process
-            if process is not None:
-                process.signal(STACKS_SIGNAL)
+            state = self._by_rank[rank]
+            if state.process is not None and state.connected:
+                state.process.signal(STACKS_SIGNAL)
         return True
 
     def ignoring(self, sig: int, ranks: Iterable[int]) -> list[int]:

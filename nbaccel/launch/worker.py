@@ -327,6 +327,12 @@ def run_worker(spec: WorkerSpec) -> int:
     global _events, _rank, _shared_results
     _rank = spec.rank
     _shared_results = spec.address.driver_on_this_host  # else it cannot map this host's files
+    # A crash in native code (SIGSEGV, abort...) prints the Python stack of every thread to fd 2,
+    # and so does STACKS_SIGNAL (the driver's, when a call times out): once the streams are
+    # connected fd 2 is the driver's stderr stream, so the notebook shows where the rank was.
+    faulthandler.enable(2)
+    if STACKS_SIGNAL is not None:
+        faulthandler.register(STACKS_SIGNAL, 2, all_threads=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
     _prepare_process(spec)
@@ -339,11 +345,6 @@ def run_worker(spec: WorkerSpec) -> int:
         return 1
     sys.stdout = _redirect(1, out)
     sys.stderr = _redirect(2, err)
-    # a crash in native code (SIGSEGV, abort, ...) prints the Python stack of every thread to
-    # the driver first: the notebook shows where in the user's code the rank died
-    faulthandler.enable(sys.stderr)
-    if STACKS_SIGNAL is not None:  # and on the driver's request (a call that timed out)
-        faulthandler.register(STACKS_SIGNAL, sys.stderr, all_threads=True)
     _events = events
     _send((Message.HELLO, os.getpid()))
     rank_watch.start(events.sock, _driver_gone)
