@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 import traceback
 
@@ -335,3 +336,38 @@ def test_reading_stdin_in_a_rank_ends_at_once_and_says_why(how):
         notebook_launcher(_reads_stdin, (how,), num_processes=2, renderer=Renderer(), timeout=60)
     assert time.monotonic() - start < 30
     assert "no stdin" in str(info.value)
+
+
+class ShardError(Exception):
+    """A class whose ``__init__`` takes other arguments than its ``args``: pickle alone cannot
+    rebuild it."""
+
+    def __init__(self, shard: int, reason: str) -> None:
+        super().__init__(f"shard {shard}: {reason}")
+        self.shard = shard
+        self.reason = reason
+
+
+def _raise_shard_error(with_lock: bool) -> None:
+    if os.environ["RANK"] != "1":
+        return
+    try:
+        {}["weights"]
+    except KeyError as err:
+        err.add_note("looking up the weights of shard 3")
+        error = ShardError(3, "checksum mismatch")
+        if with_lock:
+            error.lock = threading.Lock()  # an attribute that cannot travel
+        raise error from err
+
+
+@pytest.mark.parametrize("with_lock", [False, True], ids=["attributes", "unpicklable attribute"])
+def test_an_exception_with_its_own_init_arrives_as_its_class_with_its_attributes(with_lock):
+    with pytest.raises(ShardError) as info:
+        notebook_launcher(_raise_shard_error, (with_lock,), num_processes=2, renderer=Renderer())
+    exc = info.value
+    assert str(exc) == "[rank 1] shard 3: checksum mismatch"
+    assert (exc.shard, exc.reason) == (3, "checksum mismatch")
+    assert not hasattr(exc, "lock")  # the one attribute that could not travel
+    remote = str(exc.__cause__)  # the cause's note, under its message, as Python shows it
+    assert "KeyError: 'weights'\nlooking up the weights of shard 3" in remote

@@ -171,15 +171,54 @@ def _with_hint(exc: BaseException, message: str) -> str:
     return message + _NO_STDIN.get((type(exc).__name__, message), "")
 
 
-def describe_exception(exc: BaseException) -> dict[str, Any]:
-    """What a worker sends about an exception: type, message, frames, and the pickled object."""
+_BY_STATE = "nbaccel-exception-by-state"  # marks an exception pickled as (class, args, dict)
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    """``exc`` pickled so that the notebook can load it, or None.
+
+    Pickle rebuilds an exception by calling its class with ``args``, which fails for the many
+    classes whose ``__init__`` takes other arguments (``ShardError(shard, reason)`` passing a
+    formatted message up). Those travel as their class, args and attributes instead, and are
+    rebuilt without calling ``__init__`` (:func:`_loaded`): same class, same attributes, less
+    any attribute that cannot be pickled (a lock, a socket)."""
     from nbaccel.launch.pickling import dumps
 
-    try:
-        pickled = dumps(exc)
-        pickle.loads(pickled)
-    except Exception:
-        pickled = None
+    def travels(value: Any) -> bool:
+        try:
+            dumps(value)
+        except Exception:
+            return False
+        return True
+
+    def by_state() -> tuple:
+        state = {name: value for name, value in vars(exc).items() if travels(value)}
+        return (_BY_STATE, type(exc), exc.args, state)
+
+    for attempt in (lambda: exc, by_state):
+        try:
+            pickled = dumps(attempt())
+            _loaded(pickle.loads(pickled))
+            return pickled
+        except Exception:
+            continue
+    return None
+
+
+def _loaded(value: Any) -> Any:
+    """What :func:`_pickled` sent, as the exception (an object of another kind as it is)."""
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _BY_STATE:
+        _, cls, args, state = value
+        exc = cls.__new__(cls, *args)
+        exc.args = args
+        exc.__dict__.update(state)
+        return exc
+    return value
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """What a worker sends about an exception: type, message, frames, and the pickled object."""
+    pickled = _pickled(exc)
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "name": type(exc).__name__,
@@ -216,6 +255,7 @@ def _chain(exc: BaseException) -> list[dict[str, Any]]:
                 "name": type(behind).__name__,
                 "message": safe_message(behind),
                 "frames": _user_frames(behind.__traceback__),
+                "notes": [str(note) for note in getattr(behind, "__notes__", ())],
                 "link": link,
             }
         )
@@ -259,6 +299,7 @@ def _format_one(info: dict[str, Any], rank: int | None) -> str:
             lines.append(f"    {text}")
     _note_repeats(lines, repeats)
     lines.append(f"{info['name']}: {bounded_message(str(info['message']))}")
+    lines += [bounded_message(note) for note in info.get("notes", ())]  # PEP 678, as Python shows
     return "\n".join(lines)
 
 
@@ -389,7 +430,7 @@ def rebuild_exception(
     exc: BaseException | None = None
     if info.get("pickled") is not None:
         try:
-            exc = pickle.loads(info["pickled"])
+            exc = _loaded(pickle.loads(info["pickled"]))
         except Exception:
             exc = None
         if exc is not None and not isinstance(exc, BaseException):
