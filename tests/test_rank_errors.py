@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from nbaccel import ResultNotLoadable, notebook_launcher
+from nbaccel.launch.errors import RankCrashed
 from nbaccel.launch.render import Renderer
 
 
@@ -308,7 +309,6 @@ def _segfault_in_user_code() -> str:
 def test_a_native_crash_shows_the_ranks_python_stack_before_the_error():
     """A segfault in native code: the rank's Python stack at the crash (faulthandler) reaches
     the cell's output, naming the user's function, and the launch raises RankCrashed."""
-    from nbaccel.launch.errors import RankCrashed
 
     lines = _Lines()
     with pytest.raises(RankCrashed, match="SIGSEGV"):
@@ -371,3 +371,31 @@ def test_an_exception_with_its_own_init_arrives_as_its_class_with_its_attributes
     assert not hasattr(exc, "lock")  # the one attribute that could not travel
     remote = str(exc.__cause__)  # the cause's note, under its message, as Python shows it
     assert "KeyError: 'weights'\nlooking up the weights of shard 3" in remote
+
+
+def _argv() -> list[str]:
+    return list(sys.argv)
+
+
+def _parse_args() -> float:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    return parser.parse_args().lr
+
+
+def test_ranks_see_the_notebooks_argv_and_argparse_errors_say_why(monkeypatch):
+    """A rank's sys.argv is the notebook's (not the rank's start-up command), so parse_args()
+    behaves as it would called in the notebook, and its exit names the reason and the fix."""
+    kernel_argv = ["/venv/lib/ipykernel_launcher.py", "-f", "/run/jupyter/kernel-1.json"]
+    monkeypatch.setattr(sys, "argv", kernel_argv)
+    assert notebook_launcher(_argv, num_processes=2, renderer=Renderer()) == [kernel_argv] * 2
+    lines = _Lines()
+    with pytest.raises(RankCrashed, match=r"exited with code 2 \(sys.exit\): argparse's") as info:
+        notebook_launcher(_parse_args, num_processes=2, renderer=lines)
+    assert "parse_args(['--lr', '0.1'])" in str(info.value)
+    shown = "\n".join(text for _, text in lines.lines)
+    assert "error: unrecognized arguments: -f /run/jupyter/kernel-1.json" in shown
+    monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "0.5"])
+    assert notebook_launcher(_parse_args, num_processes=2, renderer=Renderer()) == [0.5, 0.5]

@@ -24,6 +24,7 @@ from nbaccel.launch.errors import (
     LaunchTimeout,
     RankCrashed,
     add_to_message,
+    exit_hint,
     is_peer_loss,
     rebuild_exception,
 )
@@ -100,7 +101,8 @@ def outcome_exception(
         return RankCrashed(rank, outcome.value, text, labels)
     exit_code = outcome.value.get("exit_code")
     if exit_code is not None:  # sys.exit(n) in the function: the rank exited, say so
-        return RankCrashed(rank, exit_code, f"exited with code {exit_code} (sys.exit)", labels)
+        text = f"exited with code {exit_code} (sys.exit){exit_hint(outcome.value)}"
+        return RankCrashed(rank, exit_code, text, labels)
     named = outcome.value.get("rank")
     return rebuild_exception(outcome.value, rank if named is None else named, labels)
 

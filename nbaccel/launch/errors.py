@@ -19,6 +19,7 @@ import linecache
 import os
 import pickle
 import re
+import sys
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "MESSAGE_SHOWN_CHARS",
     "add_to_message",
     "bounded_message",
+    "exit_hint",
     "LaunchTimeout",
     "RankCrashed",
     "RankError",
@@ -164,6 +166,24 @@ _NO_STDIN = {
     ("BdbQuit", ""): "pdb stopped: breakpoint()/pdb in a rank has no stdin to read commands "
     "from. Debug the function in the notebook itself (one process), or print from the ranks.",
 }
+
+
+def exit_hint(info: dict[str, Any]) -> str:
+    """What to do about a rank's ``sys.exit`` (``describe_exception``'s dict), where it is a
+    known stumbling block: argparse rejecting the command line of the notebook's kernel (which
+    ranks see as their ``sys.argv``; a script run by ``nbaccel launch`` has its own)."""
+    frames = info.get("frames") or ()
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program.startswith("ipykernel") and any(
+        os.path.basename(f[0]) == "argparse.py" and f[2] in ("error", "exit") for f in frames
+    ):
+        return (
+            ": argparse's parse_args() read sys.argv, which in a notebook holds the kernel's own "
+            "arguments (as it would for the same call in the notebook). Pass the arguments "
+            "yourself (parser.parse_args(['--lr', '0.1'])), or parse them in the notebook and "
+            "pass the result in args"
+        )
+    return ""
 
 
 def _with_hint(exc: BaseException, message: str) -> str:

@@ -217,6 +217,7 @@ class WorkerGroup(RankConnections, RankEnds):
             threads=self._threads,
             setup=self._setup,
             error_path=self._listener.private_path(f"rank-{state.rank}.error"),
+            argv=list(sys.argv),
         )
 
     # ------------------------------------------------------------------ pumping

@@ -67,6 +67,8 @@ class WorkerSpec:
         setup: importable callables run in the rank before the work (worker hooks).
         error_path: where the rank writes why it could not connect back (the driver reads it
             to say why the rank ended).
+        argv: the driver's ``sys.argv``: code reading it (``argparse``'s ``parse_args()``)
+            sees what it would see called in the notebook, not the rank's start-up command.
     """
 
     rank: int
@@ -82,3 +84,4 @@ class WorkerSpec:
     threads: int = 1
     setup: tuple[Callable[[], None], ...] = ()
     error_path: str | None = None
+    argv: list[str] = field(default_factory=list)

@@ -127,6 +127,7 @@ def _prepare_process(spec: WorkerSpec) -> None:
         if os.environ.get(name) != value:
             os.environ[name] = value
     sys.path[:] = spec.sys_path
+    sys.argv[:] = spec.argv or [""]  # Python always has argv[0]
     try:
         os.chdir(spec.cwd)
     except OSError:
