@@ -1,0 +1,64 @@
+"""Ranks start with the notebook's torch settings, as a function called in the notebook (or a
+rank forked from the kernel) would: default dtype, the CPU generator's state, deterministic
+mode, float32 matmul precision. Real launches; the test process's settings are restored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbaccel import notebook_launcher
+from nbaccel.launch.render import Renderer
+
+
+@pytest.fixture
+def notebook_torch():
+    saved = (
+        torch.get_default_dtype(),
+        torch.random.get_rng_state(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
+    yield
+    dtype, rng, deterministic, warn_only, precision = saved
+    torch.set_default_dtype(dtype)
+    torch.random.set_rng_state(rng)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_float32_matmul_precision(precision)
+
+
+def _settings() -> tuple:
+    return (
+        torch.get_default_dtype(),
+        torch.rand(3).tolist(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.zeros(1).dtype,
+    )
+
+
+def test_ranks_start_with_the_notebooks_torch_settings(notebook_torch):
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("medium")
+    torch.manual_seed(1234)
+    here = _settings()  # what the function gives called in the notebook
+    torch.manual_seed(1234)
+    ranks = notebook_launcher(_settings, num_processes=2, renderer=Renderer())
+    assert ranks == [here, here]
+    assert here[0] is torch.float64 and here[2:5] == (True, True, "medium")
+    assert torch.rand(3).tolist() == here[1]  # the launch read the generator, did not move it
+
+
+def test_changed_settings_reach_the_next_launch(notebook_torch):
+    torch.manual_seed(7)
+    first = notebook_launcher(_settings, num_processes=2, renderer=Renderer())
+    torch.set_default_dtype(torch.float16)
+    torch.manual_seed(8)
+    second = notebook_launcher(_settings, num_processes=2, renderer=Renderer())
+    assert first[0][0] is torch.float32 and second[0][0] is torch.float16
+    assert second[0][5] is torch.float16 and first[0][1] != second[0][1]
+    torch.manual_seed(8)
+    assert second[1][1] == torch.rand(3).tolist()  # float16 draws from seed 8, as here
