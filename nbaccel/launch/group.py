@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
-from nbaccel.launch import torch_state
+from nbaccel.launch import notebook_state
 from nbaccel.launch.channel import (
     INCOMPLETE,
     Connection,
@@ -118,7 +118,7 @@ class WorkerGroup(RankConnections, RankEnds):
         self._global_rank = global_rank
         self._threads = threads or max(1, (os.cpu_count() or 1) // num_processes)
         self._setup = tuple(setup)
-        self._torch_state = torch_state.capture()  # the notebook's, as the ranks start
+        self._notebook_state = notebook_state.capture()  # what a fork of it would give ranks
         self._local_rendezvous = local_rendezvous
         self._secret = new_secret()
         self._launch_id = secrets.token_hex(6)
@@ -220,7 +220,7 @@ class WorkerGroup(RankConnections, RankEnds):
             setup=self._setup,
             error_path=self._listener.private_path(f"rank-{state.rank}.error"),
             argv=list(sys.argv),
-            torch_state=self._torch_state,
+            notebook_state=self._notebook_state,
         )
 
     # ------------------------------------------------------------------ pumping

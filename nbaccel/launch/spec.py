@@ -69,8 +69,8 @@ class WorkerSpec:
             to say why the rank ended).
         argv: the driver's ``sys.argv``: code reading it (``argparse``'s ``parse_args()``)
             sees what it would see called in the notebook, not the rank's start-up command.
-        torch_state: the driver's torch settings (``torch_state.capture``), applied as the
-            rank starts.
+        notebook_state: the driver's generators, torch settings and warning filters
+            (``notebook_state.capture``), applied as the rank starts.
     """
 
     rank: int
@@ -87,4 +87,4 @@ class WorkerSpec:
     setup: tuple[Callable[[], None], ...] = ()
     error_path: str | None = None
     argv: list[str] = field(default_factory=list)
-    torch_state: dict[str, Any] = field(default_factory=dict)
+    notebook_state: dict[str, Any] = field(default_factory=dict)

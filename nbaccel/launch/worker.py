@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.launch import rank_watch, torch_state
+from nbaccel.launch import notebook_state, rank_watch
 from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import STACKS_SIGNAL, EventKind, Message, Stream
@@ -135,7 +135,7 @@ def _prepare_process(spec: WorkerSpec) -> None:
     import torch
 
     torch.set_num_threads(spec.threads)
-    torch_state.apply(spec.torch_state)
+    notebook_state.apply(spec.notebook_state)
 
 
 def _driver_gone() -> None:

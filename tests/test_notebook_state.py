@@ -1,9 +1,15 @@
-"""Ranks start with the notebook's torch settings, as a function called in the notebook (or a
-rank forked from the kernel) would: default dtype, the CPU generator's state, deterministic
-mode, float32 matmul precision. Real launches; the test process's settings are restored."""
+"""Ranks start where the notebook stands, as a function called in the notebook (or a rank
+forked from the kernel) would: torch's default dtype, generator, deterministic mode and matmul
+precision; the generators of ``random`` and NumPy; the warning filters. Real launches; the test
+process's state is restored."""
 
 from __future__ import annotations
 
+import os
+import random
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +26,11 @@ def notebook_torch():
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.get_float32_matmul_precision(),
     )
-    yield
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with warnings.catch_warnings():
+        yield
+    random.setstate(py_state)
+    np.random.set_state(np_state)
     dtype, rng, deterministic, warn_only, precision = saved
     torch.set_default_dtype(dtype)
     torch.random.set_rng_state(rng)
@@ -62,3 +72,39 @@ def test_changed_settings_reach_the_next_launch(notebook_torch):
     assert second[0][5] is torch.float16 and first[0][1] != second[0][1]
     torch.manual_seed(8)
     assert second[1][1] == torch.rand(3).tolist()  # float16 draws from seed 8, as here
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def test_seeding_in_the_notebook_seeds_the_ranks(notebook_torch):
+    """``set_seed(42)``-style seeding of all three generators before a launch."""
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(42)
+    here = _draws()
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(42)
+    assert notebook_launcher(_draws, num_processes=2, renderer=Renderer()) == [here, here]
+
+
+class _Lines(Renderer):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def line(self, rank, stream, text) -> None:
+        self.lines.append(text)
+
+
+def _warn() -> None:
+    warnings.warn(f"noisy library warning from rank {os.environ['RANK']}", stacklevel=1)
+    warnings.warn(f"kept warning from rank {os.environ['RANK']}", stacklevel=1)
+
+
+def test_the_notebooks_warning_filters_apply_on_the_ranks(notebook_torch):
+    warnings.filterwarnings("ignore", message="noisy library warning")
+    lines = _Lines()
+    notebook_launcher(_warn, num_processes=2, renderer=lines)
+    shown = "\n".join(lines.lines)
+    assert "kept warning from rank 0" in shown and "kept warning from rank 1" in shown
+    assert "noisy library warning" not in shown

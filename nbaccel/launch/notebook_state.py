@@ -1,0 +1,97 @@
+"""The notebook's process state that ranks start from: what a fork of the kernel would give them.
+
+Ranks are forked from a fork server that imported torch before the notebook ran a line, so a
+rank would otherwise start from library defaults, whatever the notebook set: a model built
+under ``torch.set_default_dtype(torch.float64)`` came out float32 on the ranks, and
+``set_seed(42)`` (or ``torch.manual_seed``, ``random.seed``, ``np.random.seed``) before a launch
+did not seed them. A function called in the notebook sees that state, and so do ranks forked
+from the kernel itself (Accelerate's ``notebook_launcher``). What travels:
+
+- torch: the default dtype, the CPU generator's state, deterministic-algorithms mode, the
+  float32 matmul precision;
+- the global generators of ``random`` and of NumPy (when the notebook imported it);
+- the ``warnings`` filters (``filterwarnings("ignore", ...)`` silences the ranks too).
+
+Every rank starts where the notebook's generators stand, as after a fork: seed per rank inside
+the function where ranks must differ. Nothing is read of a library the notebook has not
+imported, and a piece that cannot be rebuilt in a rank is skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import sys
+import warnings
+from typing import Any
+
+__all__ = ["apply", "capture"]
+
+
+def capture() -> dict[str, Any]:
+    """This process's state worth giving to ranks (what :func:`apply` takes)."""
+    state: dict[str, Any] = {"random": random.getstate(), "warnings": _warning_filters()}
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_default_dtype"):
+        state["torch"] = {
+            "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+            "rng": torch.random.get_rng_state().numpy().tobytes(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+        }
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and hasattr(numpy, "random"):
+        state["numpy"] = pickle.dumps(numpy.random.get_state())
+    return state
+
+
+def _warning_filters() -> list[bytes]:
+    """Each filter pickled on its own, those whose category a rank can import (a class the
+    notebook defined is left out)."""
+    kept = []
+    for entry in warnings.filters:
+        category = entry[2]
+        if getattr(category, "__module__", "__main__") == "__main__":
+            continue
+        try:
+            kept.append(pickle.dumps(entry))
+        except Exception:
+            continue
+    return kept
+
+
+def apply(state: dict[str, Any]) -> None:
+    """Make this process's state ``state`` (what :func:`capture` read in the notebook)."""
+    if "random" in state:
+        random.setstate(state["random"])
+    filters = []
+    for pickled in state.get("warnings", ()):
+        try:
+            filters.append(pickle.loads(pickled))
+        except Exception:
+            continue
+    if filters:
+        warnings.filters[:] = filters
+        warnings._filters_mutated()  # type: ignore[attr-defined]  # what filterwarnings calls
+    if "torch" in state:
+        _apply_torch(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy
+
+            numpy.random.set_state(pickle.loads(state["numpy"]))
+        except Exception:
+            pass
+
+
+def _apply_torch(settings: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_default_dtype(getattr(torch, settings["default_dtype"]))
+    torch.random.set_rng_state(torch.frombuffer(bytearray(settings["rng"]), dtype=torch.uint8))
+    if settings["deterministic"] or torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(
+            settings["deterministic"], warn_only=settings["deterministic_warn_only"]
+        )
+    torch.set_float32_matmul_precision(settings["matmul_precision"])
