@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel.launch.driver import CallReport, CallState, Settle
-from nbaccel.launch.errors import format_frames
 from nbaccel.launch.plan import Front, LaunchPlan, check_call, free_port
 from nbaccel.launch.processes import describe_exit
 from nbaccel.launch.protocol import OutcomeKind
 from nbaccel.launch.render import TextRenderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.run import run_function
+from nbaccel.launch.tracebacks import format_frames
 
 __all__ = ["RankFailures", "free_port", "run_on_ranks"]
 

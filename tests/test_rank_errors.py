@@ -208,7 +208,7 @@ def test_a_runaway_recursion_collapses_as_python_collapses_it():
 
 def test_frame_runs_collapse_like_pythons_own_tracebacks():
     """format_frames against traceback.format_list on the same frames: runs of 1 to 5 calls."""
-    from nbaccel.launch.errors import format_frames
+    from nbaccel.launch.tracebacks import format_frames
 
     def run(depth: int, n: int = 0) -> None:
         if n < depth:

@@ -4,18 +4,13 @@ The original exception type is re-raised (``ValueError`` stays ``ValueError``) w
 prefixed by the rank, and a :class:`RemoteTraceback` attached as ``__cause__`` so the notebook
 shows the rank's own frames (launcher internals trimmed, notebook cell lines filled in).
 
-The rank's chain of causes (``raise ... from err``, or an error while handling another) comes
-along as text and is shown as Python shows it locally, oldest first: the root cause of a failed
-load is in the notebook, not only the wrapper that reported it.
-
-What the notebook shows is bounded like a rank's output: a message longer than
-``MESSAGE_SHOWN_CHARS`` is cut with a notice (the exception's ``args`` keep all of it), and runs of
-one repeated frame (a runaway recursion) collapse as Python's own tracebacks collapse them.
+The traceback's text (frames, chain of causes, bounds) is ``nbaccel.launch.tracebacks``'s; here
+an exception is pickled so that its own class comes back with its attributes, and given its
+rank's label.
 """
 
 from __future__ import annotations
 
-import linecache
 import os
 import pickle
 import re
@@ -24,11 +19,16 @@ import time
 from typing import Any
 
 from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.tracebacks import (
+    bounded_message,
+    chain,
+    format_frames,
+    safe_message,
+    user_frames,
+)
 
 __all__ = [
-    "MESSAGE_SHOWN_CHARS",
     "add_to_message",
-    "bounded_message",
     "exit_hint",
     "LaunchTimeout",
     "RankCrashed",
@@ -36,11 +36,9 @@ __all__ = [
     "RemoteTraceback",
     "ResultNotLoadable",
     "describe_exception",
-    "hide_frames_of",
     "is_peer_loss",
     "rebuild_exception",
     "result_not_loadable",
-    "safe_message",
     "shown_message",
     "unlabelled",
 ]
@@ -55,35 +53,6 @@ _PEER_LOSS_TEXT = (
     "connectFullMesh failed",
     "NCCL communicator was aborted",
 )
-
-_INTERNAL: list[str] = [os.path.dirname(os.path.abspath(__file__))]
-
-# Characters of a rank's exception message the notebook shows (as many as of one output line).
-MESSAGE_SHOWN_CHARS = 10_000
-_REPEATS_SHOWN = 3  # identical frames in a row shown before "[Previous line repeated ...]"
-_CHAIN_LINKS = 16  # causes described behind a rank's exception (a cycle or a deeper chain stops)
-_LINK_TEXT = {  # Python's words between an exception and the one it led to
-    "cause": "The above exception was the direct cause of the following exception:",
-    "context": "During handling of the above exception, another exception occurred:",
-}
-
-
-def bounded_message(message: str) -> str:
-    """``message`` as the notebook shows it: whole up to ``MESSAGE_SHOWN_CHARS``, else cut there
-    with a notice of what was held back and where all of it is."""
-    if len(message) <= MESSAGE_SHOWN_CHARS:
-        return message
-    held = len(message) - MESSAGE_SHOWN_CHARS
-    return (
-        f"{message[:MESSAGE_SHOWN_CHARS]}... [{held:,} more characters not shown: the whole "
-        "message is in the exception's args]"
-    )
-
-
-def hide_frames_of(path: str) -> None:
-    """Trim the frames of ``path`` (a file or folder) from remote tracebacks, like the
-    launcher's own (used by the pool's worker functions)."""
-    _INTERNAL.append(os.path.abspath(path))
 
 
 class RankError(RuntimeError):
@@ -135,28 +104,6 @@ def is_peer_loss(info: dict[str, Any]) -> bool:
         return True
     message = str(info.get("message", ""))
     return any(text in message for text in _PEER_LOSS_TEXT)
-
-
-def _user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
-    import traceback
-
-    frames = []
-    for frame in traceback.extract_tb(tb):
-        if os.path.abspath(frame.filename).startswith(tuple(_INTERNAL)):
-            continue
-        frames.append((frame.filename, frame.lineno or 0, frame.name, frame.line))
-    return frames
-
-
-def safe_message(exc: BaseException) -> str:
-    """``str(exc)``, or what went wrong when its ``__str__`` raises (the type still counts)."""
-    try:
-        return str(exc)
-    except Exception as err:
-        try:
-            return f"<{type(exc).__name__}.__str__ failed: {type(err).__name__}: {err}>"
-        except Exception:
-            return f"<{type(exc).__name__}.__str__ failed>"
 
 
 # A rank's stdin is empty (no keyboard reaches it): what reading it ends in, and what to do.
@@ -243,8 +190,8 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "name": type(exc).__name__,
         "message": _with_hint(exc, safe_message(exc)),
-        "frames": _user_frames(exc.__traceback__),
-        "chain": _chain(exc),
+        "frames": user_frames(exc.__traceback__),
+        "chain": chain(exc),
         "pickled": pickled,
         "time": time.time(),
         # the rank to name, when the worker knows better than the driver (an XLA device thread)
@@ -253,81 +200,11 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _chain(exc: BaseException) -> list[dict[str, Any]]:
-    """The exceptions behind ``exc``, nearest first, as Python's traceback follows them
-    (``__cause__``, else ``__context__`` unless suppressed): name, message, frames, and ``link``,
-    how each led to the one before it in the list."""
-    links: list[dict[str, Any]] = []
-    seen = {id(exc)}
-    current = exc
-    while len(links) < _CHAIN_LINKS:
-        if current.__cause__ is not None:
-            behind, link = current.__cause__, "cause"
-        elif current.__context__ is not None and not current.__suppress_context__:
-            behind, link = current.__context__, "context"
-        else:
-            break
-        if id(behind) in seen:
-            break
-        seen.add(id(behind))
-        links.append(
-            {
-                "name": type(behind).__name__,
-                "message": safe_message(behind),
-                "frames": _user_frames(behind.__traceback__),
-                "notes": [str(note) for note in getattr(behind, "__notes__", ())],
-                "link": link,
-            }
-        )
-        current = behind
-    return links
-
-
 def _exit_code(exc: SystemExit) -> int:
     """The process exit code ``sys.exit(code)`` asks for (Python's own rules)."""
     if exc.code is None:
         return 0
     return exc.code if isinstance(exc.code, int) else 1
-
-
-def format_frames(info: dict[str, Any], rank: int | None) -> str:
-    """Render the remote traceback, its chain of causes first as Python orders them; lines
-    missing remotely come from this process's linecache (that is where IPython keeps the source
-    of notebook cells). ``rank=None`` gives Python's own header."""
-    blocks = []
-    for behind in reversed(info.get("chain", ())):
-        blocks += [_format_one(behind, rank), "", _LINK_TEXT[behind["link"]], ""]
-    return "\n".join([*blocks, _format_one(info, rank)])
-
-
-def _format_one(info: dict[str, Any], rank: int | None) -> str:
-    """One exception's frames and message (runs of a frame collapsed, the message bounded)."""
-    origin = "" if rank is None else f" from rank {rank}"
-    lines = [f"Traceback{origin} (most recent call last):"]
-    previous, repeats = None, 0
-    for filename, lineno, name, line in info["frames"]:
-        if (filename, lineno, name) == previous:
-            repeats += 1
-            if repeats >= _REPEATS_SHOWN:
-                continue
-        else:
-            _note_repeats(lines, repeats)
-            previous, repeats = (filename, lineno, name), 0
-        lines.append(f'  File "{filename}", line {lineno}, in {name}')
-        text = line or linecache.getline(filename, lineno).strip()
-        if text:
-            lines.append(f"    {text}")
-    _note_repeats(lines, repeats)
-    lines.append(f"{info['name']}: {bounded_message(str(info['message']))}")
-    lines += [bounded_message(note) for note in info.get("notes", ())]  # PEP 678, as Python shows
-    return "\n".join(lines)
-
-
-def _note_repeats(lines: list[str], repeats: int) -> None:
-    """Python's notice for the frames of a run that were not shown."""
-    hidden = repeats - _REPEATS_SHOWN + 1
-    if hidden > 0:
-        lines.append(f"  [Previous line repeated {hidden} more time{'s' if hidden > 1 else ''}]")
 
 
 def _same_type(info: dict[str, Any]) -> BaseException | None:

@@ -18,9 +18,9 @@ import sys
 import types
 from typing import Any
 
-from nbaccel.launch.errors import hide_frames_of
 from nbaccel.launch.pickling import code_named
 from nbaccel.launch.protocol import EventKind
+from nbaccel.launch.tracebacks import hide_frames_of
 from nbaccel.launch.worker import emit
 from nbaccel.notebook.rank.publish import publish
 
