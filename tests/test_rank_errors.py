@@ -399,3 +399,16 @@ def test_ranks_see_the_notebooks_argv_and_argparse_errors_say_why(monkeypatch):
     assert "error: unrecognized arguments: -f /run/jupyter/kernel-1.json" in shown
     monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "0.5"])
     assert notebook_launcher(_parse_args, num_processes=2, renderer=Renderer()) == [0.5, 0.5]
+
+
+def _returns_a_generator():
+    return (i for i in range(3))
+
+
+def test_a_return_value_that_cannot_travel_says_what_to_return():
+    """The message is about the way back (to the notebook), not about passing arguments."""
+    with pytest.raises(TypeError) as info:
+        notebook_launcher(_returns_a_generator, num_processes=2, renderer=Renderer())
+    text = str(info.value)
+    assert "the return value (generator) cannot be sent to the notebook" in text
+    assert "Return something picklable instead" in text and "worker processes" not in text

@@ -358,12 +358,28 @@ def _refuse_inheritance_only(exc: _InheritanceOnly, obj: Any, name: str, names: 
     ) from None
 
 
+# Where a packed object goes, and what to do when it cannot: (destination, advice).
+_TOWARD = {
+    "ranks": (
+        "the worker processes",
+        "Create it inside the launched function instead, or pass something picklable (a path, "
+        "a config, a state_dict).",
+    ),
+    "notebook": (
+        "the notebook",
+        "Return something picklable instead: numbers, tensors, lists, dicts, a state_dict "
+        "(list(...) of a generator).",
+    ),
+}
+
+
 def pack(
     obj: Any,
     name: str = "args",
     element_names: tuple[str, ...] | None = None,
     inherit: bool = False,
     share: bool = True,
+    toward: str = "ranks",
 ) -> tuple[Packed, SharedTensors | None]:
     """Serialise ``obj``; large CPU tensors go to a shared file. Raises UnpicklableError.
 
@@ -373,7 +389,7 @@ def pack(
     inheritance-only objects stay here and the ranks inherit them (``Packed.forget_inherited``
     when the launch is over).
     ``share=False`` keeps every tensor inside the pickle (a reader on another host cannot map
-    this host's files).
+    this host's files). ``toward``: "ranks" or "notebook", for the error's words.
     """
     if is_plain(obj):  # no tensor, no function: the C pickler alone (None, numbers, strings)
         return Packed(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)), None
@@ -390,10 +406,10 @@ def pack(
                 found = found or _find_unpicklable(item, item_name)
         found = found or _find_unpicklable(obj, name)
         where, culprit, cause = found if found else (name, obj, exc)
+        destination, advice = _TOWARD[toward]
         raise UnpicklableError(
-            f"{where} ({type(culprit).__name__}) cannot be sent to the worker processes: "
-            f"{type(cause).__name__}: {cause}. Create it inside the launched function instead, "
-            "or pass something picklable (a path, a config, a state_dict)."
+            f"{where} ({type(culprit).__name__}) cannot be sent to {destination}: "
+            f"{type(cause).__name__}: {cause}. {advice}"
         ) from exc
     shared = SharedTensors(pickler.shared) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)

@@ -248,7 +248,9 @@ def _send_result(call_id: int, value: Any) -> bool:
     """Send the return value; large CPU tensors in it travel through a shared file that the
     driver maps (``transport.take``), written once here, never copied through the socket."""
     try:
-        packed, shared = pack(value, name="the return value", share=_shared_results)
+        packed, shared = pack(
+            value, name="the return value", share=_shared_results, toward="notebook"
+        )
     except UnpicklableError as exc:
         error = TypeError(f"the function succeeded, but {exc}")
         _send((Message.ERROR, call_id, describe_exception(error)))
