@@ -36,7 +36,7 @@ from nbaccel.distributed.state import AcceleratorState, DistributedType, Gradien
 from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
 from nbaccel.launch.log_store import keep_logs
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.transport import UnpicklableError
+from nbaccel.launch.unpicklable import UnpicklableError
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
 from nbaccel.notebook.rank import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")

@@ -18,7 +18,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.transport import UnpicklableError
+from nbaccel.launch.unpicklable import UnpicklableError
 
 
 def _even_ranks_fail():

@@ -30,21 +30,24 @@ import os
 import pickle
 import re
 import secrets
-import sys
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nbaccel.launch.pickling import Pickler, dumps, is_plain, plain_class
+from nbaccel.launch.pickling import Pickler, is_plain, plain_class
 from nbaccel.launch.processes import pid_alive
+from nbaccel.launch.unpicklable import (
+    InheritanceOnly,
+    inheritance_only_refused,
+    inheritance_only_types,
+    unpicklable_refused,
+)
 
 __all__ = [
     "Packed",
     "SharedTensors",
-    "UnpicklableError",
     "discard",
     "pack",
     "shm_dir",
@@ -60,38 +63,8 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 _SEGMENT_NAME = re.compile(r"nbaccel-(\d+)-[0-9a-f]{16}(\.new)?")
 
 
-class UnpicklableError(TypeError):
-    """An argument cannot be sent to the ranks; the message names it and its path."""
-
-
 # objects forked ranks inherit from the driver instead of unpickling them: id -> object
 _INHERITED: dict[int, Any] = {}
-
-
-#: multiprocessing's types that reach another process only by inheritance, by module
-_INHERITANCE_ONLY = {
-    "multiprocessing.queues": ("Queue", "SimpleQueue"),
-    "multiprocessing.synchronize": ("SemLock", "Condition", "Event", "Barrier"),
-    "multiprocessing.sharedctypes": ("SynchronizedBase",),
-}
-
-
-def _inheritance_only() -> tuple[type, ...]:
-    """multiprocessing's types that reach another process only by inheritance. Only modules
-    already imported count (an instance cannot exist before its module is imported), so that
-    packing a rank's result imports nothing."""
-    return tuple(
-        getattr(sys.modules[module], name)
-        for module, names in _INHERITANCE_ONLY.items()
-        if module in sys.modules
-        for name in names
-    )
-
-
-class _InheritanceOnly(Exception):
-    def __init__(self, obj: Any) -> None:
-        super().__init__(type(obj).__name__)
-        self.obj = obj
 
 
 @dataclass
@@ -268,14 +241,14 @@ class _Pickler(Pickler):
         self.shared: list[torch.Tensor] = []
         self._ids: dict[int, int] = {}
         self._inherit = inherit
-        self._inheritance_only = _inheritance_only()
+        self._inheritance_only = inheritance_only_types()
         self.inherited: list[int] = []
         self._share = share
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, self._inheritance_only):
             if not self._inherit:
-                raise _InheritanceOnly(obj)
+                raise InheritanceOnly(obj)
             _INHERITED[id(obj)] = obj
             self.inherited.append(id(obj))
             return ("nbaccel-inherited", id(obj))
@@ -295,82 +268,6 @@ class _Pickler(Pickler):
                 self.shared.append(obj)
             return ("nbaccel-tensor", self._ids[key])
         return None
-
-
-def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
-    """Yield (path, child) pairs to locate an unpicklable leaf."""
-    if depth > 6:
-        return
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield f"{path}[{key!r}]", value
-    elif isinstance(obj, list | tuple | set | frozenset):
-        for index, value in enumerate(obj):
-            yield f"{path}[{index}]", value
-    elif isinstance(obj, torch.nn.Module):
-        for name, value in vars(obj).items():
-            if name in ("_parameters", "_buffers"):
-                continue
-            if name == "_modules":
-                for child_name, child in value.items():
-                    yield f"{path}.{child_name}", child
-            elif not name.startswith("_"):
-                yield f"{path}.{name}", value
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for name, value in vars(obj).items():
-            yield f"{path}.{name}", value
-
-
-def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
-    try:
-        dumps(obj)
-        return None
-    except Exception as exc:
-        for child_path, child in _walk(obj, path, depth):
-            found = _find_unpicklable(child, child_path, depth + 1)
-            if found is not None:
-                return found
-        return path, obj, exc
-
-
-def _find_inheritance_only(obj: Any, path: str, depth: int = 0) -> str | None:
-    if isinstance(obj, _inheritance_only()):
-        return path
-    for child_path, child in _walk(obj, path, depth):
-        found = _find_inheritance_only(child, child_path, depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
-def _refuse_inheritance_only(exc: _InheritanceOnly, obj: Any, name: str, names: Any) -> None:
-    where = None
-    if names is not None:
-        for item, item_name in zip(obj, names):
-            where = where or _find_inheritance_only(item, item_name)
-    where = where or _find_inheritance_only(obj, name) or name
-    kind = type(exc.obj).__name__
-    raise UnpicklableError(
-        f"{where} (a multiprocessing {kind}) reaches other processes only by inheritance, and "
-        "these ranks are started from a fork server, not forked from this process. Launch with "
-        f"start_method='fork' (the ranks inherit the {kind} as they would under Accelerate's "
-        f"fork), or pass a manager proxy, which travels: multiprocessing.Manager().{kind}()."
-    ) from None
-
-
-# Where a packed object goes, and what to do when it cannot: (destination, advice).
-_TOWARD = {
-    "ranks": (
-        "the worker processes",
-        "Create it inside the launched function instead, or pass something picklable (a path, "
-        "a config, a state_dict).",
-    ),
-    "notebook": (
-        "the notebook",
-        "Return something picklable instead: numbers, tensors, lists, dicts, a state_dict "
-        "(list(...) of a generator).",
-    ),
-}
 
 
 def pack(
@@ -397,20 +294,10 @@ def pack(
     pickler = _Pickler(buffer, inherit=inherit, share=share)
     try:
         pickler.dump(obj)
-    except _InheritanceOnly as exc:
-        _refuse_inheritance_only(exc, obj, name, element_names)
+    except InheritanceOnly as exc:
+        raise inheritance_only_refused(exc, obj, name, element_names) from None
     except Exception as exc:
-        found = None
-        if element_names is not None:
-            for item, item_name in zip(obj, element_names):
-                found = found or _find_unpicklable(item, item_name)
-        found = found or _find_unpicklable(obj, name)
-        where, culprit, cause = found if found else (name, obj, exc)
-        destination, advice = _TOWARD[toward]
-        raise UnpicklableError(
-            f"{where} ({type(culprit).__name__}) cannot be sent to {destination}: "
-            f"{type(cause).__name__}: {cause}. {advice}"
-        ) from exc
+        raise unpicklable_refused(exc, obj, name, element_names, toward) from exc
     shared = SharedTensors(pickler.shared) if pickler.shared else None
     packed = Packed(buffer.getvalue(), shared.path if shared else None)
     packed.inherited = pickler.inherited

@@ -31,7 +31,8 @@ from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import STACKS_SIGNAL, EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
-from nbaccel.launch.transport import SharedTensors, UnpicklableError, pack, unpack
+from nbaccel.launch.transport import SharedTensors, pack, unpack
+from nbaccel.launch.unpicklable import UnpicklableError
 
 __all__ = [
     "after_each_call",

@@ -31,7 +31,8 @@ from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Mode
-from nbaccel.launch.transport import UnpicklableError, pack
+from nbaccel.launch.transport import pack
+from nbaccel.launch.unpicklable import UnpicklableError
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
 from nbaccel.notebook.kernel.rank_output import CellRenderer
 from nbaccel.notebook.preload import WORKER_PRELOAD
