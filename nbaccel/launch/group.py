@@ -119,6 +119,7 @@ class WorkerGroup(RankConnections, RankEnds):
         self._threads = threads or max(1, (os.cpu_count() or 1) // num_processes)
         self._setup = tuple(setup)
         self._notebook_state = notebook_state.capture()  # what a fork of it would give ranks
+        launcher.add_preload(notebook_state.modules(self._notebook_state))
         self._local_rendezvous = local_rendezvous
         self._secret = new_secret()
         self._launch_id = secrets.token_hex(6)

@@ -39,6 +39,10 @@ class ProcessLauncher(ABC):
         #: modules worth importing once before the ranks start (used by the fork server)
         self.preload = tuple(preload)
 
+    def add_preload(self, modules: Iterable[str]) -> None:
+        """Also preload ``modules`` (what this launch's ranks will import as they start)."""
+        self.preload = tuple(dict.fromkeys((*self.preload, *modules)))
+
     @property
     def hosts_by_rank(self) -> Mapping[int, str]:
         """The host of each rank (global rank -> host name) when ranks run on other hosts;
