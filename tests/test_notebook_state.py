@@ -123,11 +123,12 @@ def imported():
     return "numpy.random" in sys.modules
 
 assert "numpy" in sys.modules and "numpy.random" not in sys.modules
-print(notebook_launcher(imported, num_processes=2, renderer=Renderer()), "numpy.random" in sys.modules)
+ranks = notebook_launcher(imported, num_processes=2, renderer=Renderer())
+print(ranks, "numpy.random" in sys.modules)
 import numpy.random
 numpy.random.seed(5)
-print(notebook_launcher(imported, num_processes=2, renderer=Renderer()),
-      "numpy.random" in get_forkserver().preloaded)
+ranks = notebook_launcher(imported, num_processes=2, renderer=Renderer())
+print(ranks, "numpy.random" in get_forkserver().preloaded)
 """
 
 
