@@ -70,3 +70,29 @@ def test_a_queue_still_reaches_forked_ranks_by_inheritance():
 
     notebook_launcher(put, (queue,), num_processes=2, start_method="fork", renderer=Renderer())
     assert sorted(queue.get(timeout=10) for _ in range(2)) == [0, 1]
+
+
+#: the kernel's modules that the fork server (torch, nbaccel) does not import
+_KERNEL_MODULES = ("IPython", "ipykernel", "traitlets", "pygments", "jedi", "numpy.random")
+
+
+def test_ranks_launched_from_a_kernel_import_none_of_its_modules():
+    """The notebook's state (warning filters naming IPython's categories, NumPy's generator)
+    travels to the ranks by name: a launch from a kernel imported IPython, traitlets and
+    pygments (warning categories) and numpy.random in every rank as it started, making an
+    8-rank no-op launch 4-6x slower."""
+    from kernel import cell_text, run_notebook
+
+    nb = run_notebook(
+        [
+            "import sys, warnings\n"
+            "from nbaccel import notebook_launcher\n"
+            "from nbaccel.launch.render import Renderer\n"
+            f"def kernel_modules_here():\n"
+            f"    return [name for name in {_KERNEL_MODULES!r} if name in sys.modules]\n"
+            "assert 'IPython' in sys.modules\n"
+            "assert any(f[2].__module__.startswith('IPython') for f in warnings.filters)\n"
+            "print(notebook_launcher(kernel_modules_here, num_processes=2, renderer=Renderer()))"
+        ]
+    )
+    assert cell_text(nb.cells[0]).strip().splitlines()[-1] == "[[], []]"

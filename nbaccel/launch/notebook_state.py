@@ -22,15 +22,16 @@ from __future__ import annotations
 import pickle
 import random
 import sys
-import warnings
 from typing import Any
+
+from nbaccel.launch import warning_filters
 
 __all__ = ["apply", "capture", "modules"]
 
 
 def capture() -> dict[str, Any]:
     """This process's state worth giving to ranks (what :func:`apply` takes)."""
-    state: dict[str, Any] = {"random": random.getstate(), "warnings": _warning_filters()}
+    state: dict[str, Any] = {"random": random.getstate(), "warnings": warning_filters.capture()}
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "get_default_dtype"):
         state["torch"] = {
@@ -55,34 +56,11 @@ def modules(state: dict[str, Any]) -> tuple[str, ...]:
     return ("numpy.random",) if "numpy" in state else ()
 
 
-def _warning_filters() -> list[bytes]:
-    """Each filter pickled on its own, those whose category a rank can import (a class the
-    notebook defined is left out)."""
-    kept = []
-    for entry in warnings.filters:
-        category = entry[2]
-        if getattr(category, "__module__", "__main__") == "__main__":
-            continue
-        try:
-            kept.append(pickle.dumps(entry))
-        except Exception:
-            continue
-    return kept
-
-
 def apply(state: dict[str, Any]) -> None:
     """Make this process's state ``state`` (what :func:`capture` read in the notebook)."""
     if "random" in state:
         random.setstate(state["random"])
-    filters = []
-    for pickled in state.get("warnings", ()):
-        try:
-            filters.append(pickle.loads(pickled))
-        except Exception:
-            continue
-    if filters:
-        warnings.filters[:] = filters
-        warnings._filters_mutated()  # type: ignore[attr-defined]  # what filterwarnings calls
+    warning_filters.install(state.get("warnings", []))
     if "torch" in state:
         _apply_torch(state["torch"])
     if "numpy" in state:
