@@ -115,20 +115,37 @@ def cuda_refusal(module: str) -> str:
 
 
 _cuda_culprit: str | None = None  # server side: the first module whose import initialised CUDA
+_inherited: frozenset[str] | None = None  # server side: the modules every rank forked now gets
+
+
+def inherited_modules() -> frozenset[str] | None:
+    """In a rank forked by the server: the modules it had imported for it (what ``sys.modules``
+    held at the fork); None elsewhere. What a rank imports beyond them is its own start-up
+    cost, paid again by every rank of every launch."""
+    return _inherited
 
 
 def _preload(modules: Iterable[str], strict: bool) -> None:
-    global _cuda_culprit
+    global _cuda_culprit, _inherited
     for module in modules:
         try:
             __import__(module)
         except Exception as exc:
             if strict:
                 raise
-            # Preloading only saves time: the worker imports the module itself and fails there.
-            print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
+            # Preloading only saves time: the worker imports the module itself and fails there
+            # (or does without it: IPython's display on a host that lacks IPython).
+            if not _not_installed(exc, module):
+                print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
         if _cuda_culprit is None and _cuda_initialized():
             _cuda_culprit = module
+    _inherited = frozenset(sys.modules)
+
+
+def _not_installed(exc: Exception, module: str) -> bool:
+    """``exc`` says that ``module``'s package is not installed (not that it failed to import)."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    return missing is not None and (module == missing or module.startswith(missing + "."))
 
 
 def _fork_rank(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> None:

@@ -28,7 +28,7 @@ from nbaccel.launch.request import Fronts, LaunchRequest
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
-from nbaccel.notebook.preload import WORKER_PRELOAD
+from nbaccel.notebook.preload import POOL_PRELOAD
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -390,7 +390,7 @@ def load_ipython_extension(ipython: Any) -> None:
         atexit.register(pool_module.shutdown_pool)
         _atexit_registered = True
     try:
-        warm_up(WORKER_PRELOAD)  # the fork server imports torch while the user types
+        warm_up(POOL_PRELOAD)  # the fork server imports torch while the user types
     except Exception as exc:  # only a head start: the first cell starts the server otherwise
         print(f"[nbaccel] could not start the fork server early: {exc}", file=sys.stderr)
 

@@ -35,7 +35,7 @@ from nbaccel.launch.transport import pack
 from nbaccel.launch.unpicklable import UnpicklableError
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
 from nbaccel.notebook.kernel.rank_output import CellRenderer
-from nbaccel.notebook.preload import WORKER_PRELOAD
+from nbaccel.notebook.preload import POOL_PRELOAD
 from nbaccel.notebook.rank import pool_worker
 from nbaccel.notebook.rank.instrumentation import worker_setup
 
@@ -152,7 +152,7 @@ class Pool:
             n,
             lambda index: plan.rank_env(index, port),
             self._wrap(renderer),
-            make_launcher(plan.kind, preload=WORKER_PRELOAD, **plan.launcher_options()),
+            make_launcher(plan.kind, preload=POOL_PRELOAD, **plan.launcher_options()),
             mode=Mode.SERVE,
             setup=[
                 *worker_setup(memory=True),
