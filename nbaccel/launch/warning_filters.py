@@ -73,7 +73,9 @@ class _NotYetImported(type):
 
     _owner: str
     _name: str
+    _real: type | None = None  # found once its module is imported
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        real = _loaded(cls._owner, cls._name)
-        return real is not None and issubclass(subclass, real)
+        if cls._real is None:
+            cls._real = _loaded(cls._owner, cls._name)
+        return cls._real is not None and issubclass(subclass, cls._real)
