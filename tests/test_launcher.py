@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 import torch
+from recorder import Recorder
 
 from nbaccel import (
     LaunchTimeout,
@@ -24,25 +25,6 @@ from nbaccel import (
     notebook_launcher,
 )
 from nbaccel.launch.launchers.forkserver import get_forkserver
-from nbaccel.launch.render import Renderer
-
-
-class Recorder(Renderer):
-    """Collects what a launch shows, for assertions."""
-
-    def __init__(self):
-        self.lines: list[tuple[int, str, str]] = []
-        self.notices: list[str] = []
-        self.announcement = ""
-
-    def start(self, announcement, num_processes):
-        self.announcement = announcement
-
-    def line(self, rank, stream, text):
-        self.lines.append((rank, stream, text))
-
-    def notice(self, text):
-        self.notices.append(text)
 
 
 def _workers_alive() -> list[psutil.Process]:

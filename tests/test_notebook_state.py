@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from recorder import Recorder
 
 from nbaccel import notebook_launcher
 from nbaccel.launch.render import Renderer
@@ -90,14 +91,6 @@ def test_seeding_in_the_notebook_seeds_the_ranks(notebook_torch):
     assert notebook_launcher(_draws, num_processes=2, renderer=Renderer()) == [here, here]
 
 
-class _Lines(Renderer):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def line(self, rank, stream, text) -> None:
-        self.lines.append(text)
-
-
 def _warn() -> None:
     warnings.warn(f"noisy library warning from rank {os.environ['RANK']}", stacklevel=1)
     warnings.warn(f"kept warning from rank {os.environ['RANK']}", stacklevel=1)
@@ -105,9 +98,9 @@ def _warn() -> None:
 
 def test_the_notebooks_warning_filters_apply_on_the_ranks(notebook_torch):
     warnings.filterwarnings("ignore", message="noisy library warning")
-    lines = _Lines()
+    lines = Recorder()
     notebook_launcher(_warn, num_processes=2, renderer=lines)
-    shown = "\n".join(lines.lines)
+    shown = lines.text()
     assert "kept warning from rank 0" in shown and "kept warning from rank 1" in shown
     assert "noisy library warning" not in shown
 

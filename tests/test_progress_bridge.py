@@ -6,23 +6,14 @@ import time
 from collections import defaultdict
 
 from proc_threads import voluntary_switches
+from recorder import Recorder as SharedRecorder
 
 from nbaccel import notebook_launcher
 from nbaccel.launch.render import Renderer
 from nbaccel.notebook.events import MemorySample, ProgressUpdate
 
 
-class Recorder(Renderer):
-    def __init__(self) -> None:
-        self.lines: list[tuple[int, str, str]] = []
-        self.events: list[tuple[float, int, str, object]] = []
-
-    def line(self, rank, stream, text):
-        self.lines.append((rank, stream, text))
-
-    def event(self, rank, kind, payload):
-        self.events.append((time.monotonic(), rank, kind, payload))
-
+class Recorder(SharedRecorder):
     def progress(self) -> dict[tuple[int, int], list[ProgressUpdate]]:
         bars = defaultdict(list)
         for _, rank, kind, payload in self.events:

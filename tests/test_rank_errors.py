@@ -18,6 +18,7 @@ import traceback
 
 import pytest
 import torch
+from recorder import Recorder
 
 from nbaccel import ResultNotLoadable, notebook_launcher
 from nbaccel.launch.errors import RankCrashed
@@ -287,14 +288,6 @@ def test_a_ranks_chain_of_causes_reaches_the_notebook(how):
         assert remote.count("Traceback from rank 1") == 2  # a cycle is followed once
 
 
-class _Lines(Renderer):
-    def __init__(self) -> None:
-        self.lines: list[tuple[int, str]] = []
-
-    def line(self, rank, stream, text) -> None:
-        self.lines.append((rank, text))
-
-
 def _segfault_in_user_code() -> str:
     import ctypes
 
@@ -310,10 +303,10 @@ def test_a_native_crash_shows_the_ranks_python_stack_before_the_error():
     """A segfault in native code: the rank's Python stack at the crash (faulthandler) reaches
     the cell's output, naming the user's function, and the launch raises RankCrashed."""
 
-    lines = _Lines()
+    lines = Recorder()
     with pytest.raises(RankCrashed, match="SIGSEGV"):
         notebook_launcher(_segfault_in_user_code, num_processes=2, renderer=lines)
-    text = "\n".join(text for rank, text in lines.lines if rank == 1)
+    text = lines.text(rank=1)
     assert "Fatal Python error: Segmentation fault" in text
     assert re.search(r'File ".*test_rank_errors\.py", line \d+ in read_null', text)
     assert text.index("in read_null") < text.index("in _segfault_in_user_code")
@@ -391,11 +384,11 @@ def test_ranks_see_the_notebooks_argv_and_argparse_errors_say_why(monkeypatch):
     kernel_argv = ["/venv/lib/ipykernel_launcher.py", "-f", "/run/jupyter/kernel-1.json"]
     monkeypatch.setattr(sys, "argv", kernel_argv)
     assert notebook_launcher(_argv, num_processes=2, renderer=Renderer()) == [kernel_argv] * 2
-    lines = _Lines()
+    lines = Recorder()
     with pytest.raises(RankCrashed, match=r"exited with code 2 \(sys.exit\): argparse's") as info:
         notebook_launcher(_parse_args, num_processes=2, renderer=lines)
     assert "parse_args(['--lr', '0.1'])" in str(info.value)
-    shown = "\n".join(text for _, text in lines.lines)
+    shown = lines.text()
     assert "error: unrecognized arguments: -f /run/jupyter/kernel-1.json" in shown
     monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "0.5"])
     assert notebook_launcher(_parse_args, num_processes=2, renderer=Renderer()) == [0.5, 0.5]

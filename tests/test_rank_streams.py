@@ -8,18 +8,11 @@ import os
 import socket
 import threading
 
+from recorder import Recorder
+
 from nbaccel import notebook_launcher
 from nbaccel.launch.channel import Listener, connect, new_secret
 from nbaccel.launch.rank_connections import RankConnections
-from nbaccel.launch.render import Renderer
-
-
-class Lines(Renderer):
-    def __init__(self):
-        self.lines = []
-
-    def line(self, rank, stream, text):
-        self.lines.append((rank, stream, text))
 
 
 def _speak():
@@ -44,7 +37,7 @@ def test_one_connection_per_rank_and_every_stream_keeps_its_rank(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(RankConnections, "_start_handshake", counting)
-    renderer = Lines()
+    renderer = Recorder()
     assert notebook_launcher(_speak, num_processes=3, renderer=renderer) == [0, 1, 2]
     assert len(accepted) == 3
     for rank in range(3):

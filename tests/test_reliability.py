@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 from faults import FAULTS, succeed
+from recorder import Recorder
 
 import nbaccel
 from nbaccel import notebook_launcher
@@ -218,14 +219,7 @@ def test_the_secret_never_reaches_environment_arguments_or_output():
     from nbaccel.launch.launchers import make_launcher
     from nbaccel.launch.transport import pack
 
-    class Lines(Renderer):
-        def __init__(self):
-            self.text = []
-
-        def line(self, rank, stream, text):
-            self.text.append(text)
-
-    lines = Lines()
+    lines = Recorder()
     payload, _ = pack((_what_a_rank_can_see, (), {}))
     group = WorkerGroup(
         1, lambda i: dict(os.environ), lines, make_launcher("forkserver"), work=payload
@@ -238,8 +232,8 @@ def test_the_secret_never_reaches_environment_arguments_or_output():
     finally:
         group.close()
     secret = group._secret
-    seen = " ".join([*env.values(), *argv, *lines.text])
-    assert lines.text  # the rank did print its environment
+    seen = " ".join([*env.values(), *argv, lines.text()])
+    assert lines.lines  # the rank did print its environment
     assert secret.hex() not in seen and repr(secret) not in seen
     assert secret.hex() not in " ".join(psutil.Process(get_forkserver().pid).cmdline())
 

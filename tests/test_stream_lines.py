@@ -47,18 +47,13 @@ def _noisy() -> None:
 def test_control_bytes_from_ranks_are_filtered_colours_and_tabs_kept():
     """NUL, BEL, cursor and screen escapes, titles, DEL never reach the notebook; ANSI colours
     (which Jupyter renders) and tabs do."""
+    from recorder import Recorder
+
     from nbaccel import notebook_launcher
-    from nbaccel.launch.render import Renderer
 
-    class Capture(Renderer):
-        def __init__(self) -> None:
-            self.lines: list[str] = []
-
-        def line(self, rank: int, stream: str, text: str) -> None:
-            self.lines.append(text)
-
-    renderer = Capture()
+    renderer = Recorder()
     notebook_launcher(_noisy, num_processes=1, renderer=renderer)
-    assert "nulbel esc \x1b[31mred\x1b[0m\tend" in renderer.lines
-    assert "c-level bytes" in renderer.lines
-    assert "err" in renderer.lines
+    shown = [text for _, _, text in renderer.lines]
+    assert "nulbel esc \x1b[31mred\x1b[0m\tend" in shown
+    assert "c-level bytes" in shown
+    assert "err" in shown
