@@ -18,6 +18,7 @@ from nbaccel.launch.pickling import dumps
 
 __all__ = [
     "InheritanceOnly",
+    "ResultNotSendable",
     "UnpicklableError",
     "inheritance_only_refused",
     "inheritance_only_types",
@@ -27,7 +28,16 @@ __all__ = [
 
 class UnpicklableError(TypeError):
     """An object cannot be sent to the ranks (or a value back); the message names it, its path
-    and the fix."""
+    and the fix. ``where`` (the path), ``culprit`` (the type that does not pickle) and
+    ``cause`` (pickle's error) are its parts, for a front that words it its own way."""
+
+    where: str | None = None
+    culprit: str | None = None
+    cause: str | None = None
+
+
+class ResultNotSendable(UnpicklableError):
+    """A call succeeded on its rank, but the value it returned cannot be sent back."""
 
 
 #: multiprocessing's types that reach another process only by inheritance, by module
@@ -150,7 +160,10 @@ def unpicklable_refused(
     found = found or _find_unpicklable(obj, name)
     where, culprit, cause = found if found else (name, obj, exc)
     destination, advice = _TOWARD[toward]
-    return UnpicklableError(
+    error = UnpicklableError(
         f"{where} ({type(culprit).__name__}) cannot be sent to {destination}: "
         f"{type(cause).__name__}: {cause}. {advice}"
     )
+    error.where, error.culprit = where, type(culprit).__name__
+    error.cause = f"{type(cause).__name__}: {cause}"
+    return error

@@ -32,7 +32,7 @@ from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import STACKS_SIGNAL, EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
 from nbaccel.launch.transport import SharedTensors, pack, unpack
-from nbaccel.launch.unpicklable import UnpicklableError
+from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
 
 __all__ = [
     "after_each_call",
@@ -253,7 +253,8 @@ def _send_result(call_id: int, value: Any) -> bool:
             value, name="the return value", share=_shared_results, toward="notebook"
         )
     except UnpicklableError as exc:
-        error = TypeError(f"the function succeeded, but {exc}")
+        error = ResultNotSendable(f"the function succeeded, but {exc}")
+        error.where, error.culprit, error.cause = exc.where, exc.culprit, exc.cause
         _send((Message.ERROR, call_id, describe_exception(error)))
         return False
     if shared is not None and shared.path is not None:

@@ -32,7 +32,7 @@ from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Mode
 from nbaccel.launch.transport import pack
-from nbaccel.launch.unpicklable import UnpicklableError
+from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
 from nbaccel.notebook.kernel.rank_output import CellRenderer
 from nbaccel.notebook.preload import POOL_PRELOAD
@@ -364,7 +364,18 @@ class Pool:
     ) -> dict[int, Any]:
         """The value of ``name`` on each of ``ranks`` (default all)."""
         __tracebackhide__ = True
-        return self.call(pool_worker.pull_name, name, ranks=ranks, renderer=renderer)
+        try:
+            return self.call(pool_worker.pull_name, name, ranks=ranks, renderer=renderer)
+        except ResultNotSendable as exc:  # worded for a call: "the function ... return value"
+            if exc.culprit is None:
+                raise
+            where = (exc.where or "").replace("the return value", name, 1) or name
+            raise ResultNotSendable(
+                f"{where} ({exc.culprit}) on rank {getattr(exc, 'rank', '?')} cannot be brought "
+                f"into the notebook: {exc.cause}. Make something picklable from it on the ranks "
+                f"(numbers, tensors, lists, dicts, a state_dict; list({name}) of a generator) and "
+                "pull that instead."
+            ) from None
 
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """One row per rank: pid, device, memory, state (idle/busy/exited), uptime.
