@@ -53,6 +53,8 @@ def test_filters_round_trip_with_their_patterns_and_order():
         warnings.resetwarnings()
         warnings.filterwarnings("ignore", message="noisy", category=DeprecationWarning)
         warnings.filterwarnings("error", category=RuntimeWarning, module="mylib", lineno=3)
+        warnings.filters.insert(0, ("ignore", None, ImportWarning, "plain.text", 0))
+        warnings._filters_mutated()  # as Python's own default filters: a plain-text module
         captured = warning_filters.capture()
         before = list(warnings.filters)
         warnings.resetwarnings()

@@ -32,8 +32,8 @@ def capture() -> list[Filter]:
         name = getattr(category, "__qualname__", "<locals>")
         if owner == "__main__" or "<locals>" in name:
             continue
-        if not all(p is None or isinstance(p, re.Pattern) for p in (message, module)):
-            continue
+        if not all(p is None or isinstance(p, (re.Pattern, str)) for p in (message, module)):
+            continue  # patterns are compiled, or plain text (Python's own default filters)
         kept.append((action, message, owner, name, module, lineno))
     return kept
 
