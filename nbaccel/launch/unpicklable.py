@@ -39,6 +39,9 @@ class UnpicklableError(TypeError):
 class ResultNotSendable(UnpicklableError):
     """A call succeeded on its rank, but the value it returned cannot be sent back."""
 
+    #: how the worker names the value in ``where`` (``the return value['lock']``)
+    value_name = "the return value"
+
 
 #: multiprocessing's types that reach another process only by inheritance, by module
 _INHERITANCE_ONLY = {

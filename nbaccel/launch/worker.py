@@ -250,7 +250,7 @@ def _send_result(call_id: int, value: Any) -> bool:
     driver maps (``transport.take``), written once here, never copied through the socket."""
     try:
         packed, shared = pack(
-            value, name="the return value", share=_shared_results, toward="notebook"
+            value, name=ResultNotSendable.value_name, share=_shared_results, toward="notebook"
         )
     except UnpicklableError as exc:
         error = ResultNotSendable(f"the function succeeded, but {exc}")

@@ -369,7 +369,7 @@ class Pool:
         except ResultNotSendable as exc:  # worded for a call: "the function ... return value"
             if exc.culprit is None:
                 raise
-            where = (exc.where or "").replace("the return value", name, 1) or name
+            where = (exc.where or "").replace(exc.value_name, name, 1) or name
             raise ResultNotSendable(
                 f"{where} ({exc.culprit}) on rank {getattr(exc, 'rank', '?')} cannot be brought "
                 f"into the notebook: {exc.cause}. Make something picklable from it on the ranks "
