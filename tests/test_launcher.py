@@ -154,6 +154,8 @@ def test_a_timeout_shows_where_each_rank_hung(no_leaks):
     assert re.search(r"line \d+ in barrier\n.*\n.*line \d+ in _hang_in_two_places", by_rank[0])
     assert re.search(r"line \d+ in waits_for_a_file\n.*line \d+ in _hang", by_rank[1])
     assert "Fatal Python error" not in by_rank[0] + by_rank[1]  # a dump, not a crash
+    for shown in by_rank.values():  # the user's frames only: no watcher thread, no worker
+        assert shown.count("(most recent call first)") == 1 and "nbaccel" not in shown
 
 
 def test_bad_input_refused_before_start():

@@ -37,7 +37,7 @@ from nbaccel.launch.labels import RankLabels
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.lines import Piece
 from nbaccel.launch.output_budget import OutputBudget
-from nbaccel.launch.protocol import Message, OutcomeKind
+from nbaccel.launch.protocol import Message, OutcomeKind, Stream
 from nbaccel.launch.rank_connections import HANDSHAKE, RankConnections
 from nbaccel.launch.rank_ends import EVENTS, OUTPUT, RankEnds
 from nbaccel.launch.rank_state import Outcome, RankState
@@ -286,14 +286,25 @@ class WorkerGroup(RankConnections, RankEnds):
         """Pass on the unfinished last line of ``stream`` (its rank ended, or its call did)."""
         for piece in state.lines[stream].flush():
             self._show(state, stream, piece)
+        if stream == Stream.STDERR:
+            for text in state.stack_dump.flush():
+                self._pass(state, stream, text, False, True)
 
     def _show(self, state: RankState, stream: str, piece: Piece) -> None:
+        """A piece of a line to the notebook; a stack dump's lines without nbaccel's frames."""
+        if stream != Stream.STDERR or piece.continues or not piece.complete:
+            self._pass(state, stream, piece.text, piece.continues, piece.complete)
+            return
+        for text in state.stack_dump.feed(piece.text):
+            self._pass(state, stream, text, False, True)
+
+    def _pass(self, state: RankState, stream: str, text: str, continues: bool, complete: bool):
         """A line to the renderer, or to the log file once the output budget is spent."""
-        shown = self.output.take(state.rank, stream, piece.text, piece.continues, piece.complete)
+        shown = self.output.take(state.rank, stream, text, continues, complete)
         if shown is not None:
             self.renderer.line(state.rank, stream, shown)
         else:
-            self.renderer.overflow(state.rank, stream, piece.text)
+            self.renderer.overflow(state.rank, stream, text)
 
     def _read_event(self, state: RankState) -> None:
         """Handle the messages that woke the selector: one read, then every whole message it

@@ -10,6 +10,7 @@ from nbaccel.launch.channel import Connection
 from nbaccel.launch.lines import StreamLines
 from nbaccel.launch.processes import WorkerProcess
 from nbaccel.launch.protocol import OutcomeKind
+from nbaccel.launch.stack_dumps import StackDumpFilter
 
 __all__ = ["Outcome", "RankState"]
 
@@ -37,6 +38,7 @@ class RankState:
     events: Connection | None = None
     streams_open: set[str] = field(default_factory=set)
     lines: dict[str, StreamLines] = field(default_factory=dict)  # output streams, cut in lines
+    stack_dump: StackDumpFilter = field(default_factory=StackDumpFilter)  # stderr's stack dumps
     connected: set[str] = field(default_factory=set)
     ready: bool = False
     events_closed: bool = False
