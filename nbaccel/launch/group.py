@@ -298,7 +298,9 @@ class WorkerGroup(RankConnections, RankEnds):
         for text in state.stack_dump.feed(piece.text):
             self._pass(state, stream, text, False, True)
 
-    def _pass(self, state: RankState, stream: str, text: str, continues: bool, complete: bool):
+    def _pass(
+        self, state: RankState, stream: str, text: str, continues: bool, complete: bool
+    ) -> None:
         """A line to the renderer, or to the log file once the output budget is spent."""
         shown = self.output.take(state.rank, stream, text, continues, complete)
         if shown is not None:
