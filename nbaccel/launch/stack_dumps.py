@@ -4,23 +4,22 @@ A rank dumps the stack of every thread (``faulthandler``, to its stderr) when it
 native code, and when the driver asks at a timeout or at a stop the rank did not hear
 (``STACKS_SIGNAL``). Half of each dump was nbaccel's own: the rank's watcher thread, a block
 of its own, and under the user's frames the worker and the fork server that called them, down
-to the server's ``<string>`` bootstrap. As in a rank's tracebacks (``tracebacks.hide_frames_of``)
-they are left out. Everything else is kept as faulthandler wrote it: the user's frames and
-threads (a DataLoader's, their own), library frames (``barrier``), and the lines around a dump
-("Fatal Python error: Segmentation fault", the extension modules).
+to the server's ``<string>`` bootstrap. They are left out: the same files as in a rank's
+tracebacks (``tracebacks.internal_frame``). Everything else is kept as faulthandler wrote it:
+the user's frames and threads (a DataLoader's, their own), library frames (``barrier``), and
+the lines around a dump ("Fatal Python error: Segmentation fault", the extension modules).
 """
 
 from __future__ import annotations
 
 import re
 
+from nbaccel.launch.tracebacks import internal_frame
+
 __all__ = ["StackDumpFilter"]
 
 _HEADER = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
 _FRAME = re.compile(r'  File "(?P<file>.*)", line (?:\d+|\?\?\?) in .*')
-#: the engine's files on the rank side (any host's path): the worker, the fork server, the
-#: watcher, and the pool's cell runner
-_ENGINE = re.compile(r"[/\\]nbaccel[/\\](?:launch|notebook[/\\]rank)[/\\].*\.py$")
 _WATCHER = re.compile(r"[/\\]nbaccel[/\\]launch[/\\]rank_watch\.py")
 
 
@@ -57,7 +56,7 @@ class StackDumpFilter:
             self._in_dump = line == "" or line.startswith("  ")  # "  <no Python frame>", "  ..."
             return [*shown, line]
         file = frame["file"]
-        if _ENGINE.search(file) or (self._below_engine and file == "<string>"):
+        if internal_frame(file) or (self._below_engine and file == "<string>"):
             self._below_engine = True
             return shown
         self._below_engine = False

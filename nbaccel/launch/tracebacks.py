@@ -23,11 +23,15 @@ __all__ = [
     "chain",
     "format_frames",
     "hide_frames_of",
+    "internal_frame",
     "safe_message",
     "user_frames",
 ]
 
-_INTERNAL: list[str] = [os.path.dirname(os.path.abspath(__file__))]
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../nbaccel
+#: nbaccel's own files as path pieces that match any host's copy of the package: trimmed from
+#: a rank's tracebacks (here, on the rank) and its stack dumps (``stack_dumps``, in the notebook)
+_INTERNAL: list[str] = ["/nbaccel/launch/"]
 
 # Characters of a rank's exception message the notebook shows (as many as of one output line).
 MESSAGE_SHOWN_CHARS = 10_000
@@ -54,7 +58,19 @@ def bounded_message(message: str) -> str:
 def hide_frames_of(path: str) -> None:
     """Trim the frames of ``path`` (a file or folder) from remote tracebacks, like the
     launcher's own (used by the pool's worker functions)."""
-    _INTERNAL.append(os.path.abspath(path))
+    full = os.path.abspath(path)
+    inside = os.path.relpath(full, _PACKAGE)
+    if inside.startswith(".."):  # not nbaccel's: this host's path
+        _INTERNAL.append(full.replace(os.sep, "/"))
+    else:
+        folder = "/" if os.path.isdir(full) else ""
+        _INTERNAL.append("/nbaccel/" + inside.replace(os.sep, "/") + folder)
+
+
+def internal_frame(filename: str) -> bool:
+    """``filename`` (a frame's, on any host) is one of nbaccel's own files."""
+    path = filename.replace("\\", "/")
+    return any(piece in path for piece in _INTERNAL)
 
 
 def user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
@@ -62,7 +78,7 @@ def user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:
 
     frames = []
     for frame in traceback.extract_tb(tb):
-        if os.path.abspath(frame.filename).startswith(tuple(_INTERNAL)):
+        if internal_frame(os.path.abspath(frame.filename)):
             continue
         frames.append((frame.filename, frame.lineno or 0, frame.name, frame.line))
     return frames
