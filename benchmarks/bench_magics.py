@@ -10,7 +10,10 @@ warm-up cells, then measures ``rounds`` empty ``%%distributed`` cells two ways:
 * magic: ``run_cell_magic("distributed", "", "pass")`` timed with ``perf_counter`` inside the
   kernel (the magic alone).
 
-For reference, the nbaccel kernel also times plain ``pass`` cells (the kernel's own cost).
+Each measured cell follows a plain ``pass`` cell in the same kernel (the kernel's own cost of a
+cell, measured alternately, so that the two see the same machine: a plain cell's cost drifts by a
+millisecond and more between kernels and minutes here); ``cell_minus_plain_ms_median`` is the
+median of those pairwise differences.
 
 nbdistributed (``pip install --no-deps nbdistributed``; its ``jupyter`` metapackage dependency is
 not needed to run) starts its workers with ``python`` from PATH, so the venv's ``bin`` is put
@@ -96,11 +99,12 @@ def measure(tool: str, rounds: int, ranks: int = 2) -> dict:
     # Warm means settled: the pause lets the just-started workers (and nbaccel's fork server,
     # which tidies its memory once at its first idle moment, ~0.3 s of CPU) go quiet, as they
     # are when a person types the next cell; without it the first cells share the 2 cores.
-    cells = [spec["load"], start, _PAUSE, *[empty] * (5 + rounds), _TIMED.format(rounds=rounds)]
+    pairs = [cell for _ in range(rounds) for cell in ("pass", empty)]
+    cells = [spec["load"], start, _PAUSE, *[empty] * 5, *pairs, _TIMED.format(rounds=rounds)]
     if spec["stop"]:
         cells.append(spec["stop"])
-    if tool == "nbaccel":  # the kernel's own cost of a cell, for reference; a warm pool restart
-        cells += ["pass"] * rounds + ["%dist_restart"]
+    if tool == "nbaccel":  # a warm pool restart
+        cells.append("%dist_restart")
     env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     started = time.perf_counter()
     before = _peer_workers()
@@ -109,20 +113,22 @@ def measure(tool: str, rounds: int, ranks: int = 2) -> dict:
     finally:
         _end(_peer_workers() - before)
     wall = time.perf_counter() - started
-    text = cell_text(nb.cells[_FIRST + rounds])
+    text = cell_text(nb.cells[_FIRST + 2 * rounds])
     samples_line = next((line for line in text.splitlines() if line.startswith("SAMPLES ")), None)
     if samples_line is None:
         raise RuntimeError(f"{tool}: no timing output: {text[-2000:]}")
     magic = json.loads(samples_line.split(" ", 1)[1])
-    cell = [_busy_seconds(c) for c in nb.cells[_FIRST : _FIRST + rounds]]
+    measured = nb.cells[_FIRST : _FIRST + 2 * rounds]
+    plain = [_busy_seconds(c) for c in measured[0::2]]
+    cell = [_busy_seconds(c) for c in measured[1::2]]
     errors = [c for c in nb.cells if any(o.output_type == "error" for o in c.outputs)]
     extra = {}
     if tool == "nbaccel":
-        plain = [_busy_seconds(c) for c in nb.cells[-rounds - 1 : -1]]
-        extra["plain_pass_cell_ms_median"] = statistics.median(plain) * 1e3
         extra["warm_restart_cell_s"] = _busy_seconds(nb.cells[-1])
     return {
         **extra,
+        "plain_pass_cell_ms_median": statistics.median(plain) * 1e3,
+        "cell_minus_plain_ms_median": statistics.median(c - p for c, p in zip(cell, plain)) * 1e3,
         "cell_ms_median": statistics.median(cell) * 1e3,
         "magic_ms_median": statistics.median(magic) * 1e3,
         "cell_ms": [round(s * 1e3, 3) for s in cell],

@@ -21,6 +21,7 @@ import glob
 import os
 import signal
 import time
+from typing import Any
 
 __all__ = ["DETACH_ENV", "KILL_AFTER", "Reaper", "become_subreaper"]
 
@@ -29,13 +30,18 @@ DETACH_ENV = "NBACCEL_DETACH"
 KILL_AFTER = 1.0  # s between SIGTERM and SIGKILL for an orphan
 
 
+_prctl: Any = None  # libc's prctl, looked up once: the fork server's ranks inherit it ready
+
+
 def become_subreaper() -> bool:
     """Adopt this process's orphaned descendants (Linux); False where unsupported."""
+    global _prctl
     if not os.path.exists("/proc/self"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        if _prctl is None:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        return _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

@@ -19,10 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import psutil
-
 from nbaccel.launch.driver import POOL, CallState, run_call
-from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.group import WorkerGroup
 from nbaccel.launch.launchers import make_launcher
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
@@ -31,8 +28,7 @@ from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.spec import Mode
-from nbaccel.launch.transport import pack
-from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
+from nbaccel.notebook.kernel import pool_status, pool_values
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
 from nbaccel.notebook.kernel.rank_output import CellRenderer
 from nbaccel.notebook.preload import POOL_PRELOAD
@@ -286,7 +282,7 @@ class Pool:
             if renderer is not None:
                 group.renderer = self._wrap(renderer)
             if not group.alive():
-                dead = [r for r in self.ranks if r not in _alive_ranks(group)]
+                dead = [r for r in self.ranks if r not in pool_status.alive_ranks(group)]
                 self.restart(reason=f"rank(s) {dead} exited while idle")
                 group = self.group
             self._caller = threading.get_ident()
@@ -347,88 +343,19 @@ class Pool:
     ) -> None:
         """Define ``values`` (name -> object) on ``ranks``; large CPU tensors via shared memory."""
         __tracebackhide__ = True
-        try:
-            self.call(pool_worker.push_names, values, ranks=ranks, renderer=renderer)
-        except UnpicklableError:
-            for name, value in values.items():
-                try:
-                    _, shared = pack(value, name=name)
-                except UnpicklableError as exc:
-                    raise UnpicklableError(str(exc)) from None
-                if shared is not None:
-                    shared.release()
-            raise
+        pool_values.push(self, values, ranks, renderer)
 
     def pull(
         self, name: str, ranks: Iterable[int] | None = None, renderer: Renderer | None = None
     ) -> dict[int, Any]:
         """The value of ``name`` on each of ``ranks`` (default all)."""
         __tracebackhide__ = True
-        try:
-            return self.call(pool_worker.pull_name, name, ranks=ranks, renderer=renderer)
-        except ResultNotSendable as exc:  # worded for a call: "the function ... return value"
-            if exc.culprit is None:
-                raise
-            where = (exc.where or "").replace(exc.value_name, name, 1) or name
-            raise ResultNotSendable(
-                f"{where} ({exc.culprit}) on rank {getattr(exc, 'rank', '?')} cannot be brought "
-                f"into the notebook: {exc.cause}. Make something picklable from it on the ranks "
-                f"(numbers, tensors, lists, dicts, a state_dict; list({name}) of a generator) and "
-                "pull that instead."
-            ) from None
+        return pool_values.pull(self, name, ranks, renderer)
 
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """One row per rank: pid, device, memory, state (idle/busy/exited), uptime.
-
-        Ranks still busy after ``timeout`` seconds show what this kernel knows of them; when
-        the ranks could not answer for another reason, each row says why (``problem``)."""
-        group = self.group
-        rows = []
-        details: dict[int, Any] = {}
-        problem = None
-        if group is not None and group.alive():
-            try:
-                details = self.call(pool_worker.worker_status, timeout=timeout)
-            except LaunchTimeout:
-                pass  # busy ranks: their rows say so
-            except Exception as exc:  # shown in the table, not swallowed
-                problem = f"{type(exc).__name__}: {exc}"
-        for rank in self.ranks:
-            pid = self.pids.get(rank)
-            row: dict[str, Any] = {"rank": rank, "pid": pid, **self.info.get(rank, {})}
-            row.update(details.get(rank, {}))
-            row["names"] = len(row["names"]) if isinstance(row.get("names"), list) else "-"
-            if self.remote is not None:  # on another host: what its agent reported
-                running = group is not None and rank in _alive_ranks(group)
-                if self.started_at is not None:
-                    row["uptime"] = time.time() - self.started_at
-            else:
-                try:
-                    process = psutil.Process(pid)
-                    row["uptime"] = time.time() - process.create_time()
-                    row.setdefault("rss", process.memory_info().rss)
-                    running = process.status() != psutil.STATUS_ZOMBIE
-                except (psutil.Error, TypeError, ValueError):
-                    running = False
-            busy = group is not None and group.busy(rank)
-            row["state"] = "exited" if not running else ("busy" if busy else "idle")
-            if problem is not None:
-                row["problem"] = problem
-            rows.append(row)
-        return rows
-
-
-def _alive_ranks(group: WorkerGroup) -> list[int]:
-    if not group.launcher.local_memory:  # ranks on other hosts: their agents report exits
-        return group.running_ranks()
-    alive = []
-    for rank, pid in group.pids.items():
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(rank)
-        except psutil.Error:
-            pass
-    return alive
+        """One row per rank: pid, device, memory, state (idle/busy/exited), uptime (see
+        :func:`~nbaccel.notebook.kernel.pool_status.status_rows`)."""
+        return pool_status.status_rows(self, timeout)
 
 
 _pool: Pool | None = None
