@@ -2,13 +2,14 @@
 
 The ranks answer for themselves when they can (device, memory, names defined); what the kernel
 knows of them fills the rest (pid, uptime, busy or idle), so a rank that is busy, stuck or gone
-still has its row, saying so.
+still has its row, saying so. ``pool`` is a :class:`~nbaccel.notebook.kernel.pool.Pool` (typed
+``Any``: the pool imports this module).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
@@ -16,13 +17,10 @@ from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.group import WorkerGroup
 from nbaccel.notebook.rank import pool_worker
 
-if TYPE_CHECKING:
-    from nbaccel.notebook.kernel.pool import Pool
-
 __all__ = ["alive_ranks", "status_rows"]
 
 
-def status_rows(pool: Pool, timeout: float = 5.0) -> list[dict[str, Any]]:
+def status_rows(pool: Any, timeout: float = 5.0) -> list[dict[str, Any]]:
     """One row per rank of ``pool``: pid, device, memory, state (idle/busy/exited), uptime.
 
     Ranks still busy after ``timeout`` seconds show what this kernel knows of them; when the

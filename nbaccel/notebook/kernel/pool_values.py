@@ -4,26 +4,25 @@ A push defines names on the ranks (large CPU tensors travel through shared memor
 each rank, never copied through a socket); a pull brings one name's value back from each rank.
 Both are ordinary pool calls of :mod:`nbaccel.notebook.rank.pool_worker`; what is theirs is the
 wording of a refusal: the name the user typed, not "the function" and "its return value".
+``pool`` is a :class:`~nbaccel.notebook.kernel.pool.Pool` (typed ``Any``: the pool imports this
+module, and layers point one way).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbaccel.launch.render import Renderer
 from nbaccel.launch.transport import pack
 from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
 from nbaccel.notebook.rank import pool_worker
 
-if TYPE_CHECKING:
-    from nbaccel.notebook.kernel.pool import Pool
-
 __all__ = ["pull", "push"]
 
 
 def push(
-    pool: Pool,
+    pool: Any,
     values: dict[str, Any],
     ranks: Iterable[int] | None = None,
     renderer: Renderer | None = None,
@@ -45,7 +44,7 @@ def push(
 
 
 def pull(
-    pool: Pool, name: str, ranks: Iterable[int] | None = None, renderer: Renderer | None = None
+    pool: Any, name: str, ranks: Iterable[int] | None = None, renderer: Renderer | None = None
 ) -> dict[int, Any]:
     """The value of ``name`` on each of ``ranks`` of ``pool`` (default all)."""
     __tracebackhide__ = True
