@@ -4,11 +4,14 @@ Pure logic (no timing), so the default test suite can check it on made-up measur
 figure is a comparison with a peer: a ratio (ours / peer) or, for per-cell overheads, a
 difference (ours - peer, in the figure's unit). Each threshold is a bound (``max`` or ``min``)
 with a stated noise margin: inside the bound passes, inside the bound widened by the margin
-passes as "noise", beyond it fails and the gate exits non-zero.
+passes as "noise", beyond it fails and the gate exits non-zero. A repeated gate (``--repeat N``)
+judges each figure by its median over the runs (:func:`combine`): on a shared machine one run's
+figure moves by 20-30%, the median of three far less.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +20,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = None  # type: ignore[assignment]
 
-__all__ = ["Measured", "Row", "exit_code", "judge", "load_thresholds", "render"]
+__all__ = ["Measured", "Row", "combine", "exit_code", "judge", "load_thresholds", "render"]
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Measured:
     unit: str = "s"
     skipped: str | None = None  # the notice when the figure could not be measured here
     error: str | None = None  # our side failed: a failure of the gate
+    runs: tuple[float, ...] = ()  # a repeated gate: the figure (ratio or difference) in each run
 
 
 @dataclass
@@ -70,9 +74,45 @@ def load_thresholds(path: Path) -> dict[str, dict]:
 
 
 def _value(spec: dict, m: Measured) -> float:
+    if m.runs:
+        return statistics.median(m.runs)
     if spec["kind"] == "difference":
         return m.ours - m.peer
     return m.ours / m.peer
+
+
+def _measured(spec: dict, m: Measured) -> bool:
+    return not (
+        m.error is not None
+        or m.skipped is not None
+        or m.ours is None
+        or m.peer is None
+        or (spec["kind"] == "ratio" and not m.peer)
+    )
+
+
+def combine(runs: list[dict[str, Measured]], thresholds: dict[str, dict]) -> dict[str, Measured]:
+    """One figure per key from several runs of the gate: judged by the median of its value
+    (ratio or difference) over the runs that measured it, shown as the medians of ours and the
+    peer's. An error in any run is the figure's error; a figure no run measured keeps the first
+    run's notice."""
+    combined = {}
+    for key, spec in thresholds.items():
+        seen = [run[key] for run in runs if key in run]
+        if not seen:
+            continue
+        error = next((m.error for m in seen if m.error is not None), None)
+        good = [m for m in seen if _measured(spec, m)]
+        if error is not None or not good:
+            combined[key] = Measured(error=error, skipped=None if error else seen[0].skipped)
+            continue
+        combined[key] = Measured(
+            ours=statistics.median(m.ours for m in good),
+            peer=statistics.median(m.peer for m in good),
+            unit=good[0].unit,
+            runs=tuple(_value(spec, m) for m in good),
+        )
+    return combined
 
 
 def _bound(spec: dict) -> tuple[str, float, float]:
@@ -106,12 +146,7 @@ def judge(measured: dict[str, Measured], thresholds: dict[str, dict]) -> list[Ro
                 Row(**base, value=None, threshold=threshold, verdict=f"ERROR: {m.error}", detail="")
             )
             continue
-        if (
-            m.skipped is not None
-            or m.ours is None
-            or m.peer is None
-            or (spec["kind"] == "ratio" and not m.peer)
-        ):
+        if not _measured(spec, m):
             why = m.skipped or "no peer figure"
             rows.append(
                 Row(**base, value=None, threshold=threshold, verdict=f"skipped: {why}", detail="")
@@ -122,6 +157,8 @@ def judge(measured: dict[str, Measured], thresholds: dict[str, dict]) -> list[Ro
         near = value <= widened if sense == "<=" else value >= widened
         verdict = "pass" if ok else "pass (noise)" if near else "FAIL"
         detail = f"{m.ours:.4g} vs {m.peer:.4g} {m.unit}"
+        if len(m.runs) > 1:
+            detail += f" (median of {len(m.runs)} runs: {min(m.runs):.3f} to {max(m.runs):.3f})"
         rows.append(Row(**base, value=value, threshold=threshold, verdict=verdict, detail=detail))
     return rows
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 pytest.importorskip("tomllib", reason="gate.toml is read with tomllib (Python >= 3.11)")
 
-from gate_check import Measured, exit_code, judge, load_thresholds, render  # noqa: E402
+from gate_check import Measured, combine, exit_code, judge, load_thresholds, render  # noqa: E402
 
 TOML = """
 [gate]
@@ -90,6 +90,48 @@ def test_skipped_peers_are_notices_and_our_errors_fail(thresholds):
     assert verdicts["steps"] == "skipped: not measured in this run"
     assert exit_code(rows) == 1
     assert exit_code(judge({"launch": Measured(skipped="x")}, thresholds)) == 0
+
+
+def test_a_repeated_gate_judges_each_figure_by_its_median_over_the_runs(thresholds):
+    runs = [
+        {
+            "launch": Measured(0.08, 0.2),
+            "cell": Measured(9.0, 6.0, "ms"),
+            "steps": Measured(9.0, 10.0),
+        },
+        {
+            "launch": Measured(0.05, 0.25),
+            "cell": Measured(6.4, 6.0, "ms"),
+            "steps": Measured(error="x"),
+        },
+        {
+            "launch": Measured(0.03, 0.2),
+            "cell": Measured(5.8, 5.0, "ms"),
+            "steps": Measured(10.0, 10.0),
+        },
+    ]
+    combined = combine(runs, thresholds)
+    rows = {r.key: r for r in judge(combined, thresholds)}
+    # ratios 0.4, 0.2, 0.15: one slow run does not fail the gate, the median (0.2) passes
+    assert rows["launch"].value == pytest.approx(0.2) and rows["launch"].verdict == "pass"
+    assert "median of 3 runs: 0.150 to 0.400" in rows["launch"].detail
+    assert combined["launch"].ours == pytest.approx(0.05) and combined["launch"].peer == 0.2
+    # differences +3.0, +0.4, +0.8 ms: the median difference, not the difference of medians
+    assert rows["cell"].value == pytest.approx(0.8) and rows["cell"].verdict == "pass"
+    # our side failing in any run is an error of the figure
+    assert rows["steps"].verdict == "ERROR: x"
+    assert exit_code(list(rows.values())) == 1
+
+
+def test_a_repeated_gate_keeps_notices_and_judges_the_runs_that_measured(thresholds):
+    runs = [
+        {"launch": Measured(skipped="accelerate is not installed"), "cell": Measured(8.0, 6.0)},
+        {"launch": Measured(skipped="accelerate is not installed"), "cell": Measured(skipped="y")},
+    ]
+    rows = {r.key: r for r in judge(combine(runs, thresholds), thresholds)}
+    assert rows["launch"].verdict == "skipped: accelerate is not installed"
+    assert rows["cell"].value == pytest.approx(2.0) and rows["cell"].verdict == "FAIL"
+    assert rows["steps"].verdict == "skipped: not measured in this run"
 
 
 def test_table_has_one_line_per_figure_with_its_threshold(thresholds):
