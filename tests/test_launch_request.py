@@ -89,8 +89,15 @@ def test_remote_options_are_derived_from_the_request():
     assert request.remote.layout.num_processes == 3
     assert request.remote.ssh_args == ("-p", "2222")
     assert request.remote.channel_address == "10.0.0.1"
-    with pytest.raises(ValueError, match="ssh_args tune a launch over hosts"):
+    with pytest.raises(ValueError, match="ssh_args applies only to a launch over hosts"):
         LaunchRequest(ssh_args=["-p", "2222"])
+    with pytest.raises(ValueError) as refused:  # both named, and what does their job here
+        LaunchRequest(cwd="/data", env={"A": "1"})
+    text = str(refused.value)
+    assert (
+        text.startswith("cwd, env apply only to a launch over hosts") and "leave them out" in text
+    )
+    assert "os.chdir() first" in text and "inherit the notebook's os.environ" in text
 
 
 def test_mixed_precision_is_checked_once_for_every_front():
@@ -106,7 +113,7 @@ def test_the_magic_refuses_a_bad_option_before_a_pool_starts():
     magics = DistributedMagics(shell=None)
     with pytest.raises(UsageError, match="timeout must be a positive number"):
         magics.distributed("--timeout -1", "pass")
-    with pytest.raises(UsageError, match="python tune a launch over hosts"):
+    with pytest.raises(UsageError, match="python applies only to a launch over hosts"):
         magics.distributed("--python /usr/bin/python3", "pass")
 
 

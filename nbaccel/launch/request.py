@@ -35,6 +35,13 @@ from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_op
 
 __all__ = ["START_METHODS", "Fronts", "LaunchRequest", "Option", "option"]
 
+#: what stands for a hosts-only option on this machine, said when one is given without hosts
+_ON_THIS_MACHINE = {
+    "env": "Here the ranks inherit the notebook's os.environ: set it before the launch.",
+    "cwd": "Here the ranks start in the notebook's working directory: os.chdir() first.",
+    "python": "Here the ranks run the kernel's own Python.",
+}
+
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
 
@@ -341,9 +348,13 @@ class LaunchRequest:
         ]
         if self.hosts is None and self.launcher is None:
             if tuning:
+                one = len(tuning) == 1
+                hints = "".join(f" {_ON_THIS_MACHINE[n]}" for n in tuning if n in _ON_THIS_MACHINE)
                 raise ValueError(
-                    f"{', '.join(tuning)} tune a launch over hosts: add hosts (ssh) or "
-                    "launcher='slurm', or leave them out."
+                    f"{', '.join(tuning)} {'applies' if one else 'apply'} only to a launch over "
+                    "hosts (hosts='node1:4,node2:4' over ssh, or launcher='slurm'), and this "
+                    f"launch runs on this machine: add hosts, or leave {'it' if one else 'them'} "
+                    f"out.{hints}"
                 )
             return None
         if self.num_nodes != 1 or self.use_port is not None:
