@@ -15,6 +15,7 @@ import psutil
 
 from nbaccel.launch.errors import LaunchTimeout
 from nbaccel.launch.group import WorkerGroup
+from nbaccel.launch.processes import pid_alive
 from nbaccel.notebook.rank import pool_worker
 
 __all__ = ["alive_ranks", "status_rows"]
@@ -65,11 +66,4 @@ def alive_ranks(group: WorkerGroup) -> list[int]:
     """The ranks of ``group`` whose process still runs (not a zombie)."""
     if not group.launcher.local_memory:  # ranks on other hosts: their agents report exits
         return group.running_ranks()
-    alive = []
-    for rank, pid in group.pids.items():
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(rank)
-        except psutil.Error:
-            pass
-    return alive
+    return [rank for rank, pid in group.pids.items() if pid_alive(pid)]
