@@ -1,8 +1,9 @@
 """Races between ranks of one launch: no spurious failures, the root cause named.
 
 A rank that returns early must not tear down its process group while a peer still connects to
-it; a rank killed while its peer sits in a collective is the failure to name, not the peer's
-consequential "Connection reset by peer".
+it (a rank that holds nothing its peers need exits at once); a rank killed while its peer sits
+in a collective is the failure to name, not the peer's consequential "Connection reset by
+peer".
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import time
 
 import psutil
+import pytest
+import torch
 from faults import hang_in_collective_while_peer_fails, sigkill_in_collective
 
 from nbaccel import RankCrashed, notebook_launcher
@@ -35,31 +38,65 @@ class _Returned:
         return (str, ("returned",))
 
 
-def _early_rank_outlives_the_call(folder: str) -> str:
-    """Rank 0 returns at once; rank 1, once rank 0's result is on its way, checks that rank 0's
-    process does not end while rank 1 still runs."""
+def _early_rank_outlives_the_call(folder: str, holds: str):
+    """Rank 0 returns at once, holding ``holds`` (a process group, a tensor large enough to
+    travel through a shared file, or nothing); rank 1, once rank 0's result is on its way,
+    watches whether rank 0's process ends while rank 1 still runs."""
+    import torch
+
+    from nbaccel import PartialState
+
+    if holds == "group":
+        PartialState()  # a gloo process group on both ranks
     marker = os.path.join(folder, "rank0.pid")
     if os.environ["RANK"] == "0":
-        return _Returned(marker)
+        value = torch.arange(1 << 18, dtype=torch.float32) if holds == "tensor" else None
+        return _Returned(marker), value
     deadline = time.monotonic() + 20
     while not os.path.exists(marker):
         assert time.monotonic() < deadline, "rank 0 never returned"
         time.sleep(0.01)
     with open(marker) as handle:
-        process = psutil.Process(int(handle.read()))
+        pid = int(handle.read())
     try:  # a rank that exits on return is gone well within this
-        process.wait(timeout=2.0)
+        psutil.Process(pid).wait(timeout=2.0)
     except psutil.TimeoutExpired:
-        return process.status()
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        pass  # gone before it could be watched
     return "exited while its peer still ran"
 
 
-def test_a_rank_that_returned_stays_up_until_every_rank_returned(tmp_path):
+@pytest.mark.parametrize("holds", ["group", "tensor"])
+def test_a_rank_that_returned_stays_up_while_its_peers_may_need_it(tmp_path, holds):
+    """Its end of the process group (a slower peer may still be connecting to it), or the shared
+    file of its result (the driver may not have mapped it yet), lives until every rank
+    returned."""
     values = notebook_launcher(
-        _early_rank_outlives_the_call, args=(str(tmp_path),), num_processes=2, renderer=Renderer()
+        _early_rank_outlives_the_call,
+        args=(str(tmp_path), holds),
+        num_processes=2,
+        renderer=Renderer(),
     )
-    assert values[0] == "returned"
-    assert values[1] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD), values
+    assert values[0][0] == "returned"
+    assert values[1] not in (
+        psutil.STATUS_ZOMBIE,
+        psutil.STATUS_DEAD,
+        "exited while its peer still ran",
+    ), values
+    if holds == "tensor":
+        assert torch.equal(values[0][1], torch.arange(1 << 18, dtype=torch.float32))
+
+
+def test_a_rank_holding_nothing_exits_once_it_returned(tmp_path):
+    """As a ``torch.multiprocessing`` process does: its exit overlaps the slower ranks' work."""
+    values = notebook_launcher(
+        _early_rank_outlives_the_call,
+        args=(str(tmp_path), "nothing"),
+        num_processes=2,
+        renderer=Renderer(),
+    )
+    assert values == [("returned", None), "exited while its peer still ran"]
 
 
 def _join_and_return(lr: float) -> float:
