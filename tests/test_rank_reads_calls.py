@@ -45,6 +45,7 @@ def test_calls_wake_no_thread_but_the_ranks_main_thread(pool):
     from nbaccel.launch.rank_watch import _LOOK
 
     watchers = pool.call(_watcher_thread)
+    time.sleep(2 * _LOOK)  # the wake-ups of the rank's own start (its duties registered) are over
     before = {rank: voluntary_switches(pool.pids[rank], tid) for rank, tid in watchers.items()}
     started = time.monotonic()
     for i in range(50):

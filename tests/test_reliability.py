@@ -20,7 +20,14 @@ from recorder import Recorder
 
 import nbaccel
 from nbaccel import notebook_launcher
-from nbaccel.launch.channel import AuthenticationFailed, Listener, connect, new_secret
+from nbaccel.launch.channel import (
+    AuthenticationFailed,
+    Handshake,
+    Listener,
+    connect,
+    new_secret,
+    readable,
+)
 from nbaccel.launch.launchers.forkserver import get_forkserver
 from nbaccel.launch.render import Renderer
 
@@ -180,6 +187,48 @@ def test_connection_without_the_secret_is_refused_before_unpickling(tmp_path):
     finally:
         listener.close()
     assert not os.path.exists(os.path.dirname(listener.address.location))
+
+
+def _challenge(listener: Listener, nonce: bytes) -> tuple[socket.socket, Handshake, bytes, bytes]:
+    """A local process that speaks first, as a worker does; the driver's nonce and proof."""
+    raw = socket.socket(socket.AF_UNIX)
+    raw.settimeout(10)
+    raw.connect(listener.address.location)
+    raw.sendall(nonce)
+    handshake = listener.start_handshake()
+    assert readable([handshake], 10)
+    assert handshake.advance() is None  # answered; the peer has not proved anything yet
+    reply = b""
+    while len(reply) < 64:
+        reply += raw.recv(64 - len(reply))
+    return raw, handshake, reply[:32], reply[32:]
+
+
+def _answer(raw: socket.socket, handshake: Handshake, proof: bytes) -> None:
+    raw.sendall(proof + len(b"{}").to_bytes(4, "big") + b"{}")
+    deadline = time.monotonic() + 10
+    while handshake.advance() is None:  # raises once the proof is in
+        assert time.monotonic() < deadline
+        readable([handshake], 1)
+
+
+def test_the_drivers_early_proof_lets_no_one_in():
+    """The driver proves the secret before the worker does (one wait per worker, not two); what
+    a peer without the secret learns from that proof cannot be turned into its own: neither sent
+    back, nor obtained for the driver's nonce on a second connection (the roles are in the MAC)."""
+    listener = Listener(new_secret())
+    try:
+        first, first_handshake, driver_nonce, proof = _challenge(listener, os.urandom(32))
+        # a second connection has the driver prove itself over the first one's challenge
+        second, second_handshake, _, proof_over_driver_nonce = _challenge(listener, driver_nonce)
+        with pytest.raises(AuthenticationFailed):
+            _answer(first, first_handshake, proof_over_driver_nonce)
+        with pytest.raises(AuthenticationFailed):
+            _answer(second, second_handshake, proof)
+        first.close()
+        second.close()
+    finally:
+        listener.close()
 
 
 def test_tcp_listener_binds_loopback_only():

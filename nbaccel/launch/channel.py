@@ -263,6 +263,11 @@ class Handshake:
     A silent or slow peer (any local process may connect) must not stall the ranks' output:
     the driver calls :meth:`advance` whenever the socket is readable, and drops handshakes past
     their ``deadline``. Nothing is unpickled before the peer proved the secret.
+
+    The worker speaks first, so that it waits on the driver once, not twice (on 2 cores each
+    wait is a turn of the scheduler while 8 ranks start): worker -> its nonce; driver -> its
+    nonce and its proof over the worker's; worker -> its proof over the driver's, then at once
+    the header (see :func:`connect`).
     """
 
     def __init__(self, sock: socket.socket, secret: bytes) -> None:
@@ -270,14 +275,10 @@ class Handshake:
         self._secret = secret
         self._nonce = os.urandom(_NONCE)
         self._buffer = bytearray()
+        self._challenged = False  # the worker's nonce arrived, and the driver's proof left
         self._proved = False
         self._fds: list[int] = []  # passed with the header (SCM_RIGHTS), Unix sockets only
         self.deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
-        sock.settimeout(1.0)  # 32 bytes into a fresh socket's empty buffer
-        try:
-            sock.sendall(self._nonce)
-        except OSError:
-            pass  # the peer is gone already: advance() reports it
         sock.setblocking(False)
 
     def fileno(self) -> int:
@@ -307,8 +308,10 @@ class Handshake:
     def _needed(self) -> int:
         """Bytes still to read for the current step (never more: what follows the header is
         the stream itself and belongs to the connection)."""
+        if not self._challenged:
+            return _NONCE - len(self._buffer)
         if not self._proved:
-            return 2 * _NONCE - len(self._buffer)
+            return _DIGEST - len(self._buffer)
         if len(self._buffer) < 4:
             return 4 - len(self._buffer)
         (size,) = struct.unpack("!I", self._buffer[:4])
@@ -327,16 +330,21 @@ class Handshake:
             self._buffer.extend(data)
             if self._needed():
                 continue
+            if not self._challenged:
+                peer_nonce = bytes(self._buffer)
+                self._buffer.clear()
+                self._challenged = True
+                self.sock.settimeout(1.0)  # 64 bytes into a fresh socket's empty buffer
+                self.sock.sendall(self._nonce + _mac(self._secret, b"driver", peer_nonce))
+                self.sock.setblocking(False)
+                continue
             if not self._proved:
-                peer_nonce = bytes(self._buffer[:_NONCE])
-                proof = bytes(self._buffer[_NONCE:])
-                if not hmac.compare_digest(proof, _mac(self._secret, b"worker", self._nonce)):
+                if not hmac.compare_digest(
+                    bytes(self._buffer), _mac(self._secret, b"worker", self._nonce)
+                ):
                     raise AuthenticationFailed("a connection failed the nbaccel handshake")
                 self._buffer.clear()
                 self._proved = True
-                self.sock.settimeout(1.0)
-                self.sock.sendall(_mac(self._secret, b"driver", peer_nonce))
-                self.sock.setblocking(False)
                 continue
             if len(self._buffer) == 4:
                 continue  # the size is known; now the header itself
@@ -417,18 +425,23 @@ class Listener:
 def connect(
     address: Address, secret: bytes, header: dict[str, Any], fds: Sequence[int] = ()
 ) -> Connection:
-    """Connect to the driver, prove the secret, check the driver's proof, send ``header``
-    (with ``fds`` attached, on a Unix socket: descriptors the driver takes over)."""
+    """Connect to the driver, check its proof of the secret, prove it too, send ``header``
+    (with ``fds`` attached, on a Unix socket: descriptors the driver takes over). One wait on
+    the driver (see :class:`Handshake`)."""
     family = socket.AF_UNIX if address.family == "unix" else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.settimeout(_HANDSHAKE_TIMEOUT)
     sock.connect(address.location)
-    nonce = _recv_exact(sock, _NONCE)
     my_nonce = os.urandom(_NONCE)
-    sock.sendall(my_nonce + _mac(secret, b"worker", nonce))
-    if not hmac.compare_digest(_recv_exact(sock, _DIGEST), _mac(secret, b"driver", my_nonce)):
+    sock.sendall(my_nonce)
+    reply = _recv_exact(sock, _NONCE + _DIGEST)
+    driver_nonce, proof = reply[:_NONCE], reply[_NONCE:]
+    if not hmac.compare_digest(proof, _mac(secret, b"driver", my_nonce)):
         sock.close()
         raise AuthenticationFailed("the driver did not prove the launch secret")
+    # the proof alone, the header in a send of its own: descriptors attached to the header
+    # must not ride on bytes the driver reads before it trusts this peer
+    sock.sendall(_mac(secret, b"worker", driver_nonce))
     data = json.dumps(header).encode()
     framed = struct.pack("!I", len(data)) + data
     sent = socket.send_fds(sock, [framed], list(fds)) if fds else 0
