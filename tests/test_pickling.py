@@ -85,3 +85,58 @@ def test_protocol_messages_holding_user_objects_still_travel_by_value():
     cyclic: list = []
     cyclic.append(cyclic)
     assert pickle.loads(dumps_message((Message.EVENT, EventKind.METRICS, cyclic)))[2][0][0]
+
+
+def test_a_pool_cell_call_is_packed_by_the_c_pickler_and_loads_as_cloudpickle_would():
+    """The engine's own rank functions (registered with ``plain_function``) with plain
+    arguments skip cloudpickle's per-object hooks; the payload is the same objects."""
+    from nbaccel.launch.pickling import is_plain
+    from nbaccel.launch.transport import pack, unpack
+    from nbaccel.notebook.rank import pool_worker
+
+    call = (pool_worker.run_cell, ("x = 1\n", "<rank-cell-3>", 2, None), {})
+    assert is_plain(call)
+    packed, shared = pack(call, element_names=("function", "args", "kwargs"))
+    assert shared is None and b"cloudpickle" not in packed.data
+    assert unpack(packed) == pickle.loads(dumps(call))
+    assert unpack(packed)[0] is pool_worker.run_cell
+    # a user's function beside it, or a tensor in the arguments, takes the full path
+    assert not is_plain((_cell_function(), (), {}))
+    assert not is_plain((pool_worker.push_names, ({"t": __import__("torch").ones(2)},), {}))
+
+
+def test_only_module_level_functions_can_be_plain():
+    import pytest
+
+    from nbaccel.launch.pickling import plain_function
+
+    def nested():
+        pass
+
+    with pytest.raises(ValueError, match="not module-level"):
+        plain_function(nested)
+    with pytest.raises(ValueError, match="not module-level"):
+        plain_function(_cell_function())
+
+
+def test_payloads_with_shared_tensors_or_inherited_objects_still_unpack():
+    import multiprocessing
+
+    import torch
+
+    from nbaccel.launch.transport import pack, take, unpack
+
+    big = torch.arange(1 << 16, dtype=torch.float32)
+    packed, shared = pack({"t": big})
+    try:
+        assert packed.records and torch.equal(unpack(packed)["t"], big)
+    finally:
+        shared.release()
+    lock = multiprocessing.get_context("fork").Lock()
+    packed, _ = pack((lock,), inherit=True)
+    try:
+        assert packed.inherited and unpack(packed)[0] is lock
+    finally:
+        packed.forget_inherited()
+    result, _ = pack(None)
+    assert not result.records and take(result) is None

@@ -18,7 +18,15 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["Pickler", "code_named", "dumps", "dumps_message", "is_plain", "plain_class"]
+__all__ = [
+    "Pickler",
+    "code_named",
+    "dumps",
+    "dumps_message",
+    "is_plain",
+    "plain_class",
+    "plain_function",
+]
 
 #: the name cloudpickle gives code pickled by value (and the placeholder this module swaps out)
 _PLACEHOLDER = "<dynamic-code>"
@@ -74,6 +82,7 @@ def dumps(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:
 #: :func:`plain_class` (importable nbaccel classes: the protocol's words, a packed payload)
 _ATOMS: set[type] = {type(None), bool, int, float, complex, str, bytes}
 _PLAIN_INSTANCES: set[type] = set()
+_PLAIN_FUNCTIONS: set[types.FunctionType] = set()
 
 
 def plain_class(cls: type) -> type:
@@ -81,6 +90,16 @@ def plain_class(cls: type) -> type:
     attributes are plain, are then pickled by :func:`dumps_message` without cloudpickle."""
     (_ATOMS if issubclass(cls, Enum) else _PLAIN_INSTANCES).add(cls)
     return cls
+
+
+def plain_function(function: types.FunctionType) -> types.FunctionType:
+    """Register a module-level nbaccel ``function`` that the engine itself sends to ranks (a
+    pool cell's runner): the C pickler saves it by name, as cloudpickle would, so a call to it
+    with plain arguments is packed without cloudpickle's per-object Python hooks."""
+    if function.__module__ == "__main__" or "<" in function.__qualname__:
+        raise ValueError(f"{function.__qualname__} cannot be pickled by name: not module-level")
+    _PLAIN_FUNCTIONS.add(function)
+    return function
 
 
 def _plain(obj: Any) -> bool:
@@ -94,7 +113,7 @@ def _plain(obj: Any) -> bool:
         return all(map(_plain, obj)) and all(map(_plain, obj.values()))
     if kind in _PLAIN_INSTANCES:
         return all(map(_plain, vars(obj).values()))
-    return False
+    return kind is types.FunctionType and obj in _PLAIN_FUNCTIONS
 
 
 def dumps_message(obj: Any) -> bytes:

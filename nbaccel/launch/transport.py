@@ -288,7 +288,7 @@ def pack(
     ``share=False`` keeps every tensor inside the pickle (a reader on another host cannot map
     this host's files). ``toward``: "ranks" or "notebook", for the error's words.
     """
-    if is_plain(obj):  # no tensor, no function: the C pickler alone (None, numbers, strings)
+    if is_plain(obj):  # builtins, protocol classes, engine functions: the C pickler alone
         return Packed(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)), None
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, inherit=inherit, share=share)
@@ -366,8 +366,16 @@ def _map_segment(packed: Packed, take: bool = False) -> list[torch.Tensor]:
     return tensors
 
 
+def _holds_references(packed: Packed) -> bool:
+    """Whether ``packed``'s pickle refers to shared tensors or inherited objects (persistent
+    ids); without them the C unpickler alone rebuilds it (a warm cell's call, a plain result)."""
+    return bool(packed.records or packed.inherited)
+
+
 def unpack(packed: Packed) -> Any:
     """Rebuild the objects in a rank; shared tensors map the segment copy-on-write."""
+    if not _holds_references(packed):
+        return pickle.loads(packed.data)
     return _Unpickler(packed.data, _map_segment(packed)).load()
 
 
@@ -380,6 +388,8 @@ def take(packed: Packed) -> Any:
         tensors = _map_segment(packed, take=True)
     finally:
         discard(packed)
+    if not _holds_references(packed):
+        return pickle.loads(packed.data)
     return _Unpickler(packed.data, tensors).load()
 
 

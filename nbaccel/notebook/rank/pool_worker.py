@@ -18,7 +18,7 @@ import sys
 import types
 from typing import Any
 
-from nbaccel.launch.pickling import code_named
+from nbaccel.launch.pickling import code_named, plain_function
 from nbaccel.launch.protocol import EventKind
 from nbaccel.launch.tracebacks import hide_frames_of
 from nbaccel.launch.worker import emit
@@ -132,6 +132,7 @@ def _send_open_figures() -> None:
     send_figures()
 
 
+@plain_function
 def run_cell(
     source: str, filename: str, first_line: int = 1, env: dict[str, str] | None = None
 ) -> dict[str, Any] | None:
@@ -194,11 +195,13 @@ def _run_source(source: str, filename: str, first_line: int) -> dict[str, Any] |
     return {"data": data, "metadata": metadata} if data else None
 
 
+@plain_function
 def push_names(values: dict[str, Any]) -> None:
     """Define ``values`` (name -> object) in the namespace."""
     _ns().update(values)
 
 
+@plain_function
 def pull_name(name: str) -> Any:
     """The value of ``name`` in the namespace."""
     namespace = _ns()
@@ -207,6 +210,7 @@ def pull_name(name: str) -> Any:
     return namespace[name]
 
 
+@plain_function
 def worker_status() -> dict[str, Any]:
     """Device and memory of this rank, for ``%dist_status``."""
     import psutil
