@@ -34,6 +34,9 @@ def _children() -> list[int]:
         ({"use_port": 70000}, ValueError, "use_port must be a TCP port number between 1 and"),
         ({"max_restarts": -1}, ValueError, "max_restarts must be a non-negative integer"),
         ({"num_nodes": 2.0}, ValueError, "num_nodes must be an integer"),
+        ({"master_addr": "0.0.0.0x"}, ValueError, r"master_addr='0.0.0.0x' does not resolve"),
+        ({"master_addr": "192.0.2.77"}, ValueError, r"192.0.2.77.* not an address of this mach"),
+        ({"rdzv_endpoint": "192.0.2.77:2950"}, ValueError, r"not an address of this machine"),
     ],
 )
 def test_bad_options_are_refused_before_any_process_starts(options, error, pattern):
@@ -54,6 +57,27 @@ def test_accelerates_string_port_is_accepted():
         free,
         free,
     ]
+
+
+@pytest.mark.parametrize("address", ["localhost", "127.0.0.1", "[::1]", "0.0.0.0", "own"])
+def test_a_master_addr_of_this_machine_reaches_the_ranks(address):
+    """Names and addresses of this machine (loopback, an interface's address) are accepted
+    on one machine, and the ranks see the one given."""
+    import psutil
+
+    if address == "own":  # an address of one of this machine's interfaces, not loopback
+        address = next(
+            a.address
+            for addresses in psutil.net_if_addrs().values()
+            for a in addresses
+            if a.family == __import__("socket").AF_INET and not a.address.startswith("127.")
+        )
+
+    def seen():
+        return os.environ["MASTER_ADDR"]
+
+    got = notebook_launcher(seen, num_processes=2, master_addr=address, renderer=Renderer())
+    assert got == [address, address]
 
 
 def _exits_with_3():

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nbaccel.launch.capacity import check_capacity
+from nbaccel.launch.master_address import check_local_master_addr
 from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.request import START_METHODS, LaunchRequest
 
@@ -221,6 +222,8 @@ class LaunchPlan:
         if request.rdzv_endpoint and port is None:
             master_addr, _, text = request.rdzv_endpoint.rpartition(":")
             port = LaunchRequest(use_port=text).use_port
+        if request.num_nodes == 1:
+            check_local_master_addr(master_addr)
         if port is not None and request.node_rank == 0:
             check_port(port, master_addr)
         return cls(
