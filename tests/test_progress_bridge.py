@@ -167,8 +167,10 @@ def test_a_quick_calls_closing_sample_is_left_out_only_when_nothing_moved() -> N
         (base,) = samples(int)  # a sample older than a second is renewed at a call's end
         quick = [samples(int) for _ in range(5)]
         assert sum(map(len, quick)) == 0  # nothing moved since the sample of the call before
-        (grown,) = samples(_keep_mib, 64)  # memory moved: its sample goes out at once
-        assert grown.rss >= base.rss + 60 * 2**20
+        # memory moved: its sample goes out at once (on a loaded machine the allocation may
+        # outlast the watcher's first in-call sample, 50 ms in: then that one may come first)
+        grown = samples(_keep_mib, 64)
+        assert grown and grown[-1].rss >= base.rss + 60 * 2**20
         time.sleep(1.1)
         assert len(samples(int)) == 1  # a sample older than a second is renewed at a call's end
     finally:

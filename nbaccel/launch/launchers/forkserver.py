@@ -292,8 +292,9 @@ class ForkServer:
             while_waiting(0.1)
 
     def exitcode(self, pid: int) -> int | None:
-        with self._cond:
-            entry = self._exits.get(pid)
+        # one dict lookup, atomic on its own: asked for every rank before every pool call,
+        # so it takes no lock (the reader thread only ever adds whole entries)
+        entry = self._exits.get(pid)
         return None if entry is None else entry[0]
 
     def ended_at(self, pid: int) -> float | None:
