@@ -441,3 +441,23 @@ def test_check_scripts_pass_on_two_cpu_ranks(script):
     module = importlib.import_module(f"nbaccel.test_utils.scripts.{script}")
     assert module.main is importlib.import_module(f"nbaccel.testkit.scripts.{script}").main
     debug_launcher(module.main, num_processes=2)  # a wrong result raises here, naming the rank
+
+
+def test_one_machine_launch_refuses_a_main_process_ip_of_another_machine():
+    """The CLI front takes the same check as notebook_launcher's master_addr."""
+    from nbaccel.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    def namespace(ip):
+        return argparse.Namespace(num_processes=2, num_machines=1, main_process_port=0,
+                                  main_process_ip=ip, machine_rank=0, mixed_precision="no",
+                                  cpu=True, training_script="train.py")  # fmt: skip
+
+    for ip in ("192.0.2.77", "0.0.0.0x"):
+        with pytest.raises(ValueError, match=r"--main_process_ip=.* --num_machines|resolve"):
+            prepare_multi_gpu_env(namespace(ip))
+    with pytest.raises(ValueError, match="not an address of this machine"):
+        prepare_simple_launcher_cmd_env(namespace("192.0.2.77"))
+    assert prepare_multi_gpu_env(namespace("localhost"))["MASTER_ADDR"] == "localhost"
+    several = namespace("192.0.2.77")
+    several.num_machines, several.main_process_port = 2, 29500  # node 0 elsewhere: allowed
+    assert prepare_multi_gpu_env(several)["MASTER_ADDR"] == "192.0.2.77"

@@ -40,6 +40,15 @@ _FSDP_OPTIONS = (
 )  # fmt: skip
 
 
+def _check_local(address: str) -> None:
+    """A one-machine launch's --main_process_ip must be this machine (see master_address)."""
+    from nbaccel.launch.master_address import check_local_master_addr
+
+    check_local_master_addr(
+        address, name="--main_process_ip", several="--num_machines and --machine_rank"
+    )
+
+
 def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     value = getattr(args, name, default)
     return default if value is None else value
@@ -142,6 +151,8 @@ def prepare_simple_launcher_cmd_env(args: argparse.Namespace) -> tuple[list[str]
         )
     if (processes is not None and processes > 1) or machines > 1:
         env["MASTER_ADDR"] = str(_get(args, "main_process_ip", "127.0.0.1"))
+        if machines <= 1:
+            _check_local(env["MASTER_ADDR"])
         env["MASTER_PORT"] = str(_get(args, "main_process_port", 29500))
     return cmd, env
 
@@ -163,6 +174,8 @@ def prepare_multi_gpu_env(args: argparse.Namespace) -> dict[str, str]:
     args.nnodes = str(machines)
     args.node_rank = str(_get(args, "machine_rank", 0))
     args.master_addr = str(_get(args, "main_process_ip", "127.0.0.1"))
+    if machines <= 1:
+        _check_local(args.master_addr)
     args.master_port = str(port)
     env = dict(os.environ)
     env.update(launch_environment(args))

@@ -31,7 +31,7 @@ def _this_machine() -> set[str]:
     return found
 
 
-def _resolve(host: str, timeout: float) -> set[str]:
+def _resolve(host: str, timeout: float, name: str) -> set[str]:
     """The addresses ``host`` resolves to; ValueError when it does not within ``timeout``."""
     outcome: dict[str, object] = {}
 
@@ -48,9 +48,8 @@ def _resolve(host: str, timeout: float) -> set[str]:
         return {str(a).split("%", 1)[0] for a in outcome["addresses"]}  # type: ignore[attr-defined]
     why = outcome.get("error") or f"no answer within {timeout:.0f} s"
     raise ValueError(
-        f"master_addr={host!r} does not resolve on this machine ({why}). This launch runs on "
-        "this machine only: leave master_addr out (127.0.0.1), or pass an address of this "
-        "machine."
+        f"{name}={host!r} does not resolve on this machine ({why}). This launch runs on this "
+        f"machine only: leave {name} out (127.0.0.1), or pass an address of this machine."
     )
 
 
@@ -63,18 +62,23 @@ def _is_loopback(address: str) -> bool:
     return parsed.is_loopback or parsed.is_unspecified
 
 
-def check_local_master_addr(host: str, timeout: float = RESOLVE_TIMEOUT) -> None:
-    """ValueError naming the fix when ``host`` is not an address (or a name) of this machine."""
+def check_local_master_addr(
+    host: str,
+    timeout: float = RESOLVE_TIMEOUT,
+    name: str = "master_addr",
+    several: str = "num_nodes and node_rank too (or hosts=...)",
+) -> None:
+    """ValueError naming the fix when ``host`` is not an address (or a name) of this machine.
+    ``name`` and ``several`` are the front's words: the option, and how to go multi-node."""
     try:
         addresses = {str(ipaddress.ip_address(host.strip("[]")))}
     except ValueError:
-        addresses = _resolve(host, timeout)
+        addresses = _resolve(host, timeout, name)
     if any(map(_is_loopback, addresses)) or addresses & _this_machine():
         return
     shown = ", ".join(sorted(addresses))
     raise ValueError(
-        f"master_addr={host!r} ({shown}) is not an address of this machine, and this launch "
-        "runs on this machine only (num_nodes=1), so its ranks would be told to meet elsewhere. "
-        "Leave master_addr out (127.0.0.1); for ranks on several machines pass num_nodes and "
-        "node_rank too (or hosts=...)."
+        f"{name}={host!r} ({shown}) is not an address of this machine, and this launch runs on "
+        f"this machine only, so its ranks would be told to meet elsewhere. Leave {name} out "
+        f"(127.0.0.1); for ranks on several machines pass {several}."
     )
