@@ -11,9 +11,9 @@ import signal
 import threading
 from typing import Any
 
-try:  # the C functions behind ``signal.signal``: the wrapper converts the handler it returns to
-    # the ``Handlers`` enum, raising and catching a ValueError for a Python handler (~60 µs per
-    # cell on a cold core, twice per cell)
+try:  # the C function behind ``signal.signal``, whose wrapper converts the handler it returns
+    # to the ``Handlers`` enum, raising and catching a ValueError for a Python handler (~60 µs
+    # per cell on a cold core)
     from _signal import signal as _set_handler
 except ImportError:  # another Python implementation
     _set_handler = signal.signal
