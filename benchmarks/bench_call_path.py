@@ -12,7 +12,12 @@ idle, with every process's CPU per call growing alike. This separates the two:
   less what they use idle);
 * floor: the same gaps for N forked processes (torch imported, as ranks have) that echo 200
   bytes over a socket pair: what waking N processes and hearing back costs with no Python of
-  ours on either side.
+  ours on either side;
+* lean: the same processes speaking the smallest Python call protocol (the notebook pickles
+  ``(call, id, source)`` once and sends it to each; a process unpickles it, ``exec``s the
+  source in its namespace and sends back a pickled ``(result, id, None)``): what a pool call
+  could cost with no duties (memory sample, flush, stop button, output, crash watch) and no
+  engine around it. The pool's distance from this row is our protocol's cost.
 
 Writes ``benchmarks/results/call_path.json``; nothing is asserted.
 """
@@ -20,8 +25,10 @@ Writes ``benchmarks/results/call_path.json``; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import pickle
 import platform
 import selectors
 import socket
@@ -94,7 +101,22 @@ def _pool(ranks: int, seconds: float) -> dict:
         pool_module.shutdown_pool()
 
 
-def _floor(ranks: int, seconds: float) -> dict:
+def _echo(far: socket.socket) -> None:
+    while data := far.recv(65536):
+        far.sendall(data)
+
+
+def _lean(far: socket.socket) -> None:
+    namespace: dict = {}
+    while data := far.recv(65536):
+        _, call_id, source = pickle.loads(data)
+        exec(compile(source, "<lean-cell>", "exec"), namespace)
+        far.sendall(pickle.dumps(("result", call_id, None)))
+
+
+def _bare(ranks: int, seconds: float, serve, message, decode) -> dict:
+    """``ranks`` forked processes running ``serve`` on their end of a socket pair; a call sends
+    ``message(call_id)`` to each and waits until each has answered (``decode`` reads it)."""
     import torch  # noqa: F401  (the children's memory looks like a rank's)
 
     ends, pids = [], []
@@ -103,8 +125,7 @@ def _floor(ranks: int, seconds: float) -> dict:
         pid = os.fork()
         if pid == 0:
             near.close()
-            while data := far.recv(65536):
-                far.sendall(data)
+            serve(far)
             os._exit(0)
         far.close()
         ends.append(near)
@@ -112,14 +133,16 @@ def _floor(ranks: int, seconds: float) -> dict:
     selector = selectors.DefaultSelector()
     for end in ends:
         selector.register(end, selectors.EVENT_READ)
+    call_ids = itertools.count()
 
     def call() -> None:
+        frame = message(next(call_ids))
         for end in ends:
-            end.sendall(b"x" * 200)
+            end.sendall(frame)
         heard = 0
         while heard < ranks:
             for key, _ in selector.select():
-                key.fileobj.recv(65536)
+                decode(key.fileobj.recv(65536))
                 heard += 1
 
     try:
@@ -132,26 +155,33 @@ def _floor(ranks: int, seconds: float) -> dict:
             os.waitpid(pid, 0)
 
 
+def _call_frame(call_id: int) -> bytes:
+    return pickle.dumps(("call", call_id, "pass\n"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0, help="per gap and side")
     args = parser.parse_args()
     results = {
-        "benchmark": f"warm pool call on {args.ranks} ranks after idle gaps, vs a bare echo",
+        "benchmark": f"warm pool call on {args.ranks} ranks after idle gaps, vs a lean protocol "
+        "and a bare echo",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "pool": _pool(args.ranks, args.seconds),
-        "floor": _floor(args.ranks, args.seconds),
+        "floor": _bare(args.ranks, args.seconds, _echo, lambda _: b"x" * 200, len),
+        "lean": _bare(args.ranks, args.seconds, _lean, _call_frame, pickle.loads),
     }
     out = ROOT / "benchmarks" / "results" / "call_path.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'gap':>6}  {'pool wall':>9}  {'notebook':>8}  {'ranks':>6}  {'floor wall':>10}")
+    print("wall (median) and CPU per call, notebook / ranks, in ms")
+    print(f"{'gap':>6}  {'pool':>19}  {'lean protocol':>19}  {'floor (echo)':>19}")
     for gap in (f"{g * 1e3:g} ms" for g in GAPS):
-        pool, floor = results["pool"][gap], results["floor"][gap]
-        print(
-            f"{gap:>6}  {pool['wall_ms']:7.3f}ms  {pool['notebook_cpu_ms']:6.3f}ms  "
-            f"{pool['ranks_cpu_ms']:5.2f}ms  {floor['wall_ms']:8.3f}ms"
-        )
+        cells = [
+            f"{r['wall_ms']:5.3f} ({r['notebook_cpu_ms']:4.2f}/{r['ranks_cpu_ms']:4.2f})"
+            for r in (results[side][gap] for side in ("pool", "lean", "floor"))
+        ]
+        print(f"{gap:>6}  " + "  ".join(f"{c:>19}" for c in cells))
     print(f"wrote {out}", file=sys.stderr)
 
 

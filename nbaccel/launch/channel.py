@@ -120,6 +120,10 @@ class Connection:
         """The next message; blocks until it is whole. One ``recv`` call takes whatever the
         socket holds, so messages sent in one write cost one system call to read (see
         :meth:`buffered`)."""
+        if not self._buffer:
+            message = self._read_whole()
+            if message is not INCOMPLETE:
+                return message
         while True:
             frame = self._take_frame()
             if frame is not None:
@@ -135,6 +139,8 @@ class Connection:
         connections uses it: a large message arriving in pieces (through a host agent's
         tunnel, which paces each connection) must not hold the reader while the pieces it
         waits for sit behind the other connections' bytes."""
+        if not self._buffer:
+            return self._read_whole()
         frame = self._take_frame()
         if frame is None:
             chunk = self.sock.recv(self._wanted())
@@ -145,6 +151,19 @@ class Connection:
             if frame is None:
                 return INCOMPLETE
         return pickle.loads(frame)
+
+    def _read_whole(self) -> Any:
+        """With nothing buffered: one read; the message when it brought exactly one whole
+        message (a call, an outcome: most reads), unpickled in place, else INCOMPLETE with what
+        it brought kept in the buffer."""
+        chunk = self.sock.recv(_READ_SIZE)
+        if not chunk:
+            raise EOFError("connection closed")
+        if len(chunk) > _FRAME.size and _FRAME.unpack_from(chunk)[0] == len(chunk) - _FRAME.size:
+            return pickle.loads(memoryview(chunk)[_FRAME.size :])
+        self._buffer += chunk
+        frame = self._take_frame()
+        return INCOMPLETE if frame is None else pickle.loads(frame)
 
     def buffered(self) -> bool:
         """True when a whole message is already read from the socket: a selector will not say

@@ -223,14 +223,19 @@ def _wait(
     interrupted: Callable[[], bool],
     interval: float,
 ) -> CallState:
+    seen = None  # the outcomes are looked at again only once another came in
     while True:
-        got = group.outcomes(call_id, targets)
-        if interrupted() or any(_interrupted(o) for o in got.values()):
+        if interrupted():
             return CallState.INTERRUPTED
-        if any(o.kind != OutcomeKind.RESULT for o in got.values()):
-            return CallState.FAILED
-        if len(got) == len(targets):
-            return CallState.DONE
+        if group.outcomes_recorded != seen:
+            seen = group.outcomes_recorded
+            got = group.outcomes(call_id, targets)
+            if any(_interrupted(o) for o in got.values()):
+                return CallState.INTERRUPTED
+            if any(o.kind != OutcomeKind.RESULT for o in got.values()):
+                return CallState.FAILED
+            if len(got) == len(targets):
+                return CallState.DONE
         wait = interval
         if deadline is not None:
             wait = min(wait, deadline - time.monotonic())

@@ -135,6 +135,8 @@ class WorkerGroup(RankConnections, RankEnds):
         self._by_rank = {r.rank: r for r in self._ranks}
         self._call_ids = itertools.count(1)
         self._current_call: int | None = None
+        #: outcomes recorded so far, all calls and ranks: a waiter looks at them when it grows
+        self.outcomes_recorded = 0
         self._shared: list[SharedTensors] = []
         self.started_at = time.time()
         self.closed = False
@@ -339,6 +341,7 @@ class WorkerGroup(RankConnections, RankEnds):
                 value, kind = self._load_result(state, call_id, value)
             at = value.get("time", time.time()) if kind == OutcomeKind.ERROR else time.time()
             state.outcomes[call_id] = Outcome(kind, value, at)
+            self.outcomes_recorded += 1
             state.busy_since = None
         elif tag == Message.EVENT:
             self.renderer.event(state.rank, message[1], message[2])

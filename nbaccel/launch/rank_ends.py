@@ -39,6 +39,7 @@ class RankEnds:
     _selector: selectors.BaseSelector
     _listener: Listener | None
     _current_call: int | None
+    outcomes_recorded: int
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         raise NotImplementedError
@@ -64,8 +65,10 @@ class RankEnds:
             if pending is not None and pending not in state.outcomes:
                 state.outcomes[pending] = crash
                 state.busy_since = None
+                self.outcomes_recorded += 1
             if not state.ready and not state.outcomes:
                 state.outcomes[0] = crash
+                self.outcomes_recorded += 1
 
     def _drained(self, state: RankState) -> bool:
         """True once a dead process's streams were read to the end, or stayed silent for

@@ -384,6 +384,8 @@ def take(packed: Packed) -> Any:
     file is opened, unlinked and mapped shared, so its pages are the tensors' memory (no copy)
     and nothing is left in the shared-memory folder once it is mapped, whether or not
     unpickling works. (The rank that wrote it holds its lock until its next call or exit.)"""
+    if packed.segment is None and not _holds_references(packed):  # a plain value: no file
+        return pickle.loads(packed.data)
     try:
         tensors = _map_segment(packed, take=True)
     finally:
