@@ -168,6 +168,8 @@ class Connection:
     def buffered(self) -> bool:
         """True when a whole message is already read from the socket: a selector will not say
         so, so a reader woken by it calls :meth:`recv` until this is False."""
+        if not self._buffer:
+            return False
         end = self._frame_end()
         return end is not None and len(self._buffer) >= end
 
@@ -271,8 +273,9 @@ def readable(objects: list[Any], timeout: float = 0.0) -> list[Any]:
     poller = select.poll()
     by_fd = {}
     for obj in objects:
-        by_fd[obj.fileno()] = obj
-        poller.register(obj, select.POLLIN)
+        fd = obj.fileno()
+        by_fd[fd] = obj
+        poller.register(fd, select.POLLIN)
     return [by_fd[fd] for fd, _ in poller.poll(max(timeout, 0.0) * 1000)]
 
 

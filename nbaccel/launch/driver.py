@@ -230,10 +230,10 @@ def _wait(
         if group.outcomes_recorded != seen:
             seen = group.outcomes_recorded
             got = group.outcomes(call_id, targets)
-            if any(_interrupted(o) for o in got.values()):
-                return CallState.INTERRUPTED
-            if any(o.kind != OutcomeKind.RESULT for o in got.values()):
-                return CallState.FAILED
+            unreturned = [o for o in got.values() if o.kind != OutcomeKind.RESULT]
+            if unreturned:
+                failed = not any(_interrupted(o) for o in unreturned)
+                return CallState.FAILED if failed else CallState.INTERRUPTED
             if len(got) == len(targets):
                 return CallState.DONE
         wait = interval

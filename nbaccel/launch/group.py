@@ -272,7 +272,8 @@ class WorkerGroup(RankConnections, RankEnds):
             return
         except OSError:
             data = b""
-        self._still_draining(state)
+        if state.drain_deadline is not None:
+            self._still_draining(state)
         if not data:
             self._news = True  # a stream's end: its process may have ended
             self._selector.unregister(conn)
@@ -281,6 +282,7 @@ class WorkerGroup(RankConnections, RankEnds):
             state.streams_open.discard(stream)
             self._flush_partial(state, stream)
             return
+        state.printed = True
         for piece in state.lines[stream].feed(data):
             self._show(state, stream, piece)
 
@@ -330,7 +332,8 @@ class WorkerGroup(RankConnections, RankEnds):
                 return
 
     def _handle_event(self, state: RankState, message: tuple) -> None:
-        self._still_draining(state)
+        if state.drain_deadline is not None:
+            self._still_draining(state)
         tag = message[0]
         if tag == Message.READY:
             state.ready = True
@@ -377,7 +380,8 @@ class WorkerGroup(RankConnections, RankEnds):
         """Ask ``ranks`` (default all) of a serving group to run ``function(*args, **kwargs)``."""
         call_id = next(self._call_ids)
         for state in self._ranks:  # earlier calls' outcomes (their values) are not kept
-            state.outcomes = {k: v for k, v in state.outcomes.items() if k == 0}
+            first = state.outcomes.get(0)  # but call 0's: how the rank's start ended
+            state.outcomes = {} if first is None else {0: first}
         packed, shared = pack(
             (function, tuple(args), dict(kwargs or {})),
             element_names=("function", "args", "kwargs"),
@@ -405,15 +409,19 @@ class WorkerGroup(RankConnections, RankEnds):
         """A call is over: show what its ranks printed last, partial lines included (a
         ``print(..., end="")`` must not wait for the next call's newline), and say what the
         output limit held back."""
-        waiting = list(self._outputs)
+        by_socket = {conn.sock: conn for conn in self._outputs}  # sockets: fileno() in C
+        waiting = list(by_socket)
         while waiting:
             ready = readable(waiting)
-            for conn in ready:
+            for sock in ready:
+                conn = by_socket[sock]
                 self._read_output(*self._outputs[conn], conn)
-            waiting = [conn for conn in ready if conn in self._outputs]  # not read to its end
+            waiting = [sock for sock in ready if by_socket[sock] in self._outputs]  # not at end
         for state in self._ranks:
-            for stream in list(state.lines):
-                self._flush_partial(state, stream)
+            if state.printed:  # else nothing of it waits in a partial line
+                state.printed = False
+                for stream in list(state.lines):
+                    self._flush_partial(state, stream)
         self.output.end()
 
     def outcomes(self, call_id: int, ranks: Iterable[int] | None = None) -> dict[int, Outcome]:
@@ -432,7 +440,10 @@ class WorkerGroup(RankConnections, RankEnds):
         return [r.rank for r in self._ranks if r.process is not None and r.process.poll() is None]
 
     def alive(self) -> bool:
-        return all(r.process is not None and r.process.poll() is None for r in self._ranks)
+        for state in self._ranks:  # a loop, not all(...): asked before every pool call
+            if state.process is None or state.process.poll() is not None:
+                return False
+        return True
 
     def release_shared(self) -> None:
         """Unlink shared tensor files once every rank has mapped them."""

@@ -85,11 +85,19 @@ _PLAIN_INSTANCES: set[type] = set()
 _PLAIN_FUNCTIONS: set[types.FunctionType] = set()
 
 
-def plain_class(cls: type) -> type:
+def plain_class(cls: type | None = None, *, whole: bool = False) -> Any:
     """Register ``cls`` (importable by name on both ends): an enum's members, or instances whose
-    attributes are plain, are then pickled by :func:`dumps_message` without cloudpickle."""
-    (_ATOMS if issubclass(cls, Enum) else _PLAIN_INSTANCES).add(cls)
-    return cls
+    attributes are plain, are then pickled by :func:`dumps_message` without cloudpickle.
+
+    ``whole=True`` (``@plain_class(whole=True)``): every attribute of every instance is always
+    of an importable type (the engine's own payloads), so an instance is plain without looking
+    inside it: one message costs a few checks, not one per attribute."""
+
+    def register(cls: type) -> type:
+        (_ATOMS if whole or issubclass(cls, Enum) else _PLAIN_INSTANCES).add(cls)
+        return cls
+
+    return register if cls is None else register(cls)
 
 
 def plain_function(function: types.FunctionType) -> types.FunctionType:

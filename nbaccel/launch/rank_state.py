@@ -38,6 +38,7 @@ class RankState:
     events: Connection | None = None
     streams_open: set[str] = field(default_factory=set)
     lines: dict[str, StreamLines] = field(default_factory=dict)  # output streams, cut in lines
+    printed: bool = False  # output came since the last call's end (its last line may be partial)
     stack_dump: StackDumpFilter = field(default_factory=StackDumpFilter)  # stderr's stack dumps
     connected: set[str] = field(default_factory=set)
     ready: bool = False

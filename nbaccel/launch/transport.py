@@ -90,7 +90,7 @@ class _TensorRecord:
     requires_grad: bool
 
 
-@plain_class
+@plain_class(whole=True)  # bytes, a path, records of importable types, ints
 @dataclass
 class Packed:
     """What a rank needs to rebuild the objects: the pickle and the shared tensor file."""

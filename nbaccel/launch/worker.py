@@ -47,12 +47,14 @@ __all__ = [
 _events: Connection | None = None
 _send_lock = threading.Lock()
 _held: list[Any] | None = None  # main-thread messages held until a call's outcome
+_main_thread: int | None = None  # the ident of the thread that serves calls (run_worker's)
 _rank: int | None = None
 _EXIT_DRIVER_GONE = 70
 _shared_results = True  # the driver can map this host's shared files (same host, no relay)
 # shared files of results the driver may not have taken yet: this rank holds their lock (a sweep
 # reclaims them if it dies) until its next call or its exit
 _result_files: list[SharedTensors] = []
+_PACKED_NONE = pack(None)[0]  # a None result, packed once (only ever read after)
 _sigint_at: float | None = None  # when SIGINT last arrived (None: not during this call)
 # what the main thread waits for, if anything: between calls an interrupt has nothing to stop
 # (and must not cost the message being read); after a one-shot launch's call it ends the wait
@@ -81,7 +83,7 @@ def emit(kind: EventKind, payload: Any) -> None:
 
 def _send(message: Any) -> None:
     with _send_lock:
-        if _held is not None and threading.current_thread() is threading.main_thread():
+        if _held is not None and threading.get_ident() == _main_thread:
             _held.append(message)  # leaves with the call's outcome (see _end_call)
             return
         _events.send(message)
@@ -209,10 +211,12 @@ def _run_hooks(hooks: list[Callable[[], None]]) -> None:
 
 def _run_call(call_id: int, function: Callable, args: tuple, kwargs: dict) -> bool:
     global _sigint_at
-    _drop_results()
+    if _result_files:
+        _drop_results()
     _sigint_at = None
     rank_watch.call_started()
-    _run_hooks(_before_call)
+    if _before_call:
+        _run_hooks(_before_call)
     try:
         value = function(*args, **kwargs)
     except SystemExit as exc:
@@ -232,7 +236,8 @@ def _end_call(call_id: int, value: Any = None, error: BaseException | None = Non
     _held = []
     rank_watch.call_ended()
     try:
-        _run_hooks(_after_call)
+        if _after_call:
+            _run_hooks(_after_call)
         _flush_all()
         if error is not None:
             _report_error(call_id, error)
@@ -248,6 +253,9 @@ def _end_call(call_id: int, value: Any = None, error: BaseException | None = Non
 def _send_result(call_id: int, value: Any) -> bool:
     """Send the return value; large CPU tensors in it travel through a shared file that the
     driver maps (``transport.take``), written once here, never copied through the socket."""
+    if value is None:  # a cell or a function that returns nothing: the same bytes each time
+        _send((Message.RESULT, call_id, _PACKED_NONE))
+        return True
     try:
         packed, shared = pack(
             value, name=ResultNotSendable.value_name, share=_shared_results, toward="notebook"
@@ -330,8 +338,9 @@ def _connect_streams(
 
 def run_worker(spec: WorkerSpec) -> int:
     """Entry point of every worker process; returns the process exit code."""
-    global _events, _rank, _shared_results
+    global _events, _rank, _shared_results, _main_thread
     _rank = spec.rank
+    _main_thread = threading.get_ident()
     _shared_results = spec.address.driver_on_this_host  # else it cannot map this host's files
     # A crash in native code (SIGSEGV, abort...) prints the Python stack of every thread to fd 2,
     # and so does STACKS_SIGNAL (the driver's, when a call times out): once the streams are

@@ -149,6 +149,7 @@ class ForkServer:
         self._exits: dict[int, tuple[int, float]] = {}
         self._next_id = 0
         self._listeners: list[Any] = []
+        self._reading = True  # until the reader thread's last step (alive() reads it, no call)
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="nbaccel-fs")
         self._reader.start()
 
@@ -159,9 +160,15 @@ class ForkServer:
     def alive(self) -> bool:
         # No system call (this is asked for every rank at every cell): the reader thread ends
         # when the server's pipe closes, and reaps the server first.
-        return self._reader.is_alive() or self._proc.poll() is None
+        return self._reading or self._proc.poll() is None
 
     def _read_loop(self) -> None:
+        try:
+            self._read_until_closed()
+        finally:
+            self._reading = False
+
+    def _read_until_closed(self) -> None:
         fd = self._proc.stdout.fileno()
         while True:
             try:

@@ -141,8 +141,10 @@ def run_cell(
     ``filename`` is the name under which the notebook registered the source in its linecache,
     so remote tracebacks show the cell's lines; ``first_line`` is the body's line in the cell.
     """
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
+    if not env:
+        return _run_source(source, filename, first_line)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         return _run_source(source, filename, first_line)
     finally:  # the options were for this cell only
