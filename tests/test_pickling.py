@@ -67,9 +67,35 @@ def test_protocol_messages_of_plain_data_skip_cloudpickle_and_load_the_same():
     ]:
         data = dumps_message(message)
         assert b"cloudpickle" not in data  # the C pickler wrote it: no reconstructor of theirs
+        assert b"Message" not in data  # the tag travels as its value, not as a global
         loaded = pickle.loads(data)
-        assert loaded[0] is message[0]  # the protocol's words come back as the same members
+        assert type(loaded[0]) is str and loaded[0] == message[0]  # what receivers compare
+        assert hash(loaded[0]) == hash(message[0]) and loaded[0] in (Message.RESULT, message[0])
         assert loaded == message
+
+
+def test_a_payload_that_refers_to_nothing_shared_travels_as_its_pickle_alone():
+    import torch
+
+    from nbaccel.launch.pickling import dumps_message
+    from nbaccel.launch.protocol import Message
+    from nbaccel.launch.transport import Packed, discard, on_the_wire, pack, take, unpack
+
+    plain, shared = pack({"loss": 0.5, "step": 3})
+    assert shared is None
+    wire = on_the_wire(plain)
+    assert type(wire) is bytes
+    data = dumps_message((Message.RESULT, 1, wire))
+    assert b"Packed" not in data and b"copyreg" not in data  # no class to look up on loading
+    assert unpack(wire) == take(wire) == {"loss": 0.5, "step": 3}
+    discard(wire)  # nothing to remove, and no error
+
+    big, shared = pack({"w": torch.arange(100_000, dtype=torch.float32)})
+    try:
+        assert isinstance(on_the_wire(big), Packed)  # its tensor is in a shared file
+        assert torch.equal(unpack(on_the_wire(big))["w"], torch.arange(100_000.0))
+    finally:
+        shared.release()
 
 
 def test_protocol_messages_holding_user_objects_still_travel_by_value():

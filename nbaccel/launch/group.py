@@ -47,6 +47,7 @@ from nbaccel.launch.transport import (
     Packed,
     SharedTensors,
     discard,
+    on_the_wire,
     pack,
     sweep_segments,
     take,
@@ -349,7 +350,9 @@ class WorkerGroup(RankConnections, RankEnds):
         elif tag == Message.EVENT:
             self.renderer.event(state.rank, message[1], message[2])
 
-    def _load_result(self, state: RankState, call_id: int, packed: Packed) -> tuple[object, str]:
+    def _load_result(
+        self, state: RankState, call_id: int, packed: Packed | bytes
+    ) -> tuple[object, str]:
         """A rank's return value (its tensors mapped from the shared file it wrote), or the
         error saying the function succeeded but its value cannot be loaded here."""
         if call_id != self._current_call or call_id in state.outcomes:
@@ -397,7 +400,8 @@ class WorkerGroup(RankConnections, RankEnds):
             state, work = self._by_rank[rank], placed[rank]
             state.busy_since = now
             if id(work) not in frames:
-                frames[id(work)] = encode([(Message.CALL, call_id, work)])
+                wire = on_the_wire(work) if isinstance(work, Packed) else work
+                frames[id(work)] = encode([(Message.CALL, call_id, wire)])
             state.events.send_encoded(frames[id(work)])
         return call_id, targets
 

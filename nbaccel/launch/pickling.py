@@ -82,6 +82,7 @@ def dumps(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:
 #: :func:`plain_class` (importable nbaccel classes: the protocol's words, a packed payload)
 _ATOMS: set[type] = {type(None), bool, int, float, complex, str, bytes}
 _PLAIN_INSTANCES: set[type] = set()
+_WORDS: set[type] = set()  # str enums (the protocol's words): a message's tag travels as its value
 _PLAIN_FUNCTIONS: set[types.FunctionType] = set()
 
 
@@ -95,6 +96,8 @@ def plain_class(cls: type | None = None, *, whole: bool = False) -> Any:
 
     def register(cls: type) -> type:
         (_ATOMS if whole or issubclass(cls, Enum) else _PLAIN_INSTANCES).add(cls)
+        if issubclass(cls, Enum) and issubclass(cls, str):
+            _WORDS.add(cls)
         return cls
 
     return register if cls is None else register(cls)
@@ -127,7 +130,14 @@ def _plain(obj: Any) -> bool:
 def dumps_message(obj: Any) -> bytes:
     """Pickle one message of the launch protocol: with the C pickler when it holds only plain
     data (a few µs, the common case: outcomes, samples, events), else with :func:`dumps` (a
-    user's object in an event, a function). Both give the same bytes to ``pickle.loads``."""
+    user's object in an event, a function). Both give the same bytes to ``pickle.loads``.
+
+    A message's tag (a str enum member first in its tuple: ``Message.RESULT``) travels as its
+    plain value, which the receiver compares with the members (equal, same hash): loading a
+    member by name looks up its module and class, several times the cost of the whole message
+    on a core that idled (a cell's call and outcome on each rank)."""
+    if type(obj) is tuple and obj and type(obj[0]) in _WORDS:
+        obj = (str(obj[0]), *obj[1:])
     if is_plain(obj):
         return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     return dumps(obj)

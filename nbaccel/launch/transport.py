@@ -49,6 +49,7 @@ __all__ = [
     "Packed",
     "SharedTensors",
     "discard",
+    "on_the_wire",
     "pack",
     "shm_dir",
     "sweep_segments",
@@ -372,20 +373,32 @@ def _holds_references(packed: Packed) -> bool:
     return bool(packed.records or packed.inherited)
 
 
-def unpack(packed: Packed) -> Any:
+def on_the_wire(packed: Packed) -> Packed | bytes:
+    """What a message carries of ``packed``: its pickle alone when it refers to nothing shared
+    (a cell's call, a plain result), which loads with no lookup of :class:`Packed` (see
+    :func:`~nbaccel.launch.pickling.dumps_message`); :func:`unpack`, :func:`take` and
+    :func:`discard` take either."""
+    if packed.segment is None and not _holds_references(packed):
+        return packed.data
+    return packed
+
+
+def unpack(packed: Packed | bytes) -> Any:
     """Rebuild the objects in a rank; shared tensors map the segment copy-on-write."""
+    if type(packed) is bytes:
+        return pickle.loads(packed)
     if not _holds_references(packed):
         return pickle.loads(packed.data)
     return _Unpickler(packed.data, _map_segment(packed)).load()
 
 
-def take(packed: Packed) -> Any:
+def take(packed: Packed | bytes) -> Any:
     """Rebuild a value sent to one reader (a rank's return value in the notebook): the shared
     file is opened, unlinked and mapped shared, so its pages are the tensors' memory (no copy)
     and nothing is left in the shared-memory folder once it is mapped, whether or not
     unpickling works. (The rank that wrote it holds its lock until its next call or exit.)"""
-    if packed.segment is None and not _holds_references(packed):  # a plain value: no file
-        return pickle.loads(packed.data)
+    if type(packed) is bytes:  # a plain value (on_the_wire): no file
+        return pickle.loads(packed)
     try:
         tensors = _map_segment(packed, take=True)
     finally:
@@ -395,9 +408,9 @@ def take(packed: Packed) -> Any:
     return _Unpickler(packed.data, tensors).load()
 
 
-def discard(packed: Packed) -> None:
+def discard(packed: Packed | bytes) -> None:
     """Remove ``packed``'s shared file, if it is still there (a value nobody will read)."""
-    if packed.segment is not None:
+    if type(packed) is not bytes and packed.segment is not None:
         try:
             os.unlink(packed.segment)
         except FileNotFoundError:

@@ -31,7 +31,7 @@ from nbaccel.launch.channel import Connection, connect
 from nbaccel.launch.errors import describe_exception
 from nbaccel.launch.protocol import STACKS_SIGNAL, EventKind, Message, Stream
 from nbaccel.launch.spec import Mode, WorkerSpec, load_work
-from nbaccel.launch.transport import SharedTensors, pack, unpack
+from nbaccel.launch.transport import SharedTensors, on_the_wire, pack, unpack
 from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
 
 __all__ = [
@@ -54,7 +54,7 @@ _shared_results = True  # the driver can map this host's shared files (same host
 # shared files of results the driver may not have taken yet: this rank holds their lock (a sweep
 # reclaims them if it dies) until its next call or its exit
 _result_files: list[SharedTensors] = []
-_PACKED_NONE = pack(None)[0]  # a None result, packed once (only ever read after)
+_NONE = on_the_wire(pack(None)[0])  # a None result, packed once
 _sigint_at: float | None = None  # when SIGINT last arrived (None: not during this call)
 # what the main thread waits for, if anything: between calls an interrupt has nothing to stop
 # (and must not cost the message being read); after a one-shot launch's call it ends the wait
@@ -254,7 +254,7 @@ def _send_result(call_id: int, value: Any) -> bool:
     """Send the return value; large CPU tensors in it travel through a shared file that the
     driver maps (``transport.take``), written once here, never copied through the socket."""
     if value is None:  # a cell or a function that returns nothing: the same bytes each time
-        _send((Message.RESULT, call_id, _PACKED_NONE))
+        _send((Message.RESULT, call_id, _NONE))
         return True
     try:
         packed, shared = pack(
@@ -267,7 +267,7 @@ def _send_result(call_id: int, value: Any) -> bool:
         return False
     if shared is not None and shared.path is not None:
         _result_files.append(shared)
-    _send((Message.RESULT, call_id, packed))
+    _send((Message.RESULT, call_id, on_the_wire(packed)))
     return True
 
 
