@@ -565,7 +565,8 @@ def test_a_pool_printing_between_cells_does_not_hold_up_a_launch_on_the_same_hos
         "        if stop.is_set():\n"
         "            return\n"
         "        print('chatter', i)\n"
-        "threading.Thread(target=chatter, daemon=True).start()",
+        "chatterer = threading.Thread(target=chatter, daemon=True)\n"
+        "chatterer.start()",
         "import time\ntime.sleep(3)",  # the pool's window on each host fills meanwhile
         "from nbaccel import notebook_launcher\n"
         "def rank():\n"
@@ -574,7 +575,9 @@ def test_a_pool_printing_between_cells_does_not_hold_up_a_launch_on_the_same_hos
         "t = time.perf_counter()\n"
         "got = notebook_launcher(rank, num_processes=4, hosts=['nbh1:2', 'nbh2:2'], timeout=60)\n"
         "print('launch returned', got, time.perf_counter() - t < 30)",
-        "%%distributed\nstop.set()",  # shows the chatter held back so far, then it stops
+        # shows the chatter held back so far; joined, so that no line of it can follow the
+        # cell's end (the thread may be between its check and its print when stop is set)
+        "%%distributed\nstop.set()\nchatterer.join()",
         "%%distributed\nprint('pool still here')",
         "%dist_shutdown",
     ]
