@@ -46,6 +46,7 @@ from nbaccel.launch.spec import Mode, Work, WorkerSpec
 from nbaccel.launch.transport import (
     Packed,
     SharedTensors,
+    Wire,
     discard,
     on_the_wire,
     pack,
@@ -136,8 +137,7 @@ class WorkerGroup(RankConnections, RankEnds):
         self._by_rank = {r.rank: r for r in self._ranks}
         self._call_ids = itertools.count(1)
         self._current_call: int | None = None
-        #: outcomes recorded so far, all calls and ranks: a waiter looks at them when it grows
-        self.outcomes_recorded = 0
+        self.outcomes_recorded = 0  # all calls and ranks: a waiter looks again when it grows
         self._shared: list[SharedTensors] = []
         self.started_at = time.time()
         self.closed = False
@@ -350,9 +350,7 @@ class WorkerGroup(RankConnections, RankEnds):
         elif tag == Message.EVENT:
             self.renderer.event(state.rank, message[1], message[2])
 
-    def _load_result(
-        self, state: RankState, call_id: int, packed: Packed | bytes
-    ) -> tuple[object, str]:
+    def _load_result(self, state: RankState, call_id: int, packed: Wire) -> tuple[object, str]:
         """A rank's return value (its tensors mapped from the shared file it wrote), or the
         error saying the function succeeded but its value cannot be loaded here."""
         if call_id != self._current_call or call_id in state.outcomes:

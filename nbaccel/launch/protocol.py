@@ -3,7 +3,9 @@
 Every message, stream name, event kind, outcome kind, launcher kind and fork-server message is a
 member here; the engine and the fronts compare against these members, never against string
 literals (the remote agents' wire messages are ``nbaccel.launch.remote.wire.Kind``). The
-members are ``str`` enums, so they pickle by name, print as their value and compare equal to it.
+members are ``str`` enums: they print as their value and compare equal to it (same hash), so a
+message's tag travels as its plain value (``pickling.dumps_message``) and is compared with the
+members on arrival; a member elsewhere in a message pickles by name.
 """
 
 from __future__ import annotations

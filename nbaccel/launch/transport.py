@@ -48,6 +48,7 @@ from nbaccel.launch.unpicklable import (
 __all__ = [
     "Packed",
     "SharedTensors",
+    "Wire",
     "discard",
     "on_the_wire",
     "pack",
@@ -373,7 +374,11 @@ def _holds_references(packed: Packed) -> bool:
     return bool(packed.records or packed.inherited)
 
 
-def on_the_wire(packed: Packed) -> Packed | bytes:
+#: what a message carries of a payload: a :class:`Packed`, or its pickle alone (on_the_wire)
+Wire = Packed | bytes
+
+
+def on_the_wire(packed: Packed) -> Wire:
     """What a message carries of ``packed``: its pickle alone when it refers to nothing shared
     (a cell's call, a plain result), which loads with no lookup of :class:`Packed` (see
     :func:`~nbaccel.launch.pickling.dumps_message`); :func:`unpack`, :func:`take` and
@@ -383,7 +388,7 @@ def on_the_wire(packed: Packed) -> Packed | bytes:
     return packed
 
 
-def unpack(packed: Packed | bytes) -> Any:
+def unpack(packed: Wire) -> Any:
     """Rebuild the objects in a rank; shared tensors map the segment copy-on-write."""
     if type(packed) is bytes:
         return pickle.loads(packed)
@@ -392,7 +397,7 @@ def unpack(packed: Packed | bytes) -> Any:
     return _Unpickler(packed.data, _map_segment(packed)).load()
 
 
-def take(packed: Packed | bytes) -> Any:
+def take(packed: Wire) -> Any:
     """Rebuild a value sent to one reader (a rank's return value in the notebook): the shared
     file is opened, unlinked and mapped shared, so its pages are the tensors' memory (no copy)
     and nothing is left in the shared-memory folder once it is mapped, whether or not
@@ -408,7 +413,7 @@ def take(packed: Packed | bytes) -> Any:
     return _Unpickler(packed.data, tensors).load()
 
 
-def discard(packed: Packed | bytes) -> None:
+def discard(packed: Wire) -> None:
     """Remove ``packed``'s shared file, if it is still there (a value nobody will read)."""
     if type(packed) is not bytes and packed.segment is not None:
         try:
