@@ -229,8 +229,7 @@ class WorkerGroup(RankConnections, RankEnds):
 
     # ------------------------------------------------------------------ pumping
     def pump(self, timeout: float) -> int:
-        """Handle whatever is ready within ``timeout`` seconds (one selector round); return how
-        many sources were ready."""
+        """Handle what is ready within ``timeout`` s (one selector round); how many sources were."""
         ready = self._selector.select(timeout)
         for key, _ in ready:
             kind, rank, stream = key.data
@@ -445,6 +444,7 @@ class WorkerGroup(RankConnections, RankEnds):
         for state in self._ranks:  # a loop, not all(...): asked before every pool call
             if state.process is None or state.process.poll() is not None:
                 return False
+        self._checked_at = time.monotonic()  # none ended: the next pump need not look again
         return True
 
     def release_shared(self) -> None:
