@@ -272,8 +272,7 @@ class WorkerGroup(RankConnections, RankEnds):
             return
         except OSError:
             data = b""
-        if state.drain_deadline is not None:
-            self._still_draining(state)
+        self._still_draining(state)
         if not data:
             self._news = True  # a stream's end: its process may have ended
             self._selector.unregister(conn)
@@ -332,8 +331,7 @@ class WorkerGroup(RankConnections, RankEnds):
                 return
 
     def _handle_event(self, state: RankState, message: tuple) -> None:
-        if state.drain_deadline is not None:
-            self._still_draining(state)
+        self._still_draining(state)
         tag = message[0]
         if tag == Message.READY:
             state.ready = True
