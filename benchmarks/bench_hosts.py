@@ -35,7 +35,7 @@ SSH_CONFIG = "/var/lib/nbaccel-hosts/ssh_config"
 SETUP = f"""
 import json, os, signal, statistics, subprocess, tempfile, threading, time
 from nbaccel import notebook_launcher
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 HOSTS = {HOSTS!r}
 def noop():
     return None

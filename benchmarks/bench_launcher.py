@@ -27,7 +27,7 @@ import time, json, statistics, os, threading
 t0 = time.perf_counter()
 import nbaccel
 from nbaccel import notebook_launcher
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 import_s = time.perf_counter() - t0
 def noop():
     return None

@@ -48,7 +48,7 @@ import psutil, torch
 from IPython import get_ipython
 from ipywidgets.widgets import widget as _widget
 from nbaccel import LaunchTimeout, RankCrashed, notebook_launcher
-from nbaccel.launch.log_store import store as _logs
+from nbaccel.launch.host.log_store import store as _logs
 from nbaccel.notebook.kernel.pool import get_pool
 
 _CHILD_TAG = "nbaccel-day-child"
@@ -126,7 +126,7 @@ def _processes():
 
 
 def _shm():
-    from nbaccel.launch.transport import shm_dir
+    from nbaccel.launch.wire.transport import shm_dir
 
     return {f for f in os.listdir(shm_dir()) if f.startswith("nbaccel")}
 

@@ -33,13 +33,13 @@ from nbaccel.distributed.collectives import (
 from nbaccel.distributed.environment import detect_launch_environment, detect_platform
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
-from nbaccel.launch.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
-from nbaccel.launch.log_store import keep_logs
+from nbaccel.launch.host.log_store import keep_logs
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.unpicklable import UnpicklableError
+from nbaccel.launch.wire.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
+from nbaccel.launch.wire.unpicklable import UnpicklableError
+from nbaccel.notebook import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
-from nbaccel.notebook.rank import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.training.accelerator import Accelerator
 from nbaccel.training.batch_size import find_executable_batch_size
 from nbaccel.training.configuration import (

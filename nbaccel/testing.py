@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbaccel.launch.driver import CallReport, CallState, Settle
+from nbaccel.launch.driver.loop import CallReport, CallState, Settle
+from nbaccel.launch.driver.render import TextRenderer
+from nbaccel.launch.host.processes import describe_exit
 from nbaccel.launch.plan import Front, LaunchPlan, check_call, free_port
-from nbaccel.launch.processes import describe_exit
-from nbaccel.launch.protocol import OutcomeKind
-from nbaccel.launch.render import TextRenderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.run import run_function
-from nbaccel.launch.tracebacks import format_frames
+from nbaccel.launch.wire.protocol import OutcomeKind
+from nbaccel.launch.wire.tracebacks import format_frames
 
 __all__ = ["RankFailures", "free_port", "run_on_ranks"]
 

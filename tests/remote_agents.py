@@ -14,8 +14,8 @@ import json
 import subprocess
 import sys
 
-from nbaccel.launch.launchers import LAUNCHERS
 from nbaccel.launch.plan import Front, LaunchPlan
+from nbaccel.launch.registry import LAUNCHERS
 from nbaccel.launch.remote.hosts import parse_hosts
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions

@@ -18,7 +18,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.unpicklable import UnpicklableError
+from nbaccel.launch.wire.unpicklable import UnpicklableError
 
 
 def _even_ranks_fail():

@@ -123,14 +123,6 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def _package(module: str) -> str:
-    """The subpackage a module belongs to (nbaccel.launch, nbaccel.notebook, ...)."""
-    parts = module.split(".")
-    if len(parts) > 2 or (len(parts) == 2 and MODULES[module].name == "__init__.py"):
-        return ".".join(parts[:2])
-    return parts[0]
-
-
 def _imports_of(prefix: str) -> dict[str, set[str]]:
     return {m: t for m, t in EDGES.items() if m == prefix or m.startswith(prefix + ".")}
 
@@ -139,7 +131,7 @@ def test_the_graph_sees_lazy_imports() -> None:
     # notebook_launcher's front imports the engine's run module at the top, and the fork
     # server's module imports the worker inside a function: both must be edges
     assert "nbaccel.launch.run" in EDGES["nbaccel.notebook.kernel.launcher"]
-    assert "nbaccel.launch.worker" in EDGES["nbaccel.launch.launchers.forkserver_loop"]
+    assert "nbaccel.launch.rank.worker" in EDGES["nbaccel.launch.launchers.forkserver_loop"]
     assert len(MODULES) > 50
 
 
@@ -147,18 +139,43 @@ def test_no_module_cycles() -> None:
     assert _cycles(EDGES) == []
 
 
-def test_no_package_cycles() -> None:
-    packages: dict[str, set[str]] = defaultdict(set)
+PACKAGES = sorted(m for m, path in MODULES.items() if path.name == "__init__.py")
+
+
+def _sibling_edges(package: str) -> dict[str, set[str]]:
+    """Imports between the direct children (sub-packages and modules) of ``package``, each
+    child standing for everything below it."""
+    prefix = package + "."
+
+    def child(module: str) -> str:
+        return prefix + module[len(prefix) :].split(".")[0]
+
+    edges: dict[str, set[str]] = defaultdict(set)
     for module, targets in EDGES.items():
+        if not module.startswith(prefix):
+            continue
         for target in targets:
-            a, b = _package(module), _package(target)
-            if a != b and a != b.split(".")[0] and b != a.split(".")[0]:
-                packages[a].add(b)
+            if target.startswith(prefix) and child(module) != child(target):
+                edges[child(module)].add(child(target))
+    return edges
+
+
+def test_the_sibling_check_sees_every_depth() -> None:
+    # the engine's own sub-packages are checked, not only nbaccel's top-level ones
+    assert "nbaccel.launch.wire" in _sibling_edges("nbaccel.launch")["nbaccel.launch.driver"]
+    assert "nbaccel.launch.remote" in PACKAGES
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_sibling_cycles(package: str) -> None:
+    """No two children of a package import each other, directly or around a loop, at any
+    depth: the layers of every folder point one way."""
+    edges = _sibling_edges(package)
     pairs = sorted(
-        {tuple(sorted((a, b))) for a in packages for b in packages[a] if a in packages.get(b, ())}
+        {tuple(sorted((a, b))) for a in edges for b in edges[a] if a in edges.get(b, ())}
     )
     assert pairs == []
-    assert _cycles(packages) == []
+    assert _cycles(edges) == []
 
 
 @pytest.mark.parametrize(

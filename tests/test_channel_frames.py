@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from nbaccel.launch.channel import INCOMPLETE, Connection, encode
-from nbaccel.launch.protocol import Message
+from nbaccel.launch.wire.channel import INCOMPLETE, Connection, encode
+from nbaccel.launch.wire.protocol import Message
 
 
 class _CountingSocket:

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from nbaccel import notebook_launcher
+from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.launchers.forkserver import get_forkserver
 from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
-from nbaccel.launch.render import Renderer
 
 
 def _huge_kib(pid: int) -> int:
@@ -49,7 +49,7 @@ def test_idle_server_is_frozen_and_in_huge_pages_and_ranks_inherit_it():
 def test_packing_a_result_imports_no_module():
     code = (
         "import sys\n"
-        "from nbaccel.launch.transport import pack\n"
+        "from nbaccel.launch.wire.transport import pack\n"
         "before = set(sys.modules)\n"
         "pack({'loss': 1.5, 'names': ['a', 'b']}, name='the return value')\n"
         "print(sorted(set(sys.modules) - before))\n"
@@ -76,7 +76,7 @@ _PROBE_CELL = """
 import sys, warnings
 import numpy.random
 from nbaccel import notebook_launcher
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 numpy.random.seed(3)
 warnings.filterwarnings("ignore", message="x", category=numpy.exceptions.RankWarning)
 assert any(f[2].__module__.startswith("IPython") for f in warnings.filters)

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from nbaccel.launch.driver.render import TextRenderer
 from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
 from nbaccel.launch.plan import Front, LaunchPlan
-from nbaccel.launch.render import TextRenderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.run import run_function
 

@@ -244,9 +244,9 @@ def _pid():
 
 
 def test_preloaded_library_initialising_cuda_is_refused(tmp_path, monkeypatch):
+    from nbaccel.launch.driver.render import TextRenderer
     from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
     from nbaccel.launch.plan import Front, LaunchPlan
-    from nbaccel.launch.render import TextRenderer
     from nbaccel.launch.request import LaunchRequest
     from nbaccel.launch.run import run_function
 

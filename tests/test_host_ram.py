@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from nbaccel.launch.host_ram import HostRamWarning, estimate_host_ram, warn_if_short
+from nbaccel.launch.host.host_ram import HostRamWarning, estimate_host_ram, warn_if_short
 
 MiB = 1 << 20
 
@@ -80,8 +80,8 @@ def test_a_cgroup_limit_lowers_the_memory_a_launch_may_use(tmp_path):
         probe = (
             "import os, sys\n"
             f"open({os.path.join(group, 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
-            "from nbaccel.launch.capacity import available_memory, check_capacity\n"
-            "from nbaccel.launch.host_ram import estimate_host_ram\n"
+            "from nbaccel.launch.host.capacity import available_memory, check_capacity\n"
+            "from nbaccel.launch.host.host_ram import estimate_host_ram\n"
             "from nbaccel.bigmodel import get_max_memory\n"
             "print(available_memory(), estimate_host_ram((), ranks=2).available,"
             " get_max_memory()['cpu'])\n"

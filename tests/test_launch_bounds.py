@@ -16,7 +16,7 @@ import pytest
 from kernel import cell_text, run_notebook
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 from nbaccel.notebook.kernel.pool import Pool
 
 _TOO_MANY = 10**6  # more threads than any pid_max allows (4 194 304 at most)

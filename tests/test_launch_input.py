@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nbaccel import RankCrashed, notebook_launcher
+from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.launchers.forkserver import get_forkserver
-from nbaccel.launch.render import Renderer
 
 
 def _children() -> list[int]:

@@ -17,11 +17,11 @@ import torch
 from faults import hang_in_collective_while_peer_fails, sigkill_in_collective
 
 from nbaccel import RankCrashed, notebook_launcher
-from nbaccel.launch.driver import CallReport, CallState
-from nbaccel.launch.errors import is_peer_loss
-from nbaccel.launch.group import Outcome
-from nbaccel.launch.protocol import OutcomeKind
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.group import Outcome
+from nbaccel.launch.driver.loop import CallReport, CallState
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.wire.errors import is_peer_loss
+from nbaccel.launch.wire.protocol import OutcomeKind
 
 
 class _Returned:
@@ -166,7 +166,7 @@ def test_a_silent_connection_to_the_channel_stalls_nothing(monkeypatch):
     handshake timeout is 10 s; the launch's own timeout of 6 s would expire while blocked)."""
     import socket
 
-    from nbaccel.launch.group import WorkerGroup
+    from nbaccel.launch.driver.group import WorkerGroup
 
     silent: list[socket.socket] = []
     start = WorkerGroup.start

@@ -283,7 +283,7 @@ _NODE_SCRIPT = textwrap.dedent(
     """
     import sys
     from nbaccel import notebook_launcher
-    from nbaccel.launch.render import Renderer
+    from nbaccel.launch.driver.render import Renderer
 
     def world():
         import torch

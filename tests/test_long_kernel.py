@@ -18,7 +18,7 @@ SETUP = """
 import os
 from ipywidgets.widgets import widget
 from nbaccel import notebook_launcher
-from nbaccel.launch.log_store import store
+from nbaccel.launch.host.log_store import store
 
 def noisy(n):  # long lines: the notebook shows 10,000 characters of each, the log all
     for i in range(n):

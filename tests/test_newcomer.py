@@ -105,7 +105,7 @@ def _quick():
 
 def test_a_quick_launch_reports_every_ranks_memory():
     from nbaccel import notebook_launcher
-    from nbaccel.launch.render import TextRenderer
+    from nbaccel.launch.driver.render import TextRenderer
     from nbaccel.notebook.events import MEMORY
 
     class Samples(TextRenderer):

@@ -17,7 +17,7 @@ import torch
 from recorder import Recorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ import sys
 import numpy, torch
 from nbaccel import notebook_launcher
 from nbaccel.launch.launchers.forkserver import get_forkserver
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 
 def imported():
     return "numpy.random" in sys.modules

@@ -13,7 +13,7 @@ import re
 
 from kernel import cell_errors, cell_text, run_notebook
 
-from nbaccel.launch.output_budget import OutputBudget
+from nbaccel.launch.driver.output_budget import OutputBudget
 
 VOLUME = """%%distributed -n 2
 import sys

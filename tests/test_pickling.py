@@ -7,8 +7,8 @@ import pickle
 import traceback
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.pickling import dumps
-from nbaccel.launch.render import TextRenderer
+from nbaccel.launch.driver.render import TextRenderer
+from nbaccel.launch.wire.pickling import dumps
 
 CELL = "/tmp/ipykernel_1/123456.py"
 SOURCE = """
@@ -53,9 +53,9 @@ def test_rank_traceback_names_the_cell_file():
 
 
 def test_protocol_messages_of_plain_data_skip_cloudpickle_and_load_the_same():
-    from nbaccel.launch.pickling import dumps_message
-    from nbaccel.launch.protocol import EventKind, Message
-    from nbaccel.launch.transport import pack
+    from nbaccel.launch.wire.pickling import dumps_message
+    from nbaccel.launch.wire.protocol import EventKind, Message
+    from nbaccel.launch.wire.transport import pack
     from nbaccel.notebook.events import MemorySample
 
     packed, _ = pack({"loss": 0.5})
@@ -77,9 +77,9 @@ def test_protocol_messages_of_plain_data_skip_cloudpickle_and_load_the_same():
 def test_a_payload_that_refers_to_nothing_shared_travels_as_its_pickle_alone():
     import torch
 
-    from nbaccel.launch.pickling import dumps_message
-    from nbaccel.launch.protocol import Message
-    from nbaccel.launch.transport import Packed, discard, on_the_wire, pack, take, unpack
+    from nbaccel.launch.wire.pickling import dumps_message
+    from nbaccel.launch.wire.protocol import Message
+    from nbaccel.launch.wire.transport import Packed, discard, on_the_wire, pack, take, unpack
 
     plain, shared = pack({"loss": 0.5, "step": 3})
     assert shared is None
@@ -99,8 +99,8 @@ def test_a_payload_that_refers_to_nothing_shared_travels_as_its_pickle_alone():
 
 
 def test_protocol_messages_holding_user_objects_still_travel_by_value():
-    from nbaccel.launch.pickling import dumps_message
-    from nbaccel.launch.protocol import EventKind, Message
+    from nbaccel.launch.wire.pickling import dumps_message
+    from nbaccel.launch.wire.protocol import EventKind, Message
 
     namespace = {"__name__": "__main__"}  # a class defined in a cell: no module to import
     exec("class Point:\n    def __init__(self, x):\n        self.x = x\n", namespace)
@@ -116,8 +116,8 @@ def test_protocol_messages_holding_user_objects_still_travel_by_value():
 def test_a_pool_cell_call_is_packed_by_the_c_pickler_and_loads_as_cloudpickle_would():
     """The engine's own rank functions (registered with ``plain_function``) with plain
     arguments skip cloudpickle's per-object hooks; the payload is the same objects."""
-    from nbaccel.launch.pickling import is_plain
-    from nbaccel.launch.transport import pack, unpack
+    from nbaccel.launch.wire.pickling import is_plain
+    from nbaccel.launch.wire.transport import pack, unpack
     from nbaccel.notebook.rank import pool_worker
 
     call = (pool_worker.run_cell, ("x = 1\n", "<rank-cell-3>", 2, None), {})
@@ -134,7 +134,7 @@ def test_a_pool_cell_call_is_packed_by_the_c_pickler_and_loads_as_cloudpickle_wo
 def test_only_module_level_functions_can_be_plain():
     import pytest
 
-    from nbaccel.launch.pickling import plain_function
+    from nbaccel.launch.wire.pickling import plain_function
 
     def nested():
         pass
@@ -150,7 +150,7 @@ def test_payloads_with_shared_tensors_or_inherited_objects_still_unpack():
 
     import torch
 
-    from nbaccel.launch.transport import pack, take, unpack
+    from nbaccel.launch.wire.transport import pack, take, unpack
 
     big = torch.arange(1 << 16, dtype=torch.float32)
     packed, shared = pack({"t": big})

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from nbaccel.launch.render import Renderer
-from nbaccel.launch.unpicklable import ResultNotSendable
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.wire.unpicklable import ResultNotSendable
 from nbaccel.notebook.kernel import pool as pool_module
 
 

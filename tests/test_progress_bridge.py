@@ -9,7 +9,7 @@ from proc_threads import voluntary_switches
 from recorder import Recorder as SharedRecorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 from nbaccel.notebook.events import MemorySample, ProgressUpdate
 
 
@@ -116,7 +116,7 @@ def _sampler_thread() -> tuple[int, int]:
     import os
     import threading
 
-    from nbaccel.launch.rank_watch import WATCHER
+    from nbaccel.launch.rank.watch import WATCHER
 
     (sampler,) = [t for t in threading.enumerate() if t.name == WATCHER]
     return os.getpid(), sampler.native_id

@@ -1,6 +1,6 @@
 """How a rank's exception or exit reads in the notebook: one launch per shape of exception.
 
-Every case runs a real two-rank launch; rank 1 misbehaves. The rules (``launch/errors.py``):
+Every case runs a real two-rank launch; rank 1 misbehaves. The rules (``launch/wire/errors.py``):
 the original type, the message prefixed by ``[rank N]``, whatever the exception's args or
 ``__str__`` look like; ``sys.exit(0)``/``exit()`` are success; a value the notebook cannot
 unpickle is named as such, not as the rank's import error.
@@ -21,8 +21,8 @@ import torch
 from recorder import Recorder
 
 from nbaccel import ResultNotLoadable, notebook_launcher
-from nbaccel.launch.errors import RankCrashed
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.wire.errors import RankCrashed
 
 
 def _on_rank_1(exc: BaseException) -> None:
@@ -209,7 +209,7 @@ def test_a_runaway_recursion_collapses_as_python_collapses_it():
 
 def test_frame_runs_collapse_like_pythons_own_tracebacks():
     """format_frames against traceback.format_list on the same frames: runs of 1 to 5 calls."""
-    from nbaccel.launch.tracebacks import format_frames
+    from nbaccel.launch.wire.tracebacks import format_frames
 
     def run(depth: int, n: int = 0) -> None:
         if n < depth:

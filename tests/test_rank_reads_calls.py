@@ -15,7 +15,7 @@ import time
 import pytest
 from proc_threads import voluntary_switches
 
-from nbaccel.launch.render import Renderer
+from nbaccel.launch.driver.render import Renderer
 from nbaccel.notebook.kernel import pool as pool_module
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="re
 def _watcher_thread() -> int:
     import threading
 
-    from nbaccel.launch.rank_watch import WATCHER
+    from nbaccel.launch.rank.watch import WATCHER
 
     return next(t.native_id for t in threading.enumerate() if t.name == WATCHER)
 
@@ -42,7 +42,7 @@ def pool():
 
 
 def test_calls_wake_no_thread_but_the_ranks_main_thread(pool):
-    from nbaccel.launch.rank_watch import _LOOK
+    from nbaccel.launch.rank.watch import _LOOK
 
     watchers = pool.call(_watcher_thread)
     time.sleep(2 * _LOOK)  # the wake-ups of the rank's own start (its duties registered) are over

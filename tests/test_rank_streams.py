@@ -11,8 +11,8 @@ import threading
 from recorder import Recorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.channel import Listener, connect, new_secret
-from nbaccel.launch.rank_connections import RankConnections
+from nbaccel.launch.driver.rank_connections import RankConnections
+from nbaccel.launch.wire.channel import Listener, connect, new_secret
 
 
 def _speak():

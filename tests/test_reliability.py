@@ -20,7 +20,9 @@ from recorder import Recorder
 
 import nbaccel
 from nbaccel import notebook_launcher
-from nbaccel.launch.channel import (
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.launchers.forkserver import get_forkserver
+from nbaccel.launch.wire.channel import (
     AuthenticationFailed,
     Handshake,
     Listener,
@@ -28,8 +30,6 @@ from nbaccel.launch.channel import (
     new_secret,
     readable,
 )
-from nbaccel.launch.launchers.forkserver import get_forkserver
-from nbaccel.launch.render import Renderer
 
 
 def _launch(fault: str):
@@ -264,9 +264,9 @@ def _what_a_rank_can_see():
 
 
 def test_the_secret_never_reaches_environment_arguments_or_output():
-    from nbaccel.launch.group import WorkerGroup
-    from nbaccel.launch.launchers import make_launcher
-    from nbaccel.launch.transport import pack
+    from nbaccel.launch.driver.group import WorkerGroup
+    from nbaccel.launch.registry import make_launcher
+    from nbaccel.launch.wire.transport import pack
 
     lines = Recorder()
     payload, _ = pack((_what_a_rank_can_see, (), {}))
@@ -292,7 +292,7 @@ def test_private_folders_of_dead_processes_are_swept(monkeypatch):
     import pathlib
     import shutil
 
-    import nbaccel.launch.channel as channel
+    import nbaccel.launch.wire.channel as channel
 
     tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="sweep-"))  # short: it holds a socket
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

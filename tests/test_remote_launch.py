@@ -21,14 +21,14 @@ import pytest
 import torch
 import zmq
 
-from nbaccel.launch.errors import RankCrashed
+from nbaccel.launch.driver.render import TextRenderer
 from nbaccel.launch.remote.hosts import parse_hosts, slurm_layout
 from nbaccel.launch.remote.hub import Hub
+from nbaccel.launch.remote.messages import Kind, encode, new_keys
 from nbaccel.launch.remote.options import remote_options
 from nbaccel.launch.remote.warm import live_agents, shutdown_agents
-from nbaccel.launch.remote.wire import Kind, encode, new_keys
-from nbaccel.launch.render import TextRenderer
 from nbaccel.launch.run import run_function
+from nbaccel.launch.wire.errors import RankCrashed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -325,7 +325,7 @@ _KERNEL = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {here!r})
     from remote_agents import local_plan
-    from nbaccel.launch.render import TextRenderer
+    from nbaccel.launch.driver.render import TextRenderer
     from nbaccel.launch.run import run_function
 
     def sleep_long():

@@ -1,10 +1,10 @@
-"""A rank's stack dumps without nbaccel's frames (launch/stack_dumps.py), on dumps as
+"""A rank's stack dumps without nbaccel's frames (launch/driver/stack_dumps.py), on dumps as
 faulthandler writes them (the same shapes the launch tests produce for real: a timeout, a
 crash), with a rank's paths on another host."""
 
 from __future__ import annotations
 
-from nbaccel.launch.stack_dumps import StackDumpFilter
+from nbaccel.launch.driver.stack_dumps import StackDumpFilter
 
 _SITE = "/home/ann/venv/lib/python3.11/site-packages"
 _DUMP = f"""\
@@ -12,7 +12,7 @@ loss 0.25
 Fatal Python error: Segmentation fault
 
 Thread 0x00007f01405ff6c0 (most recent call first):
-  File "{_SITE}/nbaccel/launch/rank_watch.py", line 99 in _run
+  File "{_SITE}/nbaccel/launch/rank/watch.py", line 99 in _run
   File "/usr/lib/python3.11/threading.py", line 982 in run
   File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner
 
@@ -28,7 +28,7 @@ Current thread 0x00007f015f3cbb80 (most recent call first):
   File "/home/ann/train.py", line 30 in step
   File "<rank-cell-3>", line 2 in <module>
   File "{_SITE}/nbaccel/notebook/rank/pool_worker.py", line 186 in _run_source
-  File "{_SITE}/nbaccel/launch/worker.py", line 217 in _run_call
+  File "{_SITE}/nbaccel/launch/rank/worker.py", line 217 in _run_call
   File "{_SITE}/nbaccel/launch/launchers/forkserver_loop.py", line 235 in serve
   File "<string>", line 1 in <module>
 
@@ -39,12 +39,12 @@ after the dump"""
 #: frames under the user's, and the fork server's bootstrap under them
 _HIDDEN = f"""\
 Thread 0x00007f01405ff6c0 (most recent call first):
-  File "{_SITE}/nbaccel/launch/rank_watch.py", line 99 in _run
+  File "{_SITE}/nbaccel/launch/rank/watch.py", line 99 in _run
   File "/usr/lib/python3.11/threading.py", line 982 in run
   File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner
 
   File "{_SITE}/nbaccel/notebook/rank/pool_worker.py", line 186 in _run_source
-  File "{_SITE}/nbaccel/launch/worker.py", line 217 in _run_call
+  File "{_SITE}/nbaccel/launch/rank/worker.py", line 217 in _run_call
   File "{_SITE}/nbaccel/launch/launchers/forkserver_loop.py", line 235 in serve
   File "<string>", line 1 in <module>""".split("\n")
 

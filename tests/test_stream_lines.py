@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbaccel.launch.lines import MAX_PARTIAL, Piece, StreamLines
+from nbaccel.launch.driver.lines import MAX_PARTIAL, Piece, StreamLines
 
 
 def test_lines_are_whole_whatever_the_chunks():

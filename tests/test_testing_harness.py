@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from nbaccel.launch.processes import describe_exit
+from nbaccel.launch.host.processes import describe_exit
 from nbaccel.testing import RankFailures, free_port, run_on_ranks
 
 

@@ -1,4 +1,4 @@
-"""The notebook's warning filters rebuilt in a rank by name (launch/warning_filters.py): a
+"""The notebook's warning filters rebuilt in a rank by name (launch/rank/warning_filters.py): a
 category whose module the rank has not imported is never imported for it, and its filter
 still applies once the module is imported."""
 
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from nbaccel.launch import warning_filters
+from nbaccel.launch.rank import warning_filters
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def _touch_nothing(model):
 
 
 def test_host_ram_estimate_warns_before_ranks_materialise_a_meta_model():
-    from nbaccel.launch.host_ram import HostRamWarning
+    from nbaccel.launch.host.host_ram import HostRamWarning
     from nbaccel.launch.run import launch_xla
 
     with torch.device("meta"):
@@ -187,8 +187,8 @@ def _fails():
 
 
 def test_launch_xla_names_a_killed_process_and_the_host_ram_hint():
-    from nbaccel.launch.errors import RankCrashed
     from nbaccel.launch.run import launch_xla
+    from nbaccel.launch.wire.errors import RankCrashed
 
     with pytest.raises(RankCrashed) as info:
         launch_xla(_killed, num_processes=None)

@@ -232,7 +232,7 @@ def _check_target(args: argparse.Namespace) -> tuple[str, int | None]:
 def _exit_code(exc: BaseException) -> int:
     """The code this command ends with: the rank's own ``sys.exit`` code, 128 + N for a rank
     killed by signal N (as a shell reports it), 130 for Ctrl-C, 1 for an exception."""
-    from nbaccel.launch.errors import RankCrashed
+    from nbaccel.launch.wire.errors import RankCrashed
 
     if isinstance(exc, SystemExit):
         code = exc.code

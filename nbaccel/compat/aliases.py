@@ -81,7 +81,7 @@ _OTHER = (
     "nbaccel.training.constants:FSDP_PYTORCH_VERSION",
     "nbaccel.training.unsupported_stacks:compile_regions_deepspeed",
     "nbaccel.launch.plan:get_free_port=free_port",
-    "nbaccel.launch.ports",
+    "nbaccel.launch.host.ports",
     "nbaccel.training.model_inspection:convert_bytes,recursive_getattr",
     "nbaccel.training.run_options:get_pretty_name,merge_dicts",
     "nbaccel.commands.config.default:write_basic_config",

@@ -42,7 +42,7 @@ _FSDP_OPTIONS = (
 
 def _check_local(address: str) -> None:
     """A one-machine launch's --main_process_ip must be this machine (see master_address)."""
-    from nbaccel.launch.master_address import check_local_master_addr
+    from nbaccel.launch.host.master_address import check_local_master_addr
 
     check_local_master_addr(
         address, name="--main_process_ip", several="--num_machines and --machine_rank"

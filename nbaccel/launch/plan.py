@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.launch.capacity import check_capacity
-from nbaccel.launch.master_address import check_local_master_addr
-from nbaccel.launch.protocol import LaunchKind
+from nbaccel.launch.host.capacity import check_capacity
+from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.request import START_METHODS, LaunchRequest
+from nbaccel.launch.wire.protocol import LaunchKind
 
 if TYPE_CHECKING:
     from nbaccel.launch.remote.options import RemoteOptions
@@ -132,7 +132,7 @@ def check_cwd() -> str:
 
 
 def _refuse_nested_launch() -> None:
-    from nbaccel.launch.worker import current_rank, on_worker
+    from nbaccel.launch.rank.worker import current_rank, on_worker
 
     if on_worker():
         raise RuntimeError(

@@ -30,8 +30,8 @@ from enum import Flag, auto
 from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
-from nbaccel.launch.labels import check_line_prefix
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
+from nbaccel.launch.wire.labels import check_line_prefix
 
 __all__ = ["START_METHODS", "Fronts", "LaunchRequest", "Option", "option"]
 

@@ -14,10 +14,10 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from nbaccel.launch.driver import ONE_SHOT, CallReport, CallState, Settle, run_once
-from nbaccel.launch.group import WorkerGroup
-from nbaccel.launch.host_ram import estimate_host_ram, warn_if_short
-from nbaccel.launch.launchers import make_launcher
+from nbaccel.launch.driver.group import WorkerGroup
+from nbaccel.launch.driver.loop import ONE_SHOT, CallReport, CallState, Settle, run_once
+from nbaccel.launch.driver.render import Renderer, TextRenderer
+from nbaccel.launch.host.host_ram import estimate_host_ram, warn_if_short
 from nbaccel.launch.launchers.xla import (
     XlaLauncher,
     local_layout,
@@ -25,11 +25,11 @@ from nbaccel.launch.launchers.xla import (
     use_compile_cache,
 )
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
-from nbaccel.launch.protocol import LaunchKind
-from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.spec import Inline, Mode
-from nbaccel.launch.transport import Packed, pack
+from nbaccel.launch.wire.protocol import LaunchKind
+from nbaccel.launch.wire.spec import Inline, Mode
+from nbaccel.launch.wire.transport import Packed, pack
 
 __all__ = ["launch_xla", "run_function"]
 
@@ -133,7 +133,7 @@ def launch_xla(
     With ``start_method="fork"`` (the Colab/Kaggle default) the processes inherit the function
     and its arguments (a model passed in ``args`` is shared, not copied). Before anything
     starts: an XLA runtime already initialised here is refused (a forked process could not use
-    it), and a :class:`~nbaccel.launch.host_ram.HostRamWarning` is given when the ranks would
+    it), and a :class:`~nbaccel.launch.host.host_ram.HostRamWarning` is given when the ranks would
     need more host RAM than is available.
     """
     __tracebackhide__ = True

@@ -1,7 +1,7 @@
 """The structured events that notebook instrumentation sends from ranks to the driver.
 
 Workers build these (``progress_bridge``, ``memory_sampler``) and hand them to
-:func:`nbaccel.launch.worker.emit`; the driver's renderer receives them in ``Renderer.event``.
+:func:`nbaccel.launch.rank.worker.emit`; the driver's renderer receives them in ``Renderer.event``.
 Each event has a ``render_text()`` so the plain-text renderer (terminal, CI) shows it too.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.launch.pickling import plain_class
-from nbaccel.launch.protocol import EventKind
+from nbaccel.launch.wire.pickling import plain_class
+from nbaccel.launch.wire.protocol import EventKind
 from nbaccel.values.byte_text import human_bytes
 
 __all__ = [

@@ -7,7 +7,7 @@ object per line in ``<logging_dir>/<run_name>/metrics.jsonl``, no dependencies) 
 (wandb, comet_ml, aim, mlflow, clearml, dvclive, swanlab, trackio) live in
 :mod:`nbaccel.training.tracker_backends`, imported only when used; a missing library is an
 ImportError naming its pip package. Other packages add theirs with
-:func:`register_tracker_class` (``nbaccel.notebook.rank.tracker`` registers ``"notebook"`` when
+:func:`register_tracker_class` (``nbaccel.notebook.tracker`` registers ``"notebook"`` when
 ``nbaccel`` is imported). :data:`LOGGER_TYPE_TO_CLASS` maps every registered name to its class.
 Trackers run on the main process only.
 """

@@ -2,7 +2,7 @@
 
 Every way of starting ranks (fork server, spawn, fork, XLA; the remote variants ssh and slurm
 in ``nbaccel.launch.remote``) is a :class:`ProcessLauncher`. The worker group gives it one
-:class:`~nbaccel.launch.spec.WorkerSpec` per rank; the spec names the channel (the address of
+:class:`~nbaccel.launch.wire.spec.WorkerSpec` per rank; the spec names the channel (the address of
 the driver's authenticated listener) the rank connects back to. A variant whose ranks reach this
 machine directly names the address to listen on through :attr:`ProcessLauncher.channel_host`;
 the ssh and slurm variants keep the private socket and tunnel their ranks' connections to it.
@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from nbaccel.launch.processes import WorkerProcess
-from nbaccel.launch.spec import WorkerSpec
+from nbaccel.launch.host.processes import WorkerProcess
+from nbaccel.launch.wire.spec import WorkerSpec
 
 __all__ = ["ProcessLauncher"]
 

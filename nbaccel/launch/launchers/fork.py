@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from multiprocessing import util as mp_util
 
+from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.processes import WorkerProcess
-from nbaccel.launch.protocol import LaunchKind
-from nbaccel.launch.spec import WorkerSpec
+from nbaccel.launch.wire.protocol import LaunchKind
+from nbaccel.launch.wire.spec import WorkerSpec
 
 __all__ = ["ForkLauncher"]
 
@@ -29,7 +29,7 @@ class ForkLauncher(ProcessLauncher):
                 # their threads and state, and the child's queue feeders flush before exit
                 mp_util._finalizer_registry.clear()
                 mp_util._run_after_forkers()
-                from nbaccel.launch.worker import run_worker
+                from nbaccel.launch.rank.worker import run_worker
 
                 code = run_worker(spec)
                 mp_util._exit_function()

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from nbaccel.launch.host.processes import WorkerProcess, describe_exit
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.launchers.forkserver_loop import (
     ENGINE_PRELOAD,
@@ -34,10 +35,9 @@ from nbaccel.launch.launchers.forkserver_loop import (
     serve,
     write_frame,
 )
-from nbaccel.launch.processes import WorkerProcess, describe_exit
-from nbaccel.launch.protocol import LaunchKind, ServerMessage
-from nbaccel.launch.spec import WorkerSpec
-from nbaccel.launch.transport import sweep_segments
+from nbaccel.launch.wire.protocol import LaunchKind, ServerMessage
+from nbaccel.launch.wire.spec import WorkerSpec
+from nbaccel.launch.wire.transport import sweep_segments
 
 __all__ = [
     "ENGINE_PRELOAD",

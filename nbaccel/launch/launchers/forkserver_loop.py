@@ -1,7 +1,7 @@
 """The fork server process itself: preload, then fork one rank per request.
 
 Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
-tuples led by a :class:`~nbaccel.launch.protocol.ServerMessage`:
+tuples led by a :class:`~nbaccel.launch.wire.protocol.ServerMessage`:
   driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
   server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
                     | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
@@ -27,10 +27,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from nbaccel.launch.host.log_store import reclaim_after
 from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
 from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
-from nbaccel.launch.log_store import reclaim_after
-from nbaccel.launch.protocol import ServerMessage
+from nbaccel.launch.wire.protocol import ServerMessage
 
 __all__ = [
     "ENGINE_PRELOAD",
@@ -45,7 +45,7 @@ _HEADER = struct.Struct("!I")
 
 
 #: What every server imports: torch and the rank side of the engine. Fronts add their own.
-ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.worker")
+ENGINE_PRELOAD = ("torch", "torch.distributed", "nbaccel.launch.rank.worker")
 
 
 def write_frame(fd: int, message: Any) -> None:
@@ -86,7 +86,7 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     os.close(devnull)
     code = 1
     try:
-        from nbaccel.launch.worker import run_worker
+        from nbaccel.launch.rank.worker import run_worker
 
         code = run_worker(pickle.loads(spec_bytes))
     finally:

@@ -6,17 +6,17 @@ import pickle
 import subprocess
 import sys
 
+from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.processes import WorkerProcess
-from nbaccel.launch.protocol import LaunchKind
-from nbaccel.launch.spec import WorkerSpec
+from nbaccel.launch.wire.protocol import LaunchKind
+from nbaccel.launch.wire.spec import WorkerSpec
 
 __all__ = ["SpawnLauncher"]
 
 _BOOTSTRAP = (
     "import sys, pickle; sys.path[:] = pickle.loads(sys.stdin.buffer.read(int(sys.argv[1])));"
     "spec = pickle.loads(sys.stdin.buffer.read());"
-    "from nbaccel.launch.worker import run_worker; import os; os._exit(run_worker(spec))"
+    "from nbaccel.launch.rank.worker import run_worker; import os; os._exit(run_worker(spec))"
 )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launch.launchers.fork import ForkLauncher
-from nbaccel.launch.protocol import LaunchKind
+from nbaccel.launch.wire.protocol import LaunchKind
 
 __all__ = [
     "XLA_CACHE_VAR",

@@ -36,10 +36,9 @@ from typing import Any
 
 import zmq
 
+from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.launchers.forkserver import ForkServer
-from nbaccel.launch.processes import WorkerProcess
-from nbaccel.launch.remote.relay import Relay
-from nbaccel.launch.remote.wire import (
+from nbaccel.launch.remote.messages import (
     CONFIG_VAR,
     HEARTBEAT,
     LOST_AFTER,
@@ -49,6 +48,7 @@ from nbaccel.launch.remote.wire import (
     decode,
     encode,
 )
+from nbaccel.launch.remote.relay import Relay
 
 __all__ = ["main"]
 

@@ -27,9 +27,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from nbaccel.launch.channel import Address
-from nbaccel.launch.remote.relay import Ordered, Relay
-from nbaccel.launch.remote.wire import (
+from nbaccel.launch.remote.messages import (
     HEARTBEAT,
     LOST_AFTER,
     RECEIVE_SLICE,
@@ -39,6 +37,8 @@ from nbaccel.launch.remote.wire import (
     encode,
     new_keys,
 )
+from nbaccel.launch.remote.relay import Ordered, Relay
+from nbaccel.launch.wire.channel import Address
 
 __all__ = ["Hub"]
 

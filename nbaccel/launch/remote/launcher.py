@@ -23,15 +23,15 @@ from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from nbaccel.launch.channel import Address
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.remote.hosts import Host
+from nbaccel.launch.remote.messages import Kind
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.remote.process import RemoteProcess
 from nbaccel.launch.remote.warm import AgentHandle, AgentProcess, WarmAgents, warm_agents
-from nbaccel.launch.remote.wire import Kind
-from nbaccel.launch.spec import WorkerSpec
-from nbaccel.launch.transport import Packed
+from nbaccel.launch.wire.channel import Address
+from nbaccel.launch.wire.spec import WorkerSpec
+from nbaccel.launch.wire.transport import Packed
 
 __all__ = ["AgentProcess", "RemoteLauncher"]
 

@@ -19,11 +19,11 @@ import subprocess
 from collections.abc import Hashable
 from typing import Any
 
-from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_address
+from nbaccel.launch.remote.messages import CONFIG_VAR
 from nbaccel.launch.remote.warm import AgentProcess
-from nbaccel.launch.remote.wire import CONFIG_VAR
+from nbaccel.launch.wire.protocol import LaunchKind
 
 __all__ = ["SlurmLauncher"]
 

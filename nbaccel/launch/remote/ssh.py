@@ -18,10 +18,10 @@ import subprocess
 from collections.abc import Hashable
 from typing import Any
 
-from nbaccel.launch.protocol import LaunchKind
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_address
 from nbaccel.launch.remote.warm import AgentProcess
+from nbaccel.launch.wire.protocol import LaunchKind
 
 __all__ = ["SshLauncher"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.launch.remote.hub import Hub
-from nbaccel.launch.remote.wire import Kind
+from nbaccel.launch.remote.messages import Kind
 
 __all__ = [
     "AgentHandle",

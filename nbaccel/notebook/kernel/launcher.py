@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
-from nbaccel.launch.child_failed import as_child_failed
+from nbaccel.launch.driver.child_failed import as_child_failed
+from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.plan import Front, LaunchPlan, check_call
-from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import Fronts, LaunchRequest
 from nbaccel.launch.run import launch_xla, run_function
 from nbaccel.notebook.kernel.renderers import choose_renderer

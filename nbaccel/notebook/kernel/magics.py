@@ -22,9 +22,9 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
-from nbaccel.launch.errors import LaunchTimeout, add_to_message
 from nbaccel.launch.launchers.forkserver import warm_up
 from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.launch.wire.errors import LaunchTimeout, add_to_message
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks

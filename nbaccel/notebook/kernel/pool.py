@@ -1,9 +1,9 @@
 """The persistent worker pool behind ``%%distributed`` (and a Python API for power users).
 
-A :class:`Pool` is one :class:`~nbaccel.launch.group.WorkerGroup` in "serve" mode: N long-lived
-ranks with an initialised process group, started from the fork server. Cells, pushes and pulls
-are calls on those ranks. The notebook's stop button, a ``timeout``, or a failing rank leave the
-pool usable when the ranks come back to idle; a rank that does not (a peer blocked in a
+A :class:`Pool` is one :class:`~nbaccel.launch.driver.group.WorkerGroup` in "serve" mode: N
+long-lived ranks with an initialised process group, started from the fork server. Cells, pushes
+and pulls are calls on those ranks. The notebook's stop button, a ``timeout``, or a failing rank
+leave the pool usable when the ranks come back to idle; a rank that does not (a peer blocked in a
 collective, a crash) gets the pool restarted, with a message saying that names were lost.
 
     from nbaccel.notebook.kernel.pool import start_pool
@@ -19,15 +19,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from nbaccel.launch.driver import POOL, CallState, run_call
-from nbaccel.launch.group import WorkerGroup
-from nbaccel.launch.launchers import make_launcher
+from nbaccel.launch.driver.group import WorkerGroup
+from nbaccel.launch.driver.loop import POOL, CallState, run_call
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.host.processes import describe_exit
 from nbaccel.launch.plan import Front, LaunchPlan, free_port
-from nbaccel.launch.processes import describe_exit
+from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.remote.options import RemoteOptions
-from nbaccel.launch.render import Renderer
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.spec import Mode
+from nbaccel.launch.wire.spec import Mode
 from nbaccel.notebook.kernel import pool_status, pool_values
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
 from nbaccel.notebook.kernel.rank_output import CellRenderer

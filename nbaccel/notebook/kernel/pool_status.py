@@ -13,9 +13,9 @@ from typing import Any
 
 import psutil
 
-from nbaccel.launch.errors import LaunchTimeout
-from nbaccel.launch.group import WorkerGroup
-from nbaccel.launch.processes import pid_alive
+from nbaccel.launch.driver.group import WorkerGroup
+from nbaccel.launch.host.processes import pid_alive
+from nbaccel.launch.wire.errors import LaunchTimeout
 from nbaccel.notebook.rank import pool_worker
 
 __all__ = ["alive_ranks", "status_rows"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from nbaccel.launch.render import Renderer
-from nbaccel.launch.transport import pack
-from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.wire.transport import pack
+from nbaccel.launch.wire.unpicklable import ResultNotSendable, UnpicklableError
 from nbaccel.notebook.rank import pool_worker
 
 __all__ = ["pull", "push"]

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.launch.labels import RankLabels
-from nbaccel.launch.protocol import EventKind, Stream
-from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.launch.driver.render import Renderer, TextRenderer
+from nbaccel.launch.wire.labels import RankLabels
+from nbaccel.launch.wire.protocol import EventKind, Stream
 from nbaccel.notebook.kernel.renderers import choose_renderer
 from nbaccel.values.byte_text import human_bytes
 

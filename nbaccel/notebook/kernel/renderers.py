@@ -2,13 +2,13 @@
 
 :func:`choose_renderer` returns a :class:`WidgetRenderer` inside a Jupyter kernel with
 ipywidgets (also under nbclient/nbconvert, where the widget state can be stored in the executed
-notebook), and the plain :class:`~nbaccel.launch.render.TextRenderer` elsewhere.
+notebook), and the plain :class:`~nbaccel.launch.driver.render.TextRenderer` elsewhere.
 ``NBACCEL_RENDERER=text`` or ``=widgets`` forces the choice.
 
 The widget renderer keeps a text twin of everything: rank-labelled lines and the announcement
 are printed as text exactly like the text renderer (up to the group's output limit,
-``nbaccel.launch.output_budget``; the per-rank panel keeps a bounded tail of all of them, those
-beyond the limit included), and the end of a launch displays a static
+``nbaccel.launch.driver.output_budget``; the per-rank panel keeps a bounded tail of all of
+them, those beyond the limit included), and the end of a launch displays a static
 summary (final progress, peak memory per rank) as HTML and plain text. The few most recent
 views stay interactive; older ones become static snapshots and close their widgets
 (``nbaccel.notebook.kernel.widgets.view_lifetime``).
@@ -21,9 +21,9 @@ import os
 import time
 from typing import Any
 
-from nbaccel.launch.labels import RankLabels
-from nbaccel.launch.protocol import EventKind, Stream
-from nbaccel.launch.render import Renderer, TextRenderer
+from nbaccel.launch.driver.render import Renderer, TextRenderer
+from nbaccel.launch.wire.labels import RankLabels
+from nbaccel.launch.wire.protocol import EventKind, Stream
 from nbaccel.notebook.events import MEMORY, METRICS, PROGRESS
 from nbaccel.notebook.kernel.widgets import view_lifetime as lifetime
 

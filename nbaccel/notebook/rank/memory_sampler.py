@@ -16,8 +16,8 @@ import time
 
 import psutil
 
-from nbaccel.launch import rank_watch
-from nbaccel.launch.worker import after_each_call, emit
+from nbaccel.launch.rank import watch as rank_watch
+from nbaccel.launch.rank.worker import after_each_call, emit
 from nbaccel.notebook.events import MEMORY, MemorySample
 
 __all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]

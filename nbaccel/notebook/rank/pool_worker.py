@@ -18,10 +18,10 @@ import sys
 import types
 from typing import Any
 
-from nbaccel.launch.pickling import code_named, plain_function
-from nbaccel.launch.protocol import EventKind
-from nbaccel.launch.tracebacks import hide_frames_of
-from nbaccel.launch.worker import emit
+from nbaccel.launch.rank.worker import emit
+from nbaccel.launch.wire.pickling import code_named, plain_function
+from nbaccel.launch.wire.protocol import EventKind
+from nbaccel.launch.wire.tracebacks import hide_frames_of
 from nbaccel.notebook.rank.publish import publish
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm.asyncio import tqdm_asyncio
 
-from nbaccel.launch.worker import emit
+from nbaccel.launch.rank.worker import emit
 from nbaccel.notebook.events import PROGRESS, ProgressUpdate
 
 __all__ = ["MIN_INTERVAL", "RankTqdm", "install_progress_bridge"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.launch.protocol import EventKind
-from nbaccel.launch.worker import emit, flush_output
+from nbaccel.launch.rank.worker import emit, flush_output
+from nbaccel.launch.wire.protocol import EventKind
 
 __all__ = ["publish"]
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import ipywidgets as widgets
 
-from nbaccel.launch.labels import LOCAL_LABELS
-from nbaccel.launch.protocol import Stream
+from nbaccel.launch.wire.labels import LOCAL_LABELS
+from nbaccel.launch.wire.protocol import Stream
 
 __all__ = ["OutputPanel"]
 

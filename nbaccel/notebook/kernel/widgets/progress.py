@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import ipywidgets as widgets
 
-from nbaccel.launch.labels import LOCAL_LABELS
+from nbaccel.launch.wire.labels import LOCAL_LABELS
 from nbaccel.notebook.events import ProgressUpdate
 
 __all__ = ["ProgressBoard"]

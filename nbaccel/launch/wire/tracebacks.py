@@ -28,7 +28,9 @@ __all__ = [
     "user_frames",
 ]
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../nbaccel
+_PACKAGE = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # .../nbaccel
 #: nbaccel's own files as path pieces that match any host's copy of the package: trimmed from
 #: a rank's tracebacks (here, on the rank) and its stack dumps (``stack_dumps``, in the notebook)
 _INTERNAL: list[str] = ["/nbaccel/launch/"]

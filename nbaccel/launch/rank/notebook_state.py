@@ -24,7 +24,7 @@ import random
 import sys
 from typing import Any
 
-from nbaccel.launch import warning_filters
+from nbaccel.launch.rank import warning_filters
 
 __all__ = ["apply", "capture", "modules"]
 

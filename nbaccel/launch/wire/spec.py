@@ -2,7 +2,7 @@
 
 The driver builds one :class:`WorkerSpec` per rank; a launcher variant delivers it (pickled
 through the fork server or a pipe, or inherited by ``fork``) and the rank's
-:func:`nbaccel.launch.worker.run_worker` reads it.
+:func:`nbaccel.launch.rank.worker.run_worker` reads it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:  # the kernel imports this module before torch (fork server warm-up)
-    from nbaccel.launch.channel import Address
-    from nbaccel.launch.transport import Packed
+    from nbaccel.launch.wire.channel import Address
+    from nbaccel.launch.wire.transport import Packed
 
 __all__ = ["Inline", "Mode", "WorkerSpec", "load_work"]
 
@@ -43,7 +43,7 @@ def load_work(work: Work) -> tuple[Callable[..., Any], tuple, dict[str, Any]]:
     """``(function, args, kwargs)`` from packed or inherited work."""
     if isinstance(work, Inline):
         return work.function, tuple(work.args), dict(work.kwargs)
-    from nbaccel.launch.transport import unpack  # torch: only where work is unpacked
+    from nbaccel.launch.wire.transport import unpack  # torch: only where work is unpacked
 
     return unpack(work)
 

@@ -3,12 +3,12 @@
 A worker connects three authenticated streams to the driver: its fd 1 and fd 2 (so C extensions'
 writes reach the notebook too, line by line) and an event stream. It then either runs one call
 (``Mode.CALL``: a one-shot launch) or serves calls until told to stop (``Mode.SERVE``: a
-persistent pool). What it is told arrives as a :class:`~nbaccel.launch.spec.WorkerSpec`. When
+persistent pool). What it is told arrives as a :class:`~nbaccel.launch.wire.spec.WorkerSpec`. When
 the driver disappears (the kernel died or restarted), the event stream closes and the worker
 exits at once: no orphans.
 
 The main thread reads the driver's messages itself between calls (a call costs no thread
-switch); the rank's one background thread (:mod:`nbaccel.launch.rank_watch`) notices the
+switch); the rank's one background thread (:mod:`nbaccel.launch.rank.watch`) notices the
 driver's end hang up, even while a call runs.
 """
 
@@ -26,13 +26,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.launch import notebook_state, rank_watch
-from nbaccel.launch.channel import Connection, connect
-from nbaccel.launch.errors import describe_exception
-from nbaccel.launch.protocol import STACKS_SIGNAL, EventKind, Message, Stream
-from nbaccel.launch.spec import Mode, WorkerSpec, load_work
-from nbaccel.launch.transport import SharedTensors, on_the_wire, pack, unpack
-from nbaccel.launch.unpicklable import ResultNotSendable, UnpicklableError
+from nbaccel.launch.rank import notebook_state
+from nbaccel.launch.rank import watch as rank_watch
+from nbaccel.launch.wire.channel import Connection, connect
+from nbaccel.launch.wire.errors import describe_exception
+from nbaccel.launch.wire.protocol import STACKS_SIGNAL, EventKind, Message, Stream
+from nbaccel.launch.wire.spec import Mode, WorkerSpec, load_work
+from nbaccel.launch.wire.transport import SharedTensors, on_the_wire, pack, unpack
+from nbaccel.launch.wire.unpicklable import ResultNotSendable, UnpicklableError
 
 __all__ = [
     "after_each_call",

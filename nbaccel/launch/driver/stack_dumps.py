@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import re
 
-from nbaccel.launch.tracebacks import internal_frame
+from nbaccel.launch.wire.tracebacks import internal_frame
 
 __all__ = ["StackDumpFilter"]
 
 _HEADER = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
 _FRAME = re.compile(r'  File "(?P<file>.*)", line (?:\d+|\?\?\?) in .*')
-_WATCHER = re.compile(r"[/\\]nbaccel[/\\]launch[/\\]rank_watch\.py")
+_WATCHER = re.compile(r"[/\\]nbaccel[/\\]launch[/\\]rank[/\\]watch\.py")
 
 
 class StackDumpFilter:

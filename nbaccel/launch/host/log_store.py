@@ -1,7 +1,7 @@
 """Where the full output logs of a process go, how much disk they may take, and when they go.
 
 A call whose output goes past what the notebook shows writes every line to a log file
-(``nbaccel.launch.output_budget``). A kernel lives for hours: its logs share one size budget
+(``nbaccel.launch.driver.output_budget``). A kernel lives for hours: its logs share one size budget
 (``NBACCEL_LOG_BUDGET_MB``, default 256 MB per process); when a write would pass it, this
 process's oldest logs are removed first, and a log that alone fills the budget stops growing
 (what was dropped is counted and announced). The logs are removed when the process (the
@@ -17,7 +17,7 @@ import threading
 import time
 from typing import IO
 
-from nbaccel.launch.processes import pid_alive
+from nbaccel.launch.host.processes import pid_alive
 
 __all__ = [
     "LOG_BUDGET_VAR",

@@ -7,7 +7,7 @@ at most :data:`DRAIN_MAX`), so its last words and its result still arrive, and t
 recorded as the outcome of the call it had not answered. Stopping is the other direction:
 a signal to every rank and its descendants, escalated to SIGKILL after a grace period.
 
-:class:`RankEnds` is the part of :class:`~nbaccel.launch.group.WorkerGroup` that does both.
+:class:`RankEnds` is the part of :class:`~nbaccel.launch.driver.group.WorkerGroup` that does both.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 
-from nbaccel.launch.channel import Listener, readable
-from nbaccel.launch.protocol import STACKS_SIGNAL, Message, OutcomeKind
-from nbaccel.launch.rank_state import Outcome, RankState
+from nbaccel.launch.driver.rank_state import Outcome, RankState
+from nbaccel.launch.wire.channel import Listener, readable
+from nbaccel.launch.wire.protocol import STACKS_SIGNAL, Message, OutcomeKind
 
 __all__ = ["DRAIN_IDLE", "DRAIN_MAX", "EVENTS", "OUTPUT", "RankEnds"]
 

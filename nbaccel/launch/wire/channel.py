@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbaccel.launch.pickling import dumps_message
+from nbaccel.launch.wire.pickling import dumps_message
 
 __all__ = [
     "INCOMPLETE",

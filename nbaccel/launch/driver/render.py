@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
-from nbaccel.launch.protocol import EventKind, Stream
+from nbaccel.launch.wire.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.wire.protocol import EventKind, Stream
 
 __all__ = ["Renderer", "TextRenderer"]
 

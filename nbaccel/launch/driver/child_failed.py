@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbaccel.launch.errors import shown_message, unlabelled
+from nbaccel.launch.wire.errors import shown_message, unlabelled
 
 __all__ = ["as_child_failed"]
 

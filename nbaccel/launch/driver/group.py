@@ -4,7 +4,7 @@
 (``notebook_launcher``, ``nbaccel.testing.run_on_ranks``, XLA: one call, then the workers exit)
 and the persistent ``%%distributed`` pool (many calls on long-lived workers). A launcher variant
 (``nbaccel.launch.launchers``) starts the processes; the driver loop that waits on a call, settles
-stragglers and raises the first failure is ``nbaccel.launch.driver``. Everything runs on the
+stragglers and raises the first failure is ``nbaccel.launch.driver.loop``. Everything runs on the
 calling thread: a ``selectors`` loop accepts authenticated connections, turns output
 bytes into whole rank-labelled lines, decodes events, and watches for processes that end, so
 that the notebook's stop button (``KeyboardInterrupt``) lands where it can be handled.
@@ -22,8 +22,15 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
-from nbaccel.launch import notebook_state
-from nbaccel.launch.channel import (
+from nbaccel.launch.driver.lines import Piece
+from nbaccel.launch.driver.output_budget import OutputBudget
+from nbaccel.launch.driver.rank_connections import HANDSHAKE, RankConnections
+from nbaccel.launch.driver.rank_ends import EVENTS, OUTPUT, RankEnds
+from nbaccel.launch.driver.rank_state import Outcome, RankState
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.rank import notebook_state
+from nbaccel.launch.wire.channel import (
     INCOMPLETE,
     Connection,
     Handshake,
@@ -32,18 +39,11 @@ from nbaccel.launch.channel import (
     new_secret,
     readable,
 )
-from nbaccel.launch.errors import result_not_loadable
-from nbaccel.launch.labels import RankLabels
-from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.lines import Piece
-from nbaccel.launch.output_budget import OutputBudget
-from nbaccel.launch.protocol import Message, OutcomeKind, Stream
-from nbaccel.launch.rank_connections import HANDSHAKE, RankConnections
-from nbaccel.launch.rank_ends import EVENTS, OUTPUT, RankEnds
-from nbaccel.launch.rank_state import Outcome, RankState
-from nbaccel.launch.render import Renderer
-from nbaccel.launch.spec import Mode, Work, WorkerSpec
-from nbaccel.launch.transport import (
+from nbaccel.launch.wire.errors import result_not_loadable
+from nbaccel.launch.wire.labels import RankLabels
+from nbaccel.launch.wire.protocol import Message, OutcomeKind, Stream
+from nbaccel.launch.wire.spec import Mode, Work, WorkerSpec
+from nbaccel.launch.wire.transport import (
     Packed,
     SharedTensors,
     Wire,
@@ -70,8 +70,9 @@ _CHECK_EVERY = 0.05
 class WorkerGroup(RankConnections, RankEnds):
     """``num_processes`` worker processes connected to this driver.
 
-    How its ranks connect: :class:`~nbaccel.launch.rank_connections.RankConnections`; how
-    their ends are seen and how they are stopped: :class:`~nbaccel.launch.rank_ends.RankEnds`.
+    How its ranks connect: :class:`~nbaccel.launch.driver.rank_connections.RankConnections`;
+    how their ends are seen and how they are stopped:
+    :class:`~nbaccel.launch.driver.rank_ends.RankEnds`.
 
     Args:
         num_processes: ranks started on this machine.

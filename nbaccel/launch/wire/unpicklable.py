@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.launch.pickling import dumps
+from nbaccel.launch.wire.pickling import dumps
 
 __all__ = [
     "InheritanceOnly",

@@ -4,7 +4,7 @@ The original exception type is re-raised (``ValueError`` stays ``ValueError``) w
 prefixed by the rank, and a :class:`RemoteTraceback` attached as ``__cause__`` so the notebook
 shows the rank's own frames (launcher internals trimmed, notebook cell lines filled in).
 
-The traceback's text (frames, chain of causes, bounds) is ``nbaccel.launch.tracebacks``'s; here
+The traceback's text (frames, chain of causes, bounds) is ``nbaccel.launch.wire.tracebacks``'s; here
 an exception is pickled so that its own class comes back with its attributes, and given its
 rank's label.
 """
@@ -18,8 +18,8 @@ import sys
 import time
 from typing import Any
 
-from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
-from nbaccel.launch.tracebacks import (
+from nbaccel.launch.wire.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.wire.tracebacks import (
     bounded_message,
     chain,
     format_frames,
@@ -149,7 +149,7 @@ def _pickled(exc: BaseException) -> bytes | None:
     formatted message up). Those travel as their class, args and attributes instead, and are
     rebuilt without calling ``__init__`` (:func:`_loaded`): same class, same attributes, less
     any attribute that cannot be pickled (a lock, a socket)."""
-    from nbaccel.launch.pickling import dumps
+    from nbaccel.launch.wire.pickling import dumps
 
     def travels(value: Any) -> bool:
         try:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from nbaccel.launch.errors import (
+from nbaccel.launch.driver.group import Outcome, WorkerGroup
+from nbaccel.launch.host.processes import describe_exit
+from nbaccel.launch.wire.errors import (
     LaunchTimeout,
     RankCrashed,
     add_to_message,
@@ -28,10 +30,8 @@ from nbaccel.launch.errors import (
     is_peer_loss,
     rebuild_exception,
 )
-from nbaccel.launch.group import Outcome, WorkerGroup
-from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
-from nbaccel.launch.processes import describe_exit
-from nbaccel.launch.protocol import STACKS_SIGNAL, OutcomeKind
+from nbaccel.launch.wire.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.wire.protocol import STACKS_SIGNAL, OutcomeKind
 
 __all__ = [
     "ONE_SHOT",

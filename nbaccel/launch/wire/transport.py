@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from nbaccel.launch.pickling import Pickler, is_plain, plain_class
-from nbaccel.launch.processes import pid_alive
-from nbaccel.launch.unpicklable import (
+from nbaccel.launch.host.processes import pid_alive
+from nbaccel.launch.wire.pickling import Pickler, is_plain, plain_class
+from nbaccel.launch.wire.unpicklable import (
     InheritanceOnly,
     inheritance_only_refused,
     inheritance_only_types,
@@ -381,7 +381,7 @@ Wire = Packed | bytes
 def on_the_wire(packed: Packed) -> Wire:
     """What a message carries of ``packed``: its pickle alone when it refers to nothing shared
     (a cell's call, a plain result), which loads with no lookup of :class:`Packed` (see
-    :func:`~nbaccel.launch.pickling.dumps_message`); :func:`unpack`, :func:`take` and
+    :func:`~nbaccel.launch.wire.pickling.dumps_message`); :func:`unpack`, :func:`take` and
     :func:`discard` take either."""
     if packed.segment is None and not _holds_references(packed):
         return packed.data

@@ -6,7 +6,8 @@ TCP a rank opens three connections (stdout, stderr, events). On a Unix socket it
 events, whose header carries the driver's ends of two socket pairs for its output (SCM_RIGHTS):
 one handshake per rank instead of three, which a launch of many ranks on few cores feels.
 
-:class:`RankConnections` is the part of :class:`~nbaccel.launch.group.WorkerGroup` that does it.
+:class:`RankConnections` is the part of :class:`~nbaccel.launch.driver.group.WorkerGroup` that
+does it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import socket
 import time
 from typing import Any
 
-from nbaccel.launch.channel import AuthenticationFailed, Connection, Handshake, Listener
-from nbaccel.launch.lines import StreamLines
-from nbaccel.launch.protocol import Stream
-from nbaccel.launch.rank_ends import EVENTS, OUTPUT
-from nbaccel.launch.rank_state import RankState
+from nbaccel.launch.driver.lines import StreamLines
+from nbaccel.launch.driver.rank_ends import EVENTS, OUTPUT
+from nbaccel.launch.driver.rank_state import RankState
+from nbaccel.launch.wire.channel import AuthenticationFailed, Connection, Handshake, Listener
+from nbaccel.launch.wire.protocol import Stream
 
 __all__ = ["HANDSHAKE", "RankConnections"]
 

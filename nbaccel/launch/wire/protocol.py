@@ -2,7 +2,7 @@
 
 Every message, stream name, event kind, outcome kind, launcher kind and fork-server message is a
 member here; the engine and the fronts compare against these members, never against string
-literals (the remote agents' wire messages are ``nbaccel.launch.remote.wire.Kind``). The
+literals (the remote agents' wire messages are ``nbaccel.launch.remote.messages.Kind``). The
 members are ``str`` enums: they print as their value and compare equal to it (same hash), so a
 message's tag travels as its plain value (``pickling.dumps_message``) and is compared with the
 members on arrival; a member elsewhere in a message pickles by name.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from enum import Enum
 
-from nbaccel.launch.pickling import plain_class
+from nbaccel.launch.wire.pickling import plain_class
 
 __all__ = [
     "EventKind",
@@ -79,7 +79,7 @@ class Stream(Word):
 
 
 class EventKind(Word):
-    """Structured events a rank emits (``nbaccel.launch.worker.emit``) for the renderer."""
+    """Structured events a rank emits (``nbaccel.launch.rank.worker.emit``) for the renderer."""
 
     PROGRESS = "progress"  # a tqdm bar's state (notebook progress bridge)
     MEMORY = "memory"  # a memory sample (notebook memory sampler)

@@ -1,7 +1,7 @@
 """How a rank is named in output and errors: ``rank 5``, or ``rank 5 @ node2`` across hosts.
 
-Each :class:`~nbaccel.launch.group.WorkerGroup` owns the :class:`RankLabels` of its ranks (from
-its launcher's ``hosts_by_rank``) and hands them to its renderer, its output budget and the
+Each :class:`~nbaccel.launch.driver.group.WorkerGroup` owns the :class:`RankLabels` of its ranks
+(from its launcher's ``hosts_by_rank``) and hands them to its renderer, its output budget and the
 reports of its calls, so that a pool on other hosts and a launch on this machine, in one kernel,
 each name their own ranks.
 """

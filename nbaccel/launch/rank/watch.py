@@ -1,7 +1,7 @@
 """A rank's one background thread: it notices the driver hang up, and does periodic duties
 while calls run (a notebook's memory sampler).
 
-A rank's main thread reads its calls itself (see :mod:`nbaccel.launch.worker`), so this thread
+A rank's main thread reads its calls itself (see :mod:`nbaccel.launch.rank.worker`), so this thread
 sleeps in ``poll`` on the driver's connection without asking to read: messages do not wake it,
 a hang-up does, even while a call runs. Duties are registered with :func:`every`; one thread
 serves them all (a thread costs a forked rank about 0.5 ms to start, mostly page faults on the

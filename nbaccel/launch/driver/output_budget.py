@@ -6,7 +6,7 @@ characters are shown, each line cut at ``max_line_chars``. Nothing is dropped si
 time anything is held back, every line of the call so far and from then on goes to a log file,
 and a notice names the file; the call ends with a notice of what was held back. A call that
 stays within the limits leaves no file behind; how much disk the logs of a kernel take, and
-when they are removed, is ``nbaccel.launch.log_store``'s. Lines longer than the group reads at
+when they are removed, is ``nbaccel.launch.host.log_store``'s. Lines longer than the group reads at
 once come in pieces; the log has one line per piece, marked ``(continued)``.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import IO
 
-from nbaccel.launch.labels import LOCAL_LABELS, RankLabels
-from nbaccel.launch.log_store import log_dir, store
-from nbaccel.launch.protocol import Stream
+from nbaccel.launch.host.log_store import log_dir, store
+from nbaccel.launch.wire.labels import LOCAL_LABELS, RankLabels
+from nbaccel.launch.wire.protocol import Stream
 
 __all__ = ["OutputBudget", "log_dir"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbaccel.launch.worker import emit, on_worker
+from nbaccel.launch.rank.worker import emit, on_worker
 from nbaccel.notebook.events import METRICS, MetricsUpdate
 from nbaccel.training.trackers import GeneralTracker, register_tracker_class
 

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.launch.channel import Connection
-from nbaccel.launch.lines import StreamLines
-from nbaccel.launch.processes import WorkerProcess
-from nbaccel.launch.protocol import OutcomeKind
-from nbaccel.launch.stack_dumps import StackDumpFilter
+from nbaccel.launch.driver.lines import StreamLines
+from nbaccel.launch.driver.stack_dumps import StackDumpFilter
+from nbaccel.launch.host.processes import WorkerProcess
+from nbaccel.launch.wire.channel import Connection
+from nbaccel.launch.wire.protocol import OutcomeKind
 
 __all__ = ["Outcome", "RankState"]
 

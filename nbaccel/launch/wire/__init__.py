@@ -1,0 +1,2 @@
+"""What the driver and its ranks share: the messages, the authenticated channel, and how code,
+values and exceptions travel between them."""
