@@ -68,6 +68,9 @@ class Settle:
             end and their crash recorded before the others are stopped.
         stacks_wait: after a timeout, or a stop the ranks did not answer within their grace,
             how long their stack dumps get to arrive before they are stopped.
+        cause_wait: when every failure so far is an echo (a collective that lost its peer),
+            at most this long for the cause (the peer's crash or error) to be seen before the
+            others are stopped: stopped, the cause would look like one of the stopped.
     """
 
     failure_grace: float = 0.5
@@ -77,6 +80,7 @@ class Settle:
     recover: float = 3.0
     dead_drain: float = 3.0
     stacks_wait: float = 0.3
+    cause_wait: float = 5.0
 
 
 ONE_SHOT = Settle()
@@ -113,6 +117,13 @@ def _secondary(outcome: Outcome) -> bool:
     if outcome.kind == OutcomeKind.CRASH:
         return outcome.secondary
     return outcome.secondary or is_peer_loss(outcome.value)
+
+
+def _own_failure(outcome: Outcome) -> bool:
+    """A failure that is a cause: not a result, not an echo of a peer's, not the stop button."""
+    return (
+        outcome.kind != OutcomeKind.RESULT and not _secondary(outcome) and not _interrupted(outcome)
+    )
 
 
 def _interrupted(outcome: Outcome) -> bool:
@@ -155,11 +166,7 @@ class CallReport:
     def causes(self) -> list[int]:
         """The ranks whose failure was their own: not stopped by the driver, not a peer's
         broken collective, not the stop button."""
-        return sorted(
-            r
-            for r, o in self.outcomes.items()
-            if o.kind != OutcomeKind.RESULT and not _secondary(o) and not _interrupted(o)
-        )
+        return sorted(r for r, o in self.outcomes.items() if _own_failure(o))
 
     def first_failure(self) -> tuple[int, Outcome] | None:
         """The earliest failure (by when it happened), not the lowest rank: a peer's error is
@@ -257,8 +264,17 @@ def _settle(
         left = pending()
         return state == CallState.INTERRUPTED and group.ignoring(signal.SIGINT, left) == left
 
+    def cause_seen() -> bool:  # a failure of its own, or a rank whose process has ended
+        got = group.outcomes(call_id, targets).values()
+        return any(_own_failure(o) for o in got) or bool(group.dead_unreported(call_id))
+
     grace = {CallState.INTERRUPTED: policy.interrupt_grace, CallState.FAILED: policy.failure_grace}
     group.pump_until(lambda: not pending() or deaf(), grace.get(state, 0.0))
+    if state == CallState.FAILED:
+        # Only echoes so far: the rank that broke the collective has died or failed and says
+        # so within moments (its exit status comes from its launcher, which may lag the echo
+        # on a busy machine, as at a fresh kernel's first launch).
+        group.pump_until(lambda: not pending() or cause_seen(), policy.cause_wait)
     # A rank that died is a cause, maybe the root one: read its streams to the end (its own
     # last words) and record its crash before stopping the others turns them into casualties.
     group.pump_until(lambda: not group.dead_unreported(call_id), policy.dead_drain)

@@ -14,7 +14,8 @@ from the kernel itself (Accelerate's ``notebook_launcher``). What travels:
 
 Every rank starts where the notebook's generators stand, as after a fork: seed per rank inside
 the function where ranks must differ. Nothing is read of a library the notebook has not
-imported, and a piece that cannot be rebuilt in a rank is skipped, never fatal.
+imported, and a piece that cannot be rebuilt in a rank is skipped with a word on its stderr, never
+fatal.
 """
 
 from __future__ import annotations
@@ -56,20 +57,37 @@ def modules(state: dict[str, Any]) -> tuple[str, ...]:
     return ("numpy.random",) if "numpy" in state else ()
 
 
-def apply(state: dict[str, Any]) -> None:
-    """Make this process's state ``state`` (what :func:`capture` read in the notebook)."""
+def apply(state: dict[str, Any]) -> list[str]:
+    """Make this process's state ``state`` (what :func:`capture` read in the notebook); the
+    pieces that could not be restored, each as a line for the user (the rank's stderr, once
+    it reaches the notebook)."""
+    problems: list[str] = []
     if "random" in state:
         random.setstate(state["random"])
     warning_filters.install(state.get("warnings", []))
     if "torch" in state:
         _apply_torch(state["torch"])
     if "numpy" in state:
-        try:
-            import numpy.random
+        problems += _apply_numpy(state["numpy"])
+    return problems
 
-            numpy.random.set_state(pickle.loads(state["numpy"]))
-        except Exception:
-            pass
+
+def _apply_numpy(pickled: bytes) -> list[str]:
+    """NumPy's global RNG state from the notebook, or why it could not be had (NumPy missing
+    or of another version here): the ranks' ``np.random`` draws then differ from a fork of
+    the notebook, and the user must know."""
+    try:
+        import numpy.random
+
+        numpy.random.set_state(pickle.loads(pickled))
+    except Exception as exc:
+        return [
+            "nbaccel: NumPy's random state of the notebook could not be restored in this rank "
+            f"({type(exc).__name__}: {exc}); np.random draws here differ from the notebook's. "
+            "Seed every rank explicitly (nbaccel.set_seed(seed), or "
+            "np.random.seed(seed) in the function) where draws must match."
+        ]
+    return []
 
 
 def _apply_torch(settings: dict[str, Any]) -> None:

@@ -124,7 +124,9 @@ def _redirect(fd: int, conn: Connection) -> io.TextIOWrapper:
     )
 
 
-def _prepare_process(spec: WorkerSpec) -> None:
+def _prepare_process(spec: WorkerSpec) -> list[str]:
+    """Make this process the rank ``spec`` describes; what of the notebook's state could not be
+    restored (said on stderr once it reaches the notebook)."""
     for name in [name for name in os.environ if name not in spec.env]:
         del os.environ[name]
     for name, value in spec.env.items():  # only what differs: each change is a putenv
@@ -139,7 +141,7 @@ def _prepare_process(spec: WorkerSpec) -> None:
     import torch
 
     torch.set_num_threads(spec.threads)
-    notebook_state.apply(spec.notebook_state)
+    return notebook_state.apply(spec.notebook_state)
 
 
 def _driver_gone() -> None:
@@ -351,7 +353,7 @@ def run_worker(spec: WorkerSpec) -> int:
         faulthandler.register(STACKS_SIGNAL, 2, all_threads=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
-    _prepare_process(spec)
+    problems = _prepare_process(spec)
     header = {"rank": spec.rank, "launch": spec.launch_id}
     address, secret = spec.address, spec.secret
     try:
@@ -361,6 +363,8 @@ def run_worker(spec: WorkerSpec) -> int:
         return 1
     sys.stdout = _redirect(1, out)
     sys.stderr = _redirect(2, err)
+    for problem in problems:
+        print(problem, file=sys.stderr)
     _events = events
     _send((Message.HELLO, os.getpid()))
     rank_watch.start(events.sock, _driver_gone)
