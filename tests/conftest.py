@@ -28,8 +28,16 @@ def _fresh_state():
     GradientState._reset_state()
 
 
+_TIERS = ("unit", "ranks", "kernel")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    """Each test is marked with its tier (the folder it is in: ``-m unit`` selects the fast
+    tier); tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in _TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
     import torch
 
     if torch.cuda.is_available():

@@ -125,7 +125,7 @@ def test_a_quick_launch_reports_every_ranks_memory():
 def test_paths_the_docs_name_exist():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     missing = []
     for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # not code blocks

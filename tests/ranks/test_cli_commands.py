@@ -19,7 +19,7 @@ import yaml
 
 from nbaccel.commands.launch import _validate_launch_command, launch_command_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 RANK_SCRIPT = """
 import os, sys

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_offload.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu_offload.py"
 KEYS = {
     "device", "date", "torch", "cuda", "model", "blocks", "new_tokens", "tokens_per_s", "nbaccel",
     "accelerate", "accelerate_version", "ratio_vs_accelerate", "same_tokens",

@@ -8,7 +8,7 @@ import pytest
 
 from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,15 @@ figures, and MLFLOW_NESTED_RUN read as a boolean -- as Accelerate documents them
 
 import pytest
 
-mlflow = pytest.importorskip("mlflow")
+
+@pytest.fixture(scope="module")
+def mlflow():
+    """mlflow, imported when a test runs (it costs seconds of every collection otherwise)."""
+    return pytest.importorskip("mlflow")
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
+def store(mlflow, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps file stores opt-in
     uri = "file://" + str(tmp_path / "mlruns")
     mlflow.set_tracking_uri(uri)
@@ -17,7 +21,7 @@ def store(tmp_path, monkeypatch):
         mlflow.end_run()
 
 
-def test_mlflow_run_records_metrics_params_and_files(store):
+def test_mlflow_run_records_metrics_params_and_files(mlflow, store):
     import matplotlib
 
     matplotlib.use("Agg")

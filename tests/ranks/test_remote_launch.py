@@ -30,7 +30,7 @@ from nbaccel.launch.remote.warm import live_agents, shutdown_agents
 from nbaccel.launch.run import run_function
 from nbaccel.launch.wire.errors import RankCrashed
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 sys.path.insert(0, HERE)
 from remote_agents import local_plan  # noqa: E402
 

@@ -294,7 +294,7 @@ def test_colab_kaggle_tpu_notebook_runs_on_the_xla_path(monkeypatch):
 
     monkeypatch.setenv("NBACCEL_XLA_LAUNCH", "1")  # the kernel inherits it: take the XLA path
     monkeypatch.setenv("CPU_NUM_DEVICES", "1")  # it trains with collectives: one device on CPU
-    path = Path(__file__).resolve().parents[1] / "notebooks" / "colab_kaggle_tpu.ipynb"
+    path = Path(__file__).resolve().parents[2] / "notebooks" / "colab_kaggle_tpu.ipynb"
     nb = execute_notebook(path, timeout=600, allow_errors=False)
     text = "".join(output_text(o) for o in nb.cells[-1].outputs)
     assert "trained on xla" in text

@@ -16,7 +16,7 @@ import torch
 import nbaccel
 from nbaccel.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

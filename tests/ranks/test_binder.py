@@ -18,7 +18,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BINDER = REPO / "binder"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "nbaccel"
+ROOT = Path(__file__).resolve().parents[2] / "nbaccel"
 
 
 def _modules() -> dict[str, Path]:

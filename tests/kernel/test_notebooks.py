@@ -11,7 +11,7 @@ import pytest
 
 from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ import torch
 
 from nbaccel.testing import run_on_ranks
 
-FIXTURE = Path(__file__).parent / "fixtures" / "accelerate_checkpoint"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "accelerate_checkpoint"
 
 
 class Counter:
