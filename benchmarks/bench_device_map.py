@@ -283,6 +283,9 @@ def main() -> None:
     out = run(args.repeats, args.accelerate_repeats)
     path = Path(__file__).parent / "results" / "device_map.json"
     path.parent.mkdir(exist_ok=True)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    out["provenance"] = stamp()
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
 

@@ -94,6 +94,9 @@ def main() -> None:
     if os.path.exists(args.output):
         with open(args.output) as handle:
             results = json.load(handle)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    report["provenance"] = stamp()
     results[f"{args.gib}GiB x {args.ranks}"] = report
     with open(args.output, "w") as handle:
         json.dump(results, handle, indent=1)
