@@ -5,6 +5,8 @@
 - ``reference/*.md``: the API reference, one page per group of the public names in
   ``nbaccel.__all__``, each rendered from its docstring by mkdocstrings. A name is grouped by the
   package that defines it, so a new public name appears without editing this file.
+- ``reference/launch-options.md``: every launch option, from ``LaunchRequest`` (the one place
+  options are defined), with its default, help and spelling on each front.
 - ``examples/*.ipynb``: the notebooks of ``notebooks/``, rendered by mkdocs-jupyter. When
   ``NBACCEL_DOCS_NOTEBOOKS`` names a folder (``scripts/docs`` executes the notebooks there), a
   notebook found in it is used instead of the stored one, so its page shows the outputs.
@@ -108,9 +110,57 @@ def _reference_pages() -> dict[str, str]:
     return pages
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _launch_options_page() -> str:
+    import dataclasses
+
+    from nbaccel import LaunchRequest
+
+    options = LaunchRequest.options()
+    fronts = type(next(iter(options.values())).fronts)  # the Flag naming the fronts
+    defaults = {f.name: f.default for f in dataclasses.fields(LaunchRequest)}
+    lines = [
+        "# Launch options",
+        "",
+        "Every option a launch takes is defined once, as a field of `LaunchRequest`, with its "
+        "default, help and checks; `notebook_launcher`'s keywords, the `%%distributed` flags and "
+        "`nbaccel launch`'s flags are derived from it. This table is generated from that "
+        "definition. A blank cell: the option does not apply to that front.",
+        "",
+        "| option | default | `notebook_launcher` | `%%distributed` | `nbaccel launch` | what |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, option in options.items():
+        default = defaults.get(name)
+        default = "" if default is dataclasses.MISSING else f"`{default!r}`"
+        spelled = []
+        for front in (fronts.MAGIC, fronts.CLI):
+            flags = option.spellings(name, front) if front in option.fronts else ()
+            spelled.append(" ".join(f"`{f}`" for f in flags if "-" not in f[2:]) or "")
+        keyword = f"`{name}=`" if fronts.LAUNCHER in option.fronts else ""
+        lines.append(
+            f"| {name} | {_cell(default)} | {keyword} | {spelled[0]} | {spelled[1]} "
+            f"| {_cell(option.help)} |"
+        )
+    lines += [
+        "",
+        "The text fronts also accept each flag with hyphens (`--num-processes`). Options are "
+        "checked before any rank starts; a bad value raises an error naming the option and "
+        "the fix.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 @event_priority(100)  # before mkdocs-jupyter's on_files, which claims the .ipynb files
 def on_files(files: Files, config) -> Files:
-    generated = {"benchmark-results.md": bench_tables.render(), **_reference_pages()}
+    generated = {
+        "benchmark-results.md": bench_tables.render(),
+        "reference/launch-options.md": _launch_options_page(),
+        **_reference_pages(),
+    }
     for uri, text in generated.items():
         files.append(File.generated(config, uri, content=text))
     executed = os.environ.get("NBACCEL_DOCS_NOTEBOOKS")
