@@ -186,7 +186,8 @@ def _fallback_provenance(path: Path, data: Any) -> str:
     machine = data.get("machine") if isinstance(data, dict) else None
     if isinstance(machine, dict):
         machine = _cell(machine)
-    last = _git("log", "-1", "--format=%h %cs", "--", str(path.relative_to(ROOT)))
+    inside = path.resolve().is_relative_to(ROOT)
+    last = _git("log", "-1", "--format=%h %cs", "--", str(path.resolve())) if inside else ""
     where = (
         f"the commit that last changed this file is `{last.split()[0]}` ({last.split()[1]})"
         if last

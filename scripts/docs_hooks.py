@@ -18,6 +18,7 @@ import importlib
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -110,6 +111,9 @@ def _reference_pages() -> dict[str, str]:
     return pages
 
 
+_STAGING: list[Path] = []
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -164,10 +168,11 @@ def on_files(files: Files, config) -> Files:
     for uri, text in generated.items():
         files.append(File.generated(config, uri, content=text))
     executed = os.environ.get("NBACCEL_DOCS_NOTEBOOKS")
-    # mkdocs-jupyter reads a notebook from its source folder: gather them under one.
-    staging = ROOT / "build" / "docs-notebooks-staged"
-    shutil.rmtree(staging, ignore_errors=True)
-    (staging / "examples").mkdir(parents=True, exist_ok=True)
+    # mkdocs-jupyter reads a notebook from its source folder: gather them under one, private to
+    # this build (removed when it ends).
+    staging = Path(tempfile.mkdtemp(prefix="nbaccel-docs-"))
+    _STAGING.append(staging)
+    (staging / "examples").mkdir()
     stored = sorted((ROOT / "notebooks").glob("*.ipynb"))
     order = {name: i for i, name in enumerate(EXAMPLES)}
     for source in sorted(stored, key=lambda p: (order.get(p.stem, len(order)), p.stem)):
@@ -177,3 +182,8 @@ def on_files(files: Files, config) -> Files:
         uri = f"examples/{source.name}"
         files.append(File(uri, str(staging), config["site_dir"], config["use_directory_urls"]))
     return files
+
+
+def on_post_build(config) -> None:
+    while _STAGING:
+        shutil.rmtree(_STAGING.pop(), ignore_errors=True)
