@@ -74,12 +74,30 @@ EXAMPLES = [
 ]
 
 
+# The names a reader looks for first, at the top of their page; the rest follow alphabetically.
+LEAD = [
+    "notebook_launcher",
+    "debug_launcher",
+    "LaunchRequest",
+    "Accelerator",
+    "PartialState",
+    "AcceleratorState",
+    "init_empty_weights",
+    "infer_auto_device_map",
+    "load_checkpoint_and_dispatch",
+]
+
+
+def _reading_order(name: str) -> tuple[int, str]:
+    return (LEAD.index(name) if name in LEAD else len(LEAD), name.lower())
+
+
 def _grouped() -> tuple[dict[str, list[str]], list[str]]:
     """Public names by group page; names no group takes."""
     nbaccel = importlib.import_module("nbaccel")
     by_page: dict[str, list[str]] = {page: [] for page, *_ in GROUPS}
     other = []
-    for name in sorted(nbaccel.__all__, key=str.lower):
+    for name in sorted(nbaccel.__all__, key=_reading_order):
         module = getattr(getattr(nbaccel, name), "__module__", "") or ""
         page = PLACED.get(name) or next(
             (p for p, _, _, packages in GROUPS if module.startswith(packages)), None
