@@ -173,6 +173,9 @@ def main() -> None:
         "lean": _bare(args.ranks, args.seconds, _lean, _call_frame, pickle.loads),
     }
     out = ROOT / "benchmarks" / "results" / "call_path.json"
+    from provenance import stamp  # the date, commit and machine of this run
+
+    results["provenance"] = stamp()
     out.write_text(json.dumps(results, indent=2) + "\n")
     print("wall (median) and CPU per call, notebook / ranks, in ms")
     print(f"{'gap':>6}  {'pool':>19}  {'lean protocol':>19}  {'floor (echo)':>19}")

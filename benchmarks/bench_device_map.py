@@ -25,10 +25,10 @@ SIZES = {  # label: (layers, experts); tensors = layers * (7 + 3 * experts) + 3
     "3k": (16, 64),  # 3,187 tensors
     "37k": (48, 256),  # 37,203 tensors: 12x the tensors of 3k
 }
-# The model of issue 23 and ANCHORS.md ("3,104 tensors 0.34 s; ... 36,960 tensors 5.7 s"):
-# blocks of a norm, a router and the experts, nothing kept whole.
+# An MoE model of blocks only: a norm, a router and the experts, nothing kept whole (the shape on
+# which accelerate's planning grows faster than the number of tensors).
 # tensors = layers * (2 + 3 * experts)
-ISSUE_SIZES = {"moe_3k": (16, 64), "moe_37k": (48, 256)}  # 3,104 and 36,960 tensors
+MOE_SIZES = {"moe_3k": (16, 64), "moe_37k": (48, 256)}  # 3,104 and 36,960 tensors
 
 
 class RMSNorm(nn.Module):
@@ -88,7 +88,7 @@ class MoeBlock(nn.Module):
 
 
 class MoeStack(nn.Module):
-    """The issue's model: MoE blocks only (no attention, no embeddings)."""
+    """An MoE model of blocks only (no attention, no embeddings)."""
 
     def __init__(self, layers: int, experts: int, d: int = 1024, f: int = 512):
         super().__init__()
@@ -100,7 +100,7 @@ def build(layers: int, experts: int) -> nn.Module:
         return MoeModel(layers, experts)
 
 
-def build_issue(layers: int, experts: int) -> nn.Module:
+def build_moe_blocks(layers: int, experts: int) -> nn.Module:
     with torch.device("meta"):
         return MoeStack(layers, experts)
 
@@ -147,7 +147,7 @@ def measure(
     decoder layers are ``no_split_module_classes``; without it the fill splits layers down to
     single experts and tensors where a device fills up (maps of ~800 entries, not ~50).
     ``tied``: the output head shares the embedding's weight, as many LLMs do. ``builder``:
-    ``build`` (decoder layers with attention and embeddings) or ``build_issue``."""
+    ``build`` (decoder layers with attention and embeddings) or ``build_moe_blocks``."""
     from accelerate.utils import infer_auto_device_map as acc_infer
 
     from nbaccel.bigmodel import compute_module_sizes
@@ -257,9 +257,9 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
     split = measure("37k", layers, experts, args, whole=False)
     tied = measure("37k", layers, experts, args, tied=True)
     balanced = measure_balanced(layers, experts, args)
-    issue = [
-        measure(label, layers, experts, args, whole=False, builder=build_issue)
-        for label, (layers, experts) in ISSUE_SIZES.items()
+    moe = [
+        measure(label, layers, experts, args, whole=False, builder=build_moe_blocks)
+        for label, (layers, experts) in MOE_SIZES.items()
     ]
     return {
         "benchmark": "infer_auto_device_map, MoE meta models, 3 fake GPUs at 0.3x + cpu",
@@ -267,8 +267,8 @@ def run(repeats: int = 3, accelerate_repeats: int = 1) -> dict:
         "accelerate": accelerate.__version__,
         "rows": rows,
         "growth": growth_of(first, last),
-        "issue_rows": issue,
-        "issue_growth": growth_of(*issue),
+        "moe_rows": moe,
+        "moe_growth": growth_of(*moe),
         "split": split,
         "tied": tied,
         "balanced": balanced,
@@ -283,6 +283,9 @@ def main() -> None:
     out = run(args.repeats, args.accelerate_repeats)
     path = Path(__file__).parent / "results" / "device_map.json"
     path.parent.mkdir(exist_ok=True)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    out["provenance"] = stamp()
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
 

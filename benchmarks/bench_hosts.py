@@ -162,6 +162,9 @@ def main() -> int:
     result["ratio_remote_to_local"] = result["remote_launch_s"] / result["local_launch_s"]
     result["machine"] = f"{os.cpu_count()} cores; hosts are network namespaces on this machine"
     path = ROOT / "benchmarks" / "results" / "hosts.json"
+    from provenance import stamp  # the date, commit and machine of this run
+
+    result["provenance"] = stamp()
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0

@@ -83,6 +83,9 @@ def flood() -> dict:
 def main() -> None:
     report = {"restart": restart(), "flood": flood()}
     out = ROOT / "benchmarks" / "results" / "kernel_limits.json"
+    from provenance import stamp  # the date, commit and machine of this run
+
+    report["provenance"] = stamp()
     out.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 

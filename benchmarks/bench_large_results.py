@@ -6,7 +6,7 @@
 Each rank returns a ``--gib`` GiB float32 tensor. This process is the notebook (a fresh one per
 run): a sampler thread reads its RSS every 5 ms (``VmHWM`` is read too, the kernel's own peak),
 and the figure is the peak growth over the RSS before the launch, with the results touched
-(summed) so their pages count. Target (issue 22): at most 1.25x the returned size. Results go to
+(summed) so their pages count. Target: at most 1.25x the returned size. Results go to
 ``benchmarks/results/bench_large_results.json``. Never asserted in CI.
 """
 
@@ -94,6 +94,9 @@ def main() -> None:
     if os.path.exists(args.output):
         with open(args.output) as handle:
             results = json.load(handle)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    report["provenance"] = stamp()
     results[f"{args.gib}GiB x {args.ranks}"] = report
     with open(args.output, "w") as handle:
         json.dump(results, handle, indent=1)

@@ -91,6 +91,9 @@ def measure(ranks: tuple[int, ...] = (2,), repeats: int = REPEATS, ram: bool = T
 def main() -> None:
     result = measure()
     out = ROOT / "benchmarks" / "results" / "launcher.json"
+    from provenance import stamp  # the date, commit and machine of this run
+
+    result["provenance"] = stamp()
     out.write_text(json.dumps(result, indent=2) + "\n")
     for key in (
         "import_s",

@@ -165,6 +165,9 @@ def main() -> None:
         median(chatty_seconds() for _ in range(args.repeat)), 2
     )
     print("chatty child:", results["chatty_child_detect_s"])
+    from provenance import stamp  # the date, commit and machine of this run
+
+    results["provenance"] = stamp()
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -160,6 +160,9 @@ def main() -> None:
         results["ratio_magic"] = ours["magic_ms_median"] / peer["magic_ms_median"]
     out = ROOT / "benchmarks" / "results" / "magics.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    results["provenance"] = stamp()
     out.write_text(json.dumps(results, indent=2) + "\n")
     for tool, data in results["tools"].items():
         if "unavailable" in data:

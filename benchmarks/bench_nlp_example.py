@@ -145,6 +145,9 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.runs)
     out = ROOT / "benchmarks" / "results" / "nlp_example.json"
+    from provenance import stamp  # the date, commit and machine of this run
+
+    result["provenance"] = stamp()
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"loop: nbaccel {result['nbaccel_loop_s']:.2f} s, accelerate "

@@ -331,6 +331,9 @@ def main() -> None:
     out = measure(args.small, args.dir, args.rounds, args.variants.split(","), args.threads)
     name = "offload_small.json" if args.small else "offload.json"
     path = HERE / "results" / name
+    from provenance import stamp  # the date, commit and machine of this run
+
+    out["provenance"] = stamp()
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
 

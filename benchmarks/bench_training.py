@@ -205,6 +205,9 @@ def main() -> None:
     report = measure()
     out = ROOT / "benchmarks" / "results" / "training.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    report["provenance"] = stamp()
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 

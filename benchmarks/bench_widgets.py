@@ -259,6 +259,9 @@ def main() -> None:
         "training": slowdown(args.runs, args.steps),
     }
     RESULTS.parent.mkdir(exist_ok=True)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    result["provenance"] = stamp()
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

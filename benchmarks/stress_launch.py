@@ -198,6 +198,9 @@ def _save(path: str, key: str, report: dict) -> None:
     if os.path.exists(path):
         with open(path) as handle:
             results = json.load(handle)
+    from provenance import stamp  # the date, commit and machine of this run
+
+    report["provenance"] = stamp()
     results[key] = report
     with open(path, "w") as handle:
         json.dump(results, handle, indent=1)

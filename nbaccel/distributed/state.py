@@ -110,8 +110,9 @@ class PartialState:
 
     Args:
         cpu: force the CPU (and gloo) even when accelerators are present.
-        backend: process-group backend to use instead of the default for the device.
-        timeout: a ``datetime.timedelta`` for the process group's collectives.
+        **kwargs: ``backend``, the process-group backend to use instead of the default for
+            the device, and ``timeout``, a ``datetime.timedelta`` for the process group's
+            collectives.
     """
 
     _shared_state: dict[str, Any] = {}

@@ -88,10 +88,10 @@ class FullyShardedDataParallelPlugin:
             (one ``torch.distributed.checkpoint`` directory, each rank writing its shard).
         cpu_ram_efficient_loading: only rank 0 holds real weights before sharding; the others
             may build the model on the ``meta`` device and receive rank 0's values while sharding.
-        state_dict_config, optim_state_dict_config: torch's ``FullStateDictConfig`` /
-            ``ShardedStateDictConfig`` (and the ``Optim`` ones) matching ``state_dict_type``;
-            None fills in Accelerate's defaults (full: offloaded to CPU, on rank 0 only, which is
-            how nbaccel gathers a full state dict).
+        state_dict_config: torch's ``FullStateDictConfig`` / ``ShardedStateDictConfig``
+            matching ``state_dict_type``; None fills in Accelerate's defaults (full: offloaded to
+            CPU, on rank 0 only, which is how nbaccel gathers a full state dict).
+        optim_state_dict_config: the same for the optimizer (torch's ``Optim`` variants).
     """
 
     fsdp_version: int = 2
