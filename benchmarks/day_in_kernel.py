@@ -1,6 +1,6 @@
 """A day in one kernel: launches and pool cells of every kind, in one real Jupyter kernel.
 
-``stress_launch.py --day N`` runs it (``tests/test_day.py`` runs a short day in the default
+``stress_launch.py --day N`` runs it (``tests/kernel/test_day.py`` runs a short day in the default
 suite). Steps rotate through :data:`KINDS`:
 
 - ``ok``: the README tour function through ``notebook_launcher`` (value checked).

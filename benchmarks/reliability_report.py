@@ -1,7 +1,7 @@
 """Each injected fault, what the user sees, time to report, leaks: results/reliability.json.
 
 Run: .venv/bin/python benchmarks/reliability_report.py  (uses the same faults as
-tests/test_reliability.py). The documentation's benchmark page renders the JSON
+tests/ranks/test_reliability.py). The documentation's benchmark page renders the JSON
 (scripts/bench_tables.py); the table is generated, never hand-edited.
 """
 

@@ -5,7 +5,7 @@ Each field of :class:`LaunchRequest` carries its type, default, help, the fronts
 launch``'s flags, the remote options) and its validation. The fronts are derived from it: the
 magic and the command line build their flags from :meth:`LaunchRequest.options`, the launcher
 function takes its keywords into :meth:`LaunchRequest.create`, ``RemoteOptions`` is built from
-the request, and ``LaunchPlan.create`` takes it. ``tests/test_launch_request.py`` fails when a
+the request, and ``LaunchPlan.create`` takes it. ``tests/ranks/test_launch_request.py`` fails when a
 front lacks an option that applies to it.
 
 Adding an option is one edit, a field here::
