@@ -357,9 +357,11 @@ def test_kernel_death_ends_the_agents_and_their_ranks():
         assert len(ranks) == 2, "the ranks never started"
         agents = _agent_pids(kernel.pid)
         assert len(agents) == 2
+        # handles taken while the ranks run: one may end before a handle taken after the kill
+        watched = [psutil.Process(pid) for pid in ranks] + agents
         kernel.send_signal(signal.SIGKILL)
         kernel.wait()
-        gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in ranks] + agents, timeout=30)
+        gone, alive = psutil.wait_procs(watched, timeout=30)
         assert not alive, f"still running after the kernel died: {alive}"
     finally:
         if kernel.poll() is None:
