@@ -12,8 +12,8 @@ import pytest
 
 from nbaccel.launch.driver.render import TextRenderer
 from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
-from nbaccel.launch.plan import Front, LaunchPlan
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import run_function
 
 CUDA_AT_IMPORT = "import torch\ntorch.cuda._initialized = True  # as torch.cuda.init() leaves it\n"
