@@ -1,9 +1,9 @@
 """The fork server refuses to fork ranks once a preloaded module initialised CUDA at import.
 
 On a machine without CUDA the library is simulated by a module that marks torch's CUDA state
-initialised (what ``torch.cuda.init()`` leaves behind); ``tests/kernel/test_gpu_launch.py`` does it for
-real on a GPU. Either way the launch must fail before any rank starts, naming the module and the
-fix, and the next launch must get a fresh, working server.
+initialised (what ``torch.cuda.init()`` leaves behind); ``tests/kernel/test_gpu_launch.py`` does
+it for real on a GPU. Either way the launch must fail before any rank starts, naming the module
+and the fix, and the next launch must get a fresh, working server.
 """
 
 import sys
