@@ -91,7 +91,7 @@ def _measure(call, pids: list[int], seconds: float) -> dict[str, dict[str, float
 def _pool(ranks: int, seconds: float) -> dict:
     from nbaccel.notebook.kernel import pool as pool_module
 
-    pool = pool_module.start_pool(ranks, renderer=None)
+    pool = pool_module.start_pool(num_processes=ranks)
     try:
         for _ in range(20):
             pool.run_cell("pass\n")

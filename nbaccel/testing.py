@@ -14,9 +14,10 @@ from typing import Any
 
 from nbaccel.launch.driver.loop import CallReport, CallState, Settle
 from nbaccel.launch.driver.render import TextRenderer
+from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import describe_exit
-from nbaccel.launch.plan import Front, LaunchPlan, check_call, free_port
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.plan import LaunchPlan, check_call
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import run_function
 from nbaccel.launch.wire.protocol import OutcomeKind
 from nbaccel.launch.wire.tracebacks import format_frames

@@ -14,13 +14,13 @@ import json
 import subprocess
 import sys
 
-from nbaccel.launch.plan import Front, LaunchPlan
+from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.registry import LAUNCHERS
 from nbaccel.launch.remote.hosts import parse_hosts
 from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.remote.warm import AgentProcess
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.request import Front, LaunchRequest
 
 KIND = "local-agents"
 
@@ -50,7 +50,7 @@ class LocalAgentsLauncher(RemoteLauncher):
 LAUNCHERS[KIND] = LocalAgentsLauncher
 
 
-def local_plan(hosts: list[str], front: Front = Front.NOTEBOOK) -> LaunchPlan:
+def local_plan(hosts: list[str], front: Front = Front.LAUNCHER) -> LaunchPlan:
     """A plan whose "hosts" are agents on this machine."""
     layout = parse_hosts(hosts, None)
     remote = RemoteOptions(kind=KIND, layout=layout, python=sys.executable, cwd="/")

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from nbaccel.commands.parser import command_parser
-from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.values.booleans import parse_bool
 
 __all__ = ["launch_command_parser", "to_bool"]
@@ -80,7 +80,7 @@ def _option(group: Any, name: str, *extra: str, **kwargs: Any) -> None:
 def _launch_option(group: Any, name: str) -> None:
     """The flag of ``LaunchRequest``'s option ``name`` (its help, type, checks are there),
     recording when given."""
-    flags, kwargs = LaunchRequest.arguments(Fronts.CLI)[name]
+    flags, kwargs = LaunchRequest.arguments(Front.CLI)[name]
     kwargs = {**kwargs, "action": _ACTIONS[kwargs.get("action", "store")]}
     group.add_argument(*flags, **kwargs)
 
@@ -100,7 +100,7 @@ def _nbaccel_options(parser: argparse.ArgumentParser) -> None:
         "nbaccel", "How the ranks start, for how long, and on which hosts (over ssh or SLURM)."
     )
     placed = {name for names in _PLACED.values() for name in names}
-    for name in LaunchRequest.options(Fronts.CLI):
+    for name in LaunchRequest.options(Front.CLI):
         if name not in placed:
             _launch_option(group, name)
 

@@ -272,11 +272,11 @@ def _request(args: argparse.Namespace, per_machine: int | None, port: int | None
     """The launch options of ``args`` as a ``LaunchRequest`` (checked there): the flags
     derived from it, with what the config file and Accelerate's conventions decided (processes
     per machine, not in total; the port prepared for a world)."""
-    from nbaccel.launch.request import Fronts, LaunchRequest
+    from nbaccel.launch.request import Front, LaunchRequest
 
     return LaunchRequest.from_parsed(
         args,
-        Fronts.CLI,
+        Front.CLI,
         num_processes=per_machine,
         use_port=port if port is not None else args.main_process_port,
         cpu=bool(args.cpu or getattr(args, "use_cpu", False)),

@@ -161,7 +161,7 @@ def prepare_multi_gpu_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment of a multi-process world, with torchrun's fields set on ``args``
     (``nproc_per_node``, ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` as strings).
     Port 0 (or none on one machine) means a free port chosen here."""
-    from nbaccel.launch.plan import free_port
+    from nbaccel.launch.host.ports import free_port
 
     machines = _get(args, "num_machines", 1)
     processes = _get(args, "num_processes", 1)

@@ -9,18 +9,18 @@ and nbaccel's own (NBACCEL_LAUNCHER, NBACCEL_MIXED_PRECISION, NBACCEL_CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
-from nbaccel.launch.request import START_METHODS, LaunchRequest
+from nbaccel.launch.host.ports import check_port
+from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 
 if TYPE_CHECKING:
@@ -29,30 +29,19 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_DEFAULT_NUM_PROCESSES",
     "START_METHODS",
-    "Front",
     "LaunchPlan",
     "check_call",
     "check_cwd",
     "check_gpu_count",
-    "check_port",
     "default_num_processes",
-    "free_port",
     "resolve_kind",
 ]
-
-
-class Front(str, Enum):
-    """Who launches; also each rank's ``NBACCEL_LAUNCHER``."""
-
-    NOTEBOOK = "notebook"  # notebook_launcher / debug_launcher
-    POOL = "pool"  # the %%distributed pool
-    TESTING = "testing"  # nbaccel.testing.run_on_ranks
 
 
 # The defaults of ``num_processes``, in one place. When the caller does not say how many ranks:
 # with GPUs (and not ``cpu``), one rank per GPU; on CPU, the number below (the launcher runs the
 # function once, as Accelerate's does; the pool and the test harness want a real world of 2).
-CPU_DEFAULT_NUM_PROCESSES = {Front.NOTEBOOK: 1, Front.POOL: 2, Front.TESTING: 2}
+CPU_DEFAULT_NUM_PROCESSES = {Front.LAUNCHER: 1, Front.MAGIC: 2, Front.TESTING: 2}
 # On XLA devices: every local device (one per TPU chip, CPU_NUM_DEVICES on the CPU), read without
 # starting the XLA runtime; torch-xla itself always uses every device it sees (a different count
 # is run anyway, with a warning naming both).
@@ -76,27 +65,6 @@ def check_gpu_count(num_processes: int, gpus: int) -> None:
             f"num_processes={num_processes} but this machine has {gpus} GPU(s); use at most "
             f"{gpus}, or CPU ranks (debug_launcher, cpu=True)."
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port(port: int, host: str) -> None:
-    """ValueError naming the fix when ``port`` is already taken on this machine."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host if host in ("127.0.0.1", "localhost") else "", port))
-        except OSError:
-            raise ValueError(
-                f"use_port={port} is already in use on this machine (perhaps by an earlier "
-                "launch that is still running); pass use_port=None to let nbaccel pick a free "
-                "port, or choose another one."
-            ) from None
 
 
 def check_call(args: Any, kwargs: Any = None) -> tuple[Any, ...]:
@@ -168,7 +136,7 @@ class LaunchPlan:
     """The ranks of this node and the world they belong to. Build it with :meth:`create`."""
 
     num_processes: int
-    front: Front = Front.NOTEBOOK
+    front: Front = Front.LAUNCHER
     kind: LaunchKind = LaunchKind.FORKSERVER
     num_nodes: int = 1
     node_rank: int = 0
@@ -198,13 +166,16 @@ class LaunchPlan:
         devices; raises before anything starts.
 
         ``remote``: hosts built apart (the engine's own tests); by default the request's.
-        A pool (``Front.POOL``) runs CPU ranks when there is no GPU.
+        A pool (``Front.MAGIC``) runs CPU ranks when there is no GPU, and its ranks start
+        without mixed precision: each cell sets its own (``%%distributed --mixed_precision``).
         """
         _refuse_nested_launch()
         request = request or LaunchRequest()
+        if front == Front.MAGIC and request.mixed_precision != "no":
+            request = dataclasses.replace(request, mixed_precision="no")  # a cell's, not the pool's
         remote = remote or request.remote
         gpus = torch.cuda.device_count()
-        cpu = request.cpu or (front == Front.POOL and gpus == 0)
+        cpu = request.cpu or (front == Front.MAGIC and gpus == 0)
         if remote is not None:
             return cls._create_remote(front, request, remote, cpu, xla, extra_env)
         num_processes = request.num_processes
@@ -313,7 +284,7 @@ class LaunchPlan:
     def announcement(self, where: str = "") -> str:
         """The line a front shows when the launch starts (``where``: the launcher's words on
         where the ranks run, ``ProcessLauncher.describe``)."""
-        if self.front == Front.POOL:
+        if self.front == Front.MAGIC:
             return f"Starting a pool of {self.describe()}{where}."
         text = f"Launching on {self.describe()}{where}"
         if self.num_nodes > 1:
@@ -333,7 +304,7 @@ class LaunchPlan:
         """The full environment of this node's ``index``-th process."""
         env = dict(os.environ)
         env.update(
-            NBACCEL_LAUNCHER=self.front.value,
+            NBACCEL_LAUNCHER=self.front.launcher_name,
             NBACCEL_MIXED_PRECISION=self.mixed_precision,
         )
         if self.xla:  # torch-xla sets up its own world; the launcher names the process

@@ -1,7 +1,7 @@
 """Every option a launch takes, defined once: :class:`LaunchRequest`.
 
 Each field of :class:`LaunchRequest` carries its type, default, help, the fronts it applies to
-(:class:`Fronts`: ``notebook_launcher``'s keywords, the ``%%distributed`` options, ``nbaccel
+(:class:`Front`: ``notebook_launcher``'s keywords, the ``%%distributed`` options, ``nbaccel
 launch``'s flags, the remote options) and its validation. The fronts are derived from it: the
 magic and the command line build their flags from :meth:`LaunchRequest.options`, the launcher
 function takes its keywords into :meth:`LaunchRequest.create`, ``RemoteOptions`` is built from
@@ -11,7 +11,7 @@ front lacks an option that applies to it.
 Adding an option is one edit, a field here::
 
     log_every: float = option(
-        10.0, "seconds between progress summaries", Fronts.LAUNCHER | Fronts.MAGIC,
+        10.0, "seconds between progress summaries", Front.LAUNCHER | Front.MAGIC,
         check=positive_number,
     )
 
@@ -33,7 +33,7 @@ from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
 
-__all__ = ["START_METHODS", "Fronts", "LaunchRequest", "Option", "option"]
+__all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
 
 #: what stands for a hosts-only option on this machine, said when one is given without hosts
 _ON_THIS_MACHINE = {
@@ -45,14 +45,29 @@ _ON_THIS_MACHINE = {
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
 
-class Fronts(Flag):
-    """Where an option can be given."""
+class Front(Flag):
+    """A way into a launch: where an option can be given, and who launches (each rank's
+    ``NBACCEL_LAUNCHER``, :attr:`launcher_name`)."""
 
-    LAUNCHER = auto()  # notebook_launcher(..., name=value)
-    MAGIC = auto()  # %%distributed --name value
+    LAUNCHER = auto()  # notebook_launcher(..., name=value) / debug_launcher
+    MAGIC = auto()  # %%distributed --name value, and the pool behind it (start_pool)
     CLI = auto()  # nbaccel launch --name value
-    REMOTE = auto()  # a field of RemoteOptions (the hosts and how their agents start)
+    TESTING = auto()  # nbaccel.testing.run_on_ranks
+    REMOTE = auto()  # not a way in: marks an option that is a field of RemoteOptions
     ALL = LAUNCHER | MAGIC | CLI
+
+    @property
+    def launcher_name(self) -> str:
+        """What the ranks of a launch through this front see in ``NBACCEL_LAUNCHER``."""
+        return _LAUNCHER_NAMES[self]
+
+
+_LAUNCHER_NAMES = {
+    Front.LAUNCHER: "notebook",
+    Front.MAGIC: "pool",
+    Front.CLI: "cli",
+    Front.TESTING: "testing",
+}
 
 
 @dataclass(frozen=True)
@@ -71,14 +86,14 @@ class Option:
     """
 
     help: str
-    fronts: Fronts
+    fronts: Front
     check: Callable[[Any], Any] | None = None
     parse: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
-    flags: Mapping[Fronts, tuple[str, ...]] = field(default_factory=dict)
+    flags: Mapping[Front, tuple[str, ...]] = field(default_factory=dict)
     metavar: str | None = None
 
-    def spellings(self, name: str, front: Fronts) -> tuple[str, ...]:
+    def spellings(self, name: str, front: Front) -> tuple[str, ...]:
         """The flags of this option on a text front (``--name``, its hyphenated twin, ...)."""
         flags = list(self.flags.get(front, (f"--{name}",)))
         for flag in list(flags):
@@ -87,7 +102,7 @@ class Option:
                 flags.append(twin)
         return tuple(flags)
 
-    def dest(self, name: str, front: Fronts) -> str:
+    def dest(self, name: str, front: Front) -> str:
         """Where a text front's parser keeps the value: ``name``, or the first long flag's
         name where the front spells it its own way (``--num_machines``: ``num_machines``)."""
         given = self.flags.get(front)
@@ -95,7 +110,7 @@ class Option:
             return name
         return next(f for f in given if f.startswith("--"))[2:].replace("-", "_")
 
-    def argparse(self, name: str, default: Any, front: Fronts) -> dict[str, Any]:
+    def argparse(self, name: str, default: Any, front: Front) -> dict[str, Any]:
         """``add_argument`` keywords for a text front; not given stays None (the request's
         default applies), so a front can tell what was asked for."""
         dest = self.dest(name, front)
@@ -112,7 +127,7 @@ class Option:
 
 
 def option(
-    default: Any, help: str, fronts: Fronts, **spec: Any
+    default: Any, help: str, fronts: Front, **spec: Any
 ) -> Any:  # a dataclass field: typed as its value for the checker
     """A :class:`LaunchRequest` field with its :class:`Option` (``spec``: its other fields)."""
     meta = {"option": Option(help, fronts, **spec)}
@@ -213,8 +228,8 @@ def _key_values(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
 
 
-_LOCAL, _REMOTE = Fronts.ALL, Fronts.ALL | Fronts.REMOTE
-_WORLD = Fronts.LAUNCHER | Fronts.CLI  # a world formed by this launch alone, maybe multi-node
+_LOCAL, _REMOTE = Front.ALL, Front.ALL | Front.REMOTE
+_WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
 
 
 @dataclass(frozen=True)
@@ -229,7 +244,7 @@ class LaunchRequest:
     num_processes: int | None = option(
         None, "number of ranks (default: one per GPU, else 1 for a launch and 2 for a pool; "
         "with hosts, their ranks)", _REMOTE, check=_positive_or_none("num_processes"),
-        parse=int, metavar="N", flags={Fronts.MAGIC: ("-n", "--num_processes")},
+        parse=int, metavar="N", flags={Front.MAGIC: ("-n", "--num_processes")},
     )  # fmt: skip
     mixed_precision: str = option(
         "no", "mixed precision of the Accelerator on each rank", _LOCAL,
@@ -238,33 +253,33 @@ class LaunchRequest:
     )  # fmt: skip
     use_port: int | str | None = option(
         None, "rendezvous port on node 0 (default: a free one)", _WORLD, check=_port,
-        parse=int, metavar="PORT", flags={Fronts.CLI: ("--main_process_port",)},
+        parse=int, metavar="PORT", flags={Front.CLI: ("--main_process_port",)},
     )  # fmt: skip
     master_addr: str = option(
         "127.0.0.1", "address of node 0", _WORLD, check=_text("master_addr", optional=False),
-        metavar="ADDR", flags={Fronts.CLI: ("--main_process_ip",)},
+        metavar="ADDR", flags={Front.CLI: ("--main_process_ip",)},
     )  # fmt: skip
     node_rank: int = option(
         0, "rank of this node", _WORLD, check=lambda v: _integer("node_rank", v, 0, "an integer"),
-        parse=int, flags={Fronts.CLI: ("--machine_rank",)},
+        parse=int, flags={Front.CLI: ("--machine_rank",)},
     )  # fmt: skip
     num_nodes: int = option(
         1, "number of nodes", _WORLD, check=lambda v: _integer("num_nodes", v, 1, "an integer"),
-        parse=int, flags={Fronts.CLI: ("--num_machines",)},
+        parse=int, flags={Front.CLI: ("--num_machines",)},
     )  # fmt: skip
     rdzv_backend: str = option(
         "static", "rendezvous backend", _WORLD,
         check=_choice("rdzv_backend", ("static", "c10d")), choices=("static", "c10d"),
     )  # fmt: skip
     rdzv_endpoint: str = option(
-        "", "rendezvous 'host:port' (instead of master_addr and use_port)", Fronts.LAUNCHER,
+        "", "rendezvous 'host:port' (instead of master_addr and use_port)", Front.LAUNCHER,
         check=_text("rdzv_endpoint", optional=False),
     )  # fmt: skip
     rdzv_conf: dict[str, Any] | None = option(
         None, "not supported (refused unless empty)", _WORLD, check=_no_rdzv_conf,
         parse=_key_values, metavar="K=V,...",
     )  # fmt: skip
-    rdzv_id: str = option("none", "not supported (leave 'none')", Fronts.LAUNCHER,
+    rdzv_id: str = option("none", "not supported (leave 'none')", Front.LAUNCHER,
                           check=_no_rdzv_id)  # fmt: skip
     max_restarts: int = option(
         0, "restarts of a failed world", _WORLD, parse=int,
@@ -276,7 +291,7 @@ class LaunchRequest:
     )  # fmt: skip
     log_line_prefix_template: str | None = option(
         None, "prefix of each output line; ${rank}, ${local_rank} and ${role_name} are "
-        "replaced (default: [rank N])", Fronts.LAUNCHER,
+        "replaced (default: [rank N])", Front.LAUNCHER,
         check=check_line_prefix,
     )  # fmt: skip
     start_method: str = option(
@@ -290,9 +305,9 @@ class LaunchRequest:
     cpu: bool = option(False, "CPU ranks (gloo), even with GPUs", _LOCAL, check=_flag("cpu"))
     backend: str | None = option(
         None, "process-group backend of the pool (gloo, nccl...; default: the device's)",
-        Fronts.MAGIC, check=_text("backend"), metavar="B",
+        Front.MAGIC, check=_text("backend"), metavar="B",
     )  # fmt: skip
-    memory: bool = option(True, "the per-rank memory monitor", Fronts.LAUNCHER,
+    memory: bool = option(True, "the per-rank memory monitor", Front.LAUNCHER,
                           check=_flag("memory"))  # fmt: skip
     hosts: str | Sequence[str] | None = option(
         None, "run the ranks on these hosts through ssh, one agent per host: node1:4,node2:4",
@@ -308,7 +323,7 @@ class LaunchRequest:
                              metavar="DIR")  # fmt: skip
     env: Mapping[str, str] | Sequence[str] | str | None = option(
         None, "variables of this environment forwarded to the hosts (names, comma-separated)",
-        _REMOTE, metavar="NAMES", flags={Fronts.CLI: ("--forward_env",)},
+        _REMOTE, metavar="NAMES", flags={Front.CLI: ("--forward_env",)},
     )  # fmt: skip
     ssh_args: Sequence[str] | None = option(
         None, "extra ssh arguments ('-p 2222 -i key')", _REMOTE, parse=shlex.split,
@@ -371,7 +386,7 @@ class LaunchRequest:
 
     # ------------------------------------------------------------------ the fronts
     @classmethod
-    def options(cls, front: Fronts = Fronts.ALL | Fronts.REMOTE) -> dict[str, Option]:
+    def options(cls, front: Front = Front.ALL | Front.REMOTE) -> dict[str, Option]:
         """The options that apply to ``front`` (any of several), by field name, in order."""
         return {
             item.name: item.metadata["option"]
@@ -391,7 +406,7 @@ class LaunchRequest:
         }
 
     @classmethod
-    def create(cls, front: Fronts = Fronts.LAUNCHER, **given: Any) -> LaunchRequest:
+    def create(cls, front: Front = Front.LAUNCHER, **given: Any) -> LaunchRequest:
         """A request from keywords; a name that ``front`` does not take is a TypeError naming
         the ones it does."""
         known = cls.options(front)
@@ -404,7 +419,7 @@ class LaunchRequest:
         return cls(**given)
 
     @classmethod
-    def from_parsed(cls, parsed: Any, front: Fronts, **overrides: Any) -> LaunchRequest:
+    def from_parsed(cls, parsed: Any, front: Front, **overrides: Any) -> LaunchRequest:
         """A request from a text front's parsed flags (``argparse.Namespace``): the options
         given there (not None), then ``overrides``."""
         given = {
@@ -415,7 +430,7 @@ class LaunchRequest:
         return cls.create(front, **{**given, **overrides})
 
     @classmethod
-    def arguments(cls, front: Fronts) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+    def arguments(cls, front: Front) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
         """``front``'s options as ``add_argument`` calls: name -> (flags, keywords)."""
         defaults = cls.defaults()
         return {

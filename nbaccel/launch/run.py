@@ -18,15 +18,16 @@ from nbaccel.launch.driver.group import WorkerGroup
 from nbaccel.launch.driver.loop import ONE_SHOT, CallReport, CallState, Settle, run_once
 from nbaccel.launch.driver.render import Renderer, TextRenderer
 from nbaccel.launch.host.host_ram import estimate_host_ram, warn_if_short
+from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.launchers.xla import (
     XlaLauncher,
     local_layout,
     run_xla_process,
     use_compile_cache,
 )
-from nbaccel.launch.plan import Front, LaunchPlan, free_port
+from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.registry import make_launcher
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import Inline, Mode
 from nbaccel.launch.wire.transport import Packed, pack
@@ -112,17 +113,16 @@ def run_function(
 def launch_xla(
     function: Callable[..., Any],
     args: tuple = (),
-    num_processes: int | None = None,
-    start_method: str = "fork",
+    request: LaunchRequest | None = None,
     *,
     renderer: Renderer | None = None,
-    mixed_precision: str = "no",
-    timeout: float | None = None,
     setup: Iterable[Callable[[], None]] = (),
     preload: Iterable[str] = (),
-    front: Front = Front.NOTEBOOK,
+    front: Front = Front.LAUNCHER,
+    **options: Any,
 ) -> list[Any]:
-    """Run ``function(*args)`` on every XLA device; the results by global rank (ordinal).
+    """Run ``function(*args)`` on every XLA device, as ``request`` says (without one,
+    ``options`` are its keywords: ``num_processes=1``); the results by global rank (ordinal).
 
     ``num_processes`` defaults to the local devices (one per TPU chip; ``CPU_NUM_DEVICES`` on
     the CPU). With one device and no ``num_processes`` the function runs here, in this process
@@ -130,16 +130,17 @@ def launch_xla(
     runs on one device in a forked process (torch-xla's ``nprocs=1``); any other value uses
     every device torch-xla sees (it cannot use a subset: limit devices with
     ``TPU_NUM_DEVICES`` / ``CPU_NUM_DEVICES`` instead), with a warning when the numbers differ.
-    With ``start_method="fork"`` (the Colab/Kaggle default) the processes inherit the function
-    and its arguments (a model passed in ``args`` is shared, not copied). Before anything
-    starts: an XLA runtime already initialised here is refused (a forked process could not use
-    it), and a :class:`~nbaccel.launch.host.host_ram.HostRamWarning` is given when the ranks would
-    need more host RAM than is available.
+    With ``start_method`` ``"auto"`` or ``"fork"`` (the Colab/Kaggle way) the processes inherit
+    the function and its arguments (a model passed in ``args`` is shared, not copied). Before
+    anything starts: an XLA runtime already initialised here is refused (a forked process could
+    not use it), and a :class:`~nbaccel.launch.host.host_ram.HostRamWarning` is given when the
+    ranks would need more host RAM than is available.
     """
     __tracebackhide__ = True
-    request = LaunchRequest(
-        num_processes=num_processes, start_method=start_method, mixed_precision=mixed_precision
-    )
+    if request is None:
+        request = LaunchRequest.create(front, **options)
+    elif options:
+        raise TypeError(f"pass either a LaunchRequest or its options, not both: {sorted(options)}")
     plan = LaunchPlan.create(front, request, xla=True)
     renderer = renderer or TextRenderer()
     processes, per_process = local_layout()  # ImportError naming torch-xla when it is absent
@@ -162,7 +163,7 @@ def launch_xla(
         renderer=renderer,
         setup=setup,
         preload=preload,
-        timeout=timeout,
+        timeout=request.timeout,
     )
     results: dict[int, Any] = {}
     for by_ordinal in report.values():

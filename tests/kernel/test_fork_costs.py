@@ -112,7 +112,7 @@ def test_a_pool_has_the_fork_server_import_ipythons_display_for_its_ranks():
     from nbaccel.notebook.kernel import pool as pool_module
     from nbaccel.notebook.preload import POOL_PRELOAD
 
-    pool_module.start_pool(2, None, Renderer())
+    pool_module.start_pool(renderer=Renderer(), num_processes=2)
     try:
         assert set(POOL_PRELOAD) <= get_forkserver().preloaded
         seen = notebook_launcher(_has_ipython_display, num_processes=2, renderer=Renderer())

@@ -246,8 +246,8 @@ def _pid():
 def test_preloaded_library_initialising_cuda_is_refused(tmp_path, monkeypatch):
     from nbaccel.launch.driver.render import TextRenderer
     from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
-    from nbaccel.launch.plan import Front, LaunchPlan
-    from nbaccel.launch.request import LaunchRequest
+    from nbaccel.launch.plan import LaunchPlan
+    from nbaccel.launch.request import Front, LaunchRequest
     from nbaccel.launch.run import run_function
 
     (tmp_path / "gpu_lib_at_import.py").write_text(CUDA_AT_IMPORT)

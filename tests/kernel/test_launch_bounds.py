@@ -17,6 +17,7 @@ from kernel import cell_text, run_notebook
 
 from nbaccel import notebook_launcher
 from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.notebook.kernel.pool import Pool
 
 _TOO_MANY = 10**6  # more threads than any pid_max allows (4 194 304 at most)
@@ -38,7 +39,7 @@ def test_notebook_launcher_refuses_more_ranks_than_the_machine_holds(n):
 
 def test_the_pool_refuses_more_ranks_than_the_machine_holds():
     with pytest.raises(ValueError, match="Use at most"):
-        Pool(_TOO_MANY)
+        Pool(LaunchRequest(num_processes=_TOO_MANY))
 
 
 def test_nbaccel_launch_refuses_more_ranks_than_the_machine_holds(tmp_path):

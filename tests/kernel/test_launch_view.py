@@ -25,7 +25,7 @@ def sleeps():
     time.sleep(60)
 """
 
-_ENGINE = ("loop.py", "group.py", "rank_ends.py", "selectors.py", "run.py")
+_ENGINE = ("loop.py", "group.py", "rank_ends.py", "rank_output.py", "selectors.py", "run.py")
 
 
 def test_failure_summary_counts_the_failed_rank_and_no_engine_frame_shows():

@@ -45,9 +45,10 @@ def test_launch_xla_forks_shares_the_model_and_returns_results():
 
 def test_default_is_every_local_device_and_the_fork_server_never_loads_xla():
     from nbaccel.launch.launchers.forkserver import get_forkserver
-    from nbaccel.launch.plan import Front, default_num_processes
+    from nbaccel.launch.plan import default_num_processes
+    from nbaccel.launch.request import Front
 
-    assert default_num_processes(Front.NOTEBOOK, xla=True) == DEVICES
+    assert default_num_processes(Front.LAUNCHER, xla=True) == DEVICES
     server = get_forkserver()
     server.wait_ready()
     with open(f"/proc/{server.pid}/maps") as maps:

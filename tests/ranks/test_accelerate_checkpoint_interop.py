@@ -2,8 +2,9 @@
 and Accelerate resumes what nbaccel's wrote.
 
 - A tiny folder in Accelerate's layout (``tests/fixtures/accelerate_checkpoint``, written by
-  :func:`write_accelerate_layout` below: ``python tests/ranks/test_accelerate_checkpoint_interop.py``
-  writes it again) loads into nbaccel without accelerate installed.
+  :func:`write_accelerate_layout` below:
+  ``python tests/ranks/test_accelerate_checkpoint_interop.py`` writes it again) loads into
+  nbaccel without accelerate installed.
 - With accelerate installed, both directions on 2 real ranks: weights, optimizer, scheduler,
   registered object, every generator of every rank, the step and a stateful loader's position.
 """

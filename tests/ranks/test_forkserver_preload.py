@@ -1,9 +1,9 @@
 """The fork server refuses to fork ranks once a preloaded module initialised CUDA at import.
 
 On a machine without CUDA the library is simulated by a module that marks torch's CUDA state
-initialised (what ``torch.cuda.init()`` leaves behind); ``tests/kernel/test_gpu_launch.py`` does it for
-real on a GPU. Either way the launch must fail before any rank starts, naming the module and the
-fix, and the next launch must get a fresh, working server.
+initialised (what ``torch.cuda.init()`` leaves behind); ``tests/kernel/test_gpu_launch.py`` does
+it for real on a GPU. Either way the launch must fail before any rank starts, naming the module
+and the fix, and the next launch must get a fresh, working server.
 """
 
 import sys
@@ -12,8 +12,8 @@ import pytest
 
 from nbaccel.launch.driver.render import TextRenderer
 from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
-from nbaccel.launch.plan import Front, LaunchPlan
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import run_function
 
 CUDA_AT_IMPORT = "import torch\ntorch.cuda._initialized = True  # as torch.cuda.init() leaves it\n"

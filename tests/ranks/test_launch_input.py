@@ -52,7 +52,7 @@ def test_accelerates_string_port_is_accepted():
     def port():
         return os.environ["MASTER_PORT"]
 
-    free = str(__import__("nbaccel.launch.plan", fromlist=["free_port"]).free_port())
+    free = str(__import__("nbaccel.launch.host.ports", fromlist=["free_port"]).free_port())
     assert notebook_launcher(port, num_processes=2, use_port=free, renderer=Renderer()) == [
         free,
         free,

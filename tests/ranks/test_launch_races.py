@@ -173,9 +173,11 @@ def test_a_silent_connection_to_the_channel_stalls_nothing(monkeypatch):
 
     def start_then_connect(self, *args, **kwargs):
         start(self, *args, **kwargs)
-        family = socket.AF_UNIX if self._listener.address.family == "unix" else socket.AF_INET
+        family = (
+            socket.AF_UNIX if self.connections.listener.address.family == "unix" else socket.AF_INET
+        )
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.connect(self._listener.address.location)  # and then never a byte
+        sock.connect(self.connections.listener.address.location)  # and then never a byte
         silent.append(sock)
 
     monkeypatch.setattr(WorkerGroup, "start", start_then_connect)

@@ -17,9 +17,9 @@ from IPython.core.error import UsageError
 
 from nbaccel import notebook_launcher
 from nbaccel.commands._launch_parser import launch_command_parser
-from nbaccel.launch.plan import Front, LaunchPlan
+from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.remote.options import RemoteOptions, remote_options
-from nbaccel.launch.request import Fronts, LaunchRequest, option, positive_number
+from nbaccel.launch.request import Front, LaunchRequest, option, positive_number
 from nbaccel.notebook.kernel.magics import DistributedMagics
 
 # Accelerate's notebook_launcher, in its order: positional callers keep working
@@ -38,7 +38,7 @@ def _flags(parser) -> dict[str, set[str]]:
     return flags
 
 
-def _check_text_front(parser, front: Fronts) -> None:
+def _check_text_front(parser, front: Front) -> None:
     flags = _flags(parser)
     for name, spec in LaunchRequest.options(front).items():
         assert spec.dest(name, front) in flags, f"{front} lacks {name}"
@@ -51,25 +51,25 @@ def test_notebook_launcher_takes_every_launcher_option():
     params = inspect.signature(notebook_launcher).parameters
     assert list(params)[: len(ACCELERATE_POSITIONAL)] == ACCELERATE_POSITIONAL
     defaults = LaunchRequest.defaults()
-    options = LaunchRequest.options(Fronts.LAUNCHER)
+    options = LaunchRequest.options(Front.LAUNCHER)
     explicit = [p for p in params if p not in ("function", "args", "renderer", "options")]
     assert set(explicit) <= set(options)
     for name in explicit:  # the same default in the signature as in the request
         assert params[name].default == defaults[name], name
     assert params["options"].kind == inspect.Parameter.VAR_KEYWORD  # the rest: all of them
-    LaunchRequest.create(Fronts.LAUNCHER, **{n: defaults[n] for n in options})
+    LaunchRequest.create(Front.LAUNCHER, **{n: defaults[n] for n in options})
     with pytest.raises(TypeError, match="unknown launch option.*backend.*the options are"):
         notebook_launcher(print, backend="gloo")  # the pool's option, not the launcher's
 
 
 def test_the_magic_offers_every_magic_option():
-    _check_text_front(DistributedMagics.distributed.parser, Fronts.MAGIC)
+    _check_text_front(DistributedMagics.distributed.parser, Front.MAGIC)
     for name in ("ssh_args", "srun_args", "channel_address"):  # once lost by the magic
-        assert name in LaunchRequest.options(Fronts.MAGIC)
+        assert name in LaunchRequest.options(Front.MAGIC)
 
 
 def test_nbaccel_launch_offers_every_command_line_option():
-    _check_text_front(launch_command_parser(), Fronts.CLI)
+    _check_text_front(launch_command_parser(), Front.CLI)
     args = launch_command_parser().parse_args(
         ["--num_machines", "2", "--main_process_port", "29555", "--hosts", "a:1", "x.py"]
     )
@@ -78,7 +78,7 @@ def test_nbaccel_launch_offers_every_command_line_option():
 
 def test_remote_options_are_the_requests():
     keywords = set(inspect.signature(remote_options).parameters) - {"kind", "num_processes"}
-    remote = set(LaunchRequest.options(Fronts.REMOTE)) - {"launcher", "num_processes"}
+    remote = set(LaunchRequest.options(Front.REMOTE)) - {"launcher", "num_processes"}
     assert keywords == remote
     fields = {f.name for f in dataclasses.fields(RemoteOptions)}
     assert remote - {"hosts"} <= fields  # hosts become the layout
@@ -105,7 +105,7 @@ def test_mixed_precision_is_checked_once_for_every_front():
         LaunchRequest(mixed_precision="fp12")
     with pytest.raises(ValueError, match="Unknown mixed_precision"):
         LaunchRequest(mixed_precision="fp12", hosts="a:1")  # over hosts too
-    plan = LaunchPlan.create(Front.NOTEBOOK, LaunchRequest(mixed_precision="BF16", cpu=True))
+    plan = LaunchPlan.create(Front.LAUNCHER, LaunchRequest(mixed_precision="BF16", cpu=True))
     assert plan.mixed_precision == "bf16"
 
 
@@ -136,15 +136,15 @@ class _WithOneMore(LaunchRequest):
     """What adding an option looks like: one field (here in a subclass, for the test)."""
 
     log_every: float = option(
-        10.0, "seconds between summaries", Fronts.ALL, check=positive_number("log_every"),
+        10.0, "seconds between summaries", Front.ALL, check=positive_number("log_every"),
         parse=float,
     )  # fmt: skip
 
 
 def test_adding_an_option_is_one_edit():
-    flags, keywords = _WithOneMore.arguments(Fronts.MAGIC)["log_every"]
+    flags, keywords = _WithOneMore.arguments(Front.MAGIC)["log_every"]
     assert flags == ("--log_every", "--log-every") and keywords["type"] is float
-    assert "log_every" in _WithOneMore.arguments(Fronts.CLI)
+    assert "log_every" in _WithOneMore.arguments(Front.CLI)
     assert _WithOneMore.create(log_every=5).log_every == 5
     with pytest.raises(ValueError, match="log_every must be a positive number"):
         _WithOneMore.create(log_every=0)

@@ -47,7 +47,7 @@ def _in_thread(after: float, action) -> threading.Thread:
 
 @pytest.mark.parametrize("what", ["restarted", "shut down"])
 def test_restart_or_shutdown_from_another_thread_during_a_call(what):
-    pool = pool_module.start_pool(2, renderer=Renderer())
+    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
     try:
         first = set(pool.pids.values())
         if what == "restarted":

@@ -14,7 +14,7 @@ from nbaccel.notebook.kernel import pool as pool_module
 
 
 def test_pulling_a_value_that_cannot_travel_names_it_and_says_what_to_do():
-    pool = pool_module.start_pool(2, renderer=Renderer())
+    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
     try:
         pool.run_cell(
             "import threading\n"

@@ -125,7 +125,7 @@ def _sampler_thread() -> tuple[int, int]:
 def test_an_idle_pools_memory_sampler_sleeps() -> None:
     from nbaccel.notebook.kernel import pool as pool_module
 
-    pool = pool_module.start_pool(2, renderer=Renderer())
+    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
     try:
         threads = pool.call(_sampler_thread)
         assert sorted(threads) == [0, 1]
@@ -154,7 +154,7 @@ def _keep_mib(n: int) -> None:
 def test_a_quick_calls_closing_sample_is_left_out_only_when_nothing_moved() -> None:
     from nbaccel.notebook.kernel import pool as pool_module
 
-    pool = pool_module.start_pool(1, renderer=Renderer())
+    pool = pool_module.start_pool(num_processes=1, renderer=Renderer())
     try:
 
         def samples(*call) -> list:

@@ -35,7 +35,7 @@ def _answer(x: int) -> int:
 
 @pytest.fixture
 def pool():
-    pool = pool_module.start_pool(2, renderer=Renderer())
+    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
     yield pool
     pool_module.shutdown_pool()
     pool.shutdown()

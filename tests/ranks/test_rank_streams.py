@@ -11,7 +11,7 @@ import threading
 from recorder import Recorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.rank_connections import RankConnections
+from nbaccel.launch.driver.rank_connections import ConnectionTable
 from nbaccel.launch.wire.channel import Listener, connect, new_secret
 
 
@@ -30,13 +30,13 @@ def _speak():
 
 def test_one_connection_per_rank_and_every_stream_keeps_its_rank(monkeypatch):
     accepted = []
-    original = RankConnections._start_handshake
+    original = ConnectionTable.start_handshake
 
     def counting(self):
         accepted.append(1)
         return original(self)
 
-    monkeypatch.setattr(RankConnections, "_start_handshake", counting)
+    monkeypatch.setattr(ConnectionTable, "start_handshake", counting)
     renderer = Recorder()
     assert notebook_launcher(_speak, num_processes=3, renderer=renderer) == [0, 1, 2]
     assert len(accepted) == 3

@@ -296,7 +296,7 @@ def test_private_folders_of_dead_processes_are_swept(monkeypatch):
 
     tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="sweep-"))  # short: it holds a socket
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(channel, "_swept", False)
+    monkeypatch.setattr(channel, "_swept_roots", set())
     try:
         _sweep_check(tmp_path)
     finally:

@@ -255,7 +255,7 @@ def test_a_pool_and_a_launch_in_one_kernel_name_their_own_ranks(capsys):
 
     report = run_function(local_plan(["h1:1", "h2:1"]), _raise_on_last, renderer=TextRenderer())
     try:  # a pool on this machine runs a cell before the launch's failure is raised
-        start_pool(2).run_cell("print('here')", renderer=TextRenderer())
+        start_pool(num_processes=2).run_cell("print('here')", renderer=TextRenderer())
     finally:
         shutdown_pool()
     assert "[rank 1] here" in capsys.readouterr().out  # the pool's ranks: no host

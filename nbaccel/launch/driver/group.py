@@ -18,30 +18,23 @@ import os
 import pickle
 import secrets
 import selectors
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
 
-from nbaccel.launch.driver.lines import Piece
 from nbaccel.launch.driver.output_budget import OutputBudget
-from nbaccel.launch.driver.rank_connections import HANDSHAKE, RankConnections
-from nbaccel.launch.driver.rank_ends import EVENTS, OUTPUT, RankEnds
+from nbaccel.launch.driver.rank_connections import EVENTS, HANDSHAKE, LISTENER, ConnectionTable
+from nbaccel.launch.driver.rank_ends import EndWatcher, still_draining
+from nbaccel.launch.driver.rank_output import OutputReader
 from nbaccel.launch.driver.rank_state import Outcome, RankState
 from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.rank import notebook_state
-from nbaccel.launch.wire.channel import (
-    INCOMPLETE,
-    Connection,
-    Handshake,
-    Listener,
-    encode,
-    new_secret,
-    readable,
-)
+from nbaccel.launch.wire.channel import INCOMPLETE, encode, new_secret
 from nbaccel.launch.wire.errors import result_not_loadable
 from nbaccel.launch.wire.labels import RankLabels
-from nbaccel.launch.wire.protocol import Message, OutcomeKind, Stream
+from nbaccel.launch.wire.protocol import Message, OutcomeKind
 from nbaccel.launch.wire.spec import Mode, Work, WorkerSpec
 from nbaccel.launch.wire.transport import (
     Packed,
@@ -56,9 +49,9 @@ from nbaccel.launch.wire.transport import (
 
 __all__ = ["Outcome", "WorkerGroup"]
 
-# what a ready selector key is (the key's data is (source, rank, stream))
-_LISTENER, _WAKE = "listener", "wake"
-_EVENTS, _OUTPUT = EVENTS, OUTPUT
+# what a ready selector key is (the key's data is (source, rank, stream)); the others: see
+# rank_connections
+_WAKE = "wake"
 # ranks asked of the launcher at once: enough that a launch of a few ranks costs one round trip
 # to the fork server, few enough that the ranks already up are authenticated between batches
 _START_BATCH = 16
@@ -67,12 +60,14 @@ _START_BATCH = 16
 _CHECK_EVERY = 0.05
 
 
-class WorkerGroup(RankConnections, RankEnds):
+class WorkerGroup:
     """``num_processes`` worker processes connected to this driver.
 
-    How its ranks connect: :class:`~nbaccel.launch.driver.rank_connections.RankConnections`;
-    how their ends are seen and how they are stopped:
-    :class:`~nbaccel.launch.driver.rank_ends.RankEnds`.
+    It holds the parts that do the work: how its ranks connect,
+    :attr:`connections` (:class:`~nbaccel.launch.driver.rank_connections.ConnectionTable`);
+    how their ends are seen and how they are stopped, :attr:`ends`
+    (:class:`~nbaccel.launch.driver.rank_ends.EndWatcher`); what they print becomes lines
+    through an :class:`~nbaccel.launch.driver.rank_output.OutputReader`.
 
     Args:
         num_processes: ranks started on this machine.
@@ -112,7 +107,6 @@ class WorkerGroup(RankConnections, RankEnds):
         self.labels = RankLabels(
             launcher.hosts_by_rank, line_prefix, {global_rank(i): i for i in range(num_processes)}
         )
-        self.renderer = renderer
         self.output = output or OutputBudget()
         self.output.notice = lambda text: self.renderer.notice(text)
         self.output.labels = self.labels
@@ -125,17 +119,22 @@ class WorkerGroup(RankConnections, RankEnds):
         launcher.add_preload(notebook_state.modules(self._notebook_state))
         self._local_rendezvous = local_rendezvous
         self._secret = new_secret()
-        self._launch_id = secrets.token_hex(6)
-        self._listener: Listener | None = None
         self._selector = selectors.DefaultSelector()
-        #: the ranks' open output connections (each call's end reads what they hold)
-        self._outputs: dict[Connection, tuple[RankState, str]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._handshakes: set[Handshake] = set()
         self._news, self._checked_at = True, 0.0  # see _CHECK_EVERY
         self._ranks = [RankState(global_rank(i)) for i in range(num_processes)]
         self._by_rank = {r.rank: r for r in self._ranks}
+        #: the listener, the handshakes and the ranks' connections
+        self.connections = ConnectionTable(
+            self._selector, self._by_rank, secrets.token_hex(6), self._notice
+        )
+        #: sees the ranks' ends and stops them
+        self.ends = EndWatcher(
+            self._ranks, self._selector, self.pump_until, self.connections.error_path
+        )
+        self._reader = OutputReader(self.connections, self.output, renderer)
+        self.renderer = renderer
         self._call_ids = itertools.count(1)
         self._current_call: int | None = None
         self.outcomes_recorded = 0  # all calls and ranks: a waiter looks again when it grows
@@ -153,6 +152,10 @@ class WorkerGroup(RankConnections, RankEnds):
     def renderer(self, renderer: Renderer) -> None:
         renderer.use_labels(self.labels)
         self._renderer = renderer
+        self._reader.renderer = renderer
+
+    def _notice(self, text: str) -> None:
+        self._renderer.notice(text)
 
     @property
     def ranks(self) -> list[int]:
@@ -176,10 +179,9 @@ class WorkerGroup(RankConnections, RankEnds):
     def start(self, timeout: float = 180.0) -> None:
         """Start every worker and wait until each has connected and loaded its work."""
         sweep_segments()  # shared memory left by a kernel that died mid-launch
-        self._listener = Listener(
+        self.connections.listen(
             self._secret, self.launcher.channel_host, backlog=3 * self.num_processes + 16
         )
-        self._selector.register(self._listener, selectors.EVENT_READ, (_LISTENER, None, None))
         self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None, None))
         self.launcher.prepare()
         self.launcher.add_wakeup(self._wake)
@@ -205,25 +207,25 @@ class WorkerGroup(RankConnections, RankEnds):
 
     def _spec(self, index: int, state: RankState) -> WorkerSpec:
         """What the rank at ``index`` is started with."""
-        env = self._env_for_rank(index)
+        env, listener = self._env_for_rank(index), self.connections.listener
         if self._local_rendezvous:
             # One machine: the process group meets in a file inside the listener's private
             # directory instead of torch's TCPStore, which would listen on every interface.
-            env["NBACCEL_INIT_METHOD"] = f"file://{self._listener.private_path('store')}"
+            env["NBACCEL_INIT_METHOD"] = f"file://{listener.private_path('store')}"
         return WorkerSpec(
             rank=state.rank,
             index=index,
             env=env,
             sys_path=list(sys.path),
             cwd=os.getcwd(),
-            address=self._listener.address,
+            address=listener.address,
             secret=self._secret,
-            launch_id=self._launch_id,
+            launch_id=self.connections.launch_id,
             mode=self.mode,
             work=self._work,
             threads=self._threads,
             setup=self._setup,
-            error_path=self._listener.private_path(f"rank-{state.rank}.error"),
+            error_path=self.connections.error_path(state.rank),
             argv=list(sys.argv),
             notebook_state=self._notebook_state,
         )
@@ -234,26 +236,26 @@ class WorkerGroup(RankConnections, RankEnds):
         ready = self._selector.select(timeout)
         for key, _ in ready:
             kind, rank, stream = key.data
-            if kind == _LISTENER:
-                self._start_handshake()
+            if kind == LISTENER:
+                self.connections.start_handshake()
             elif kind == HANDSHAKE:
-                self._accept(key.fileobj)
+                self.connections.accept(key.fileobj)
             elif kind == _WAKE:
                 self._news = True
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
-            elif kind == _EVENTS:
+            elif kind == EVENTS:
                 self._read_event(self._by_rank[rank])
-            else:
-                self._read_output(self._by_rank[rank], stream, key.fileobj)
-        if self._handshakes:
-            self._expire_handshakes()
+            elif self._reader.read(self._by_rank[rank], stream, key.fileobj):
+                self._news = True  # a stream's end: its process may have ended
+        if self.connections.handshakes:
+            self.connections.expire_handshakes()
         for text in self.launcher.take_notices():
             self.renderer.notice(text)
         now = time.monotonic()
         if self._news or not ready or now - self._checked_at > _CHECK_EVERY:
             self._news, self._checked_at = False, now
-            self._check_processes()
+            self.outcomes_recorded += self.ends.check(self._current_call)
         return len(ready)
 
     def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
@@ -266,52 +268,6 @@ class WorkerGroup(RankConnections, RankEnds):
             self.pump(wait)
         return True
 
-    def _read_output(self, state: RankState, stream: str, conn: Connection) -> None:
-        try:
-            data = conn.sock.recv(1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        self._still_draining(state)
-        if not data:
-            self._news = True  # a stream's end: its process may have ended
-            self._selector.unregister(conn)
-            self._outputs.pop(conn, None)
-            conn.close()
-            state.streams_open.discard(stream)
-            self._flush_partial(state, stream)
-            return
-        state.printed = True
-        for piece in state.lines[stream].feed(data):
-            self._show(state, stream, piece)
-
-    def _flush_partial(self, state: RankState, stream: str) -> None:
-        """Pass on the unfinished last line of ``stream`` (its rank ended, or its call did)."""
-        for piece in state.lines[stream].flush():
-            self._show(state, stream, piece)
-        if stream == Stream.STDERR:
-            for text in state.stack_dump.flush():
-                self._pass(state, stream, text, False, True)
-
-    def _show(self, state: RankState, stream: str, piece: Piece) -> None:
-        """A piece of a line to the notebook; a stack dump's lines without nbaccel's frames."""
-        if stream != Stream.STDERR or piece.continues or not piece.complete:
-            self._pass(state, stream, piece.text, piece.continues, piece.complete)
-            return
-        for text in state.stack_dump.feed(piece.text):
-            self._pass(state, stream, text, False, True)
-
-    def _pass(
-        self, state: RankState, stream: str, text: str, continues: bool, complete: bool
-    ) -> None:
-        """A line to the renderer, or to the log file once the output budget is spent."""
-        shown = self.output.take(state.rank, stream, text, continues, complete)
-        if shown is not None:
-            self.renderer.line(state.rank, stream, shown)
-        else:
-            self.renderer.overflow(state.rank, stream, text)
-
     def _read_event(self, state: RankState) -> None:
         """Handle the messages that woke the selector: one read, then every whole message it
         brought (a rank's last events and its outcome come in one write). A message not whole
@@ -323,16 +279,14 @@ class WorkerGroup(RankConnections, RankEnds):
                     return
             except (EOFError, OSError, pickle.UnpicklingError):
                 self._news = True
-                self._selector.unregister(state.events)
-                state.events.close()
-                state.events_closed = True
+                self.connections.close_events(state)
                 return
             self._handle_event(state, message)
             if not state.events.buffered():
                 return
 
     def _handle_event(self, state: RankState, message: tuple) -> None:
-        self._still_draining(state)
+        still_draining(state)
         tag = message[0]
         if tag == Message.READY:
             state.ready = True
@@ -409,19 +363,8 @@ class WorkerGroup(RankConnections, RankEnds):
         """A call is over: show what its ranks printed last, partial lines included (a
         ``print(..., end="")`` must not wait for the next call's newline), and say what the
         output limit held back."""
-        by_socket = {conn.sock: conn for conn in self._outputs}  # sockets: fileno() in C
-        waiting = list(by_socket)
-        while waiting:
-            ready = readable(waiting)
-            for sock in ready:
-                conn = by_socket[sock]
-                self._read_output(*self._outputs[conn], conn)
-            waiting = [sock for sock in ready if by_socket[sock] in self._outputs]  # not at end
-        for state in self._ranks:
-            if state.printed:  # else nothing of it waits in a partial line
-                state.printed = False
-                for stream in list(state.lines):
-                    self._flush_partial(state, stream)
+        self._reader.drain()
+        self._reader.flush_printed(self._ranks)
         self.output.end()
 
     def outcomes(self, call_id: int, ranks: Iterable[int] | None = None) -> dict[int, Outcome]:
@@ -445,6 +388,35 @@ class WorkerGroup(RankConnections, RankEnds):
                 return False
         self._checked_at = time.monotonic()  # none ended: the next pump need not look again
         return True
+
+    # ------------------------------------------------------------------ ends (see EndWatcher)
+    def dead_unreported(self, call_id: int) -> list[int]:
+        """Ranks whose process has ended without an outcome for ``call_id`` recorded yet."""
+        return self.ends.dead_unreported(call_id)
+
+    def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:
+        """Send ``sig`` to ``ranks`` (default all) and everything they started."""
+        self.ends.signal_all(sig, ranks)
+
+    def dump_stacks(self, ranks: Iterable[int]) -> bool:
+        """Ask ``ranks`` to print their threads' stacks; False where no signal does it."""
+        return self.ends.dump_stacks(ranks)
+
+    def ignoring(self, sig: int, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose process ignores ``sig``."""
+        return self.ends.ignoring(sig, ranks)
+
+    def release(self) -> None:
+        """Tell one-shot ranks that every rank has reported: they may exit now."""
+        self.ends.release()
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Pump until every rank's process has ended; False when ``timeout`` s passed first."""
+        return self.ends.wait_exit(timeout)
+
+    def stop(self, grace: float = 2.0, first: int = signal.SIGTERM) -> None:
+        """Stop every rank: ``first`` signal, then SIGKILL after ``grace`` seconds."""
+        self.ends.stop(grace, first)
 
     def release_shared(self) -> None:
         """Unlink shared tensor files once every rank has mapped them."""
@@ -486,14 +458,8 @@ class WorkerGroup(RankConnections, RankEnds):
             }
         self.launcher.remove_wakeup(self._wake)
         self.launcher.close()
-        for key in list(self._selector.get_map().values()):
-            fileobj = key.fileobj
-            self._selector.unregister(fileobj)
-            if isinstance(fileobj, (Connection, Handshake)):
-                fileobj.close()
+        self.connections.close()
         self._selector.close()
-        if self._listener is not None:
-            self._listener.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.release_shared()

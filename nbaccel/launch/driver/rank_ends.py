@@ -7,7 +7,7 @@ at most :data:`DRAIN_MAX`), so its last words and its result still arrive, and t
 recorded as the outcome of the call it had not answered. Stopping is the other direction:
 a signal to every rank and its descendants, escalated to SIGKILL after a grace period.
 
-:class:`RankEnds` is the part of :class:`~nbaccel.launch.driver.group.WorkerGroup` that does both.
+:class:`EndWatcher` does both for a :class:`~nbaccel.launch.driver.group.WorkerGroup`.
 """
 
 from __future__ import annotations
@@ -17,35 +17,55 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 
+from nbaccel.launch.driver.rank_connections import EVENTS, OUTPUT
 from nbaccel.launch.driver.rank_state import Outcome, RankState
-from nbaccel.launch.wire.channel import Listener, readable
+from nbaccel.launch.wire.channel import readable
 from nbaccel.launch.wire.protocol import STACKS_SIGNAL, Message, OutcomeKind
 
-__all__ = ["DRAIN_IDLE", "DRAIN_MAX", "EVENTS", "OUTPUT", "RankEnds"]
+__all__ = ["DRAIN_IDLE", "DRAIN_MAX", "EndWatcher", "still_draining"]
 
 DRAIN_IDLE = 1.0  # s of silence after which a dead rank's open streams count as drained
 # at most this long after its death is seen, a dead rank's output is waited for: a process it
 # started may hold its stdout open and keep writing (its death comes from its exit status)
 DRAIN_MAX = 1.5
-# what a ready selector key carries for a rank's connections (the key's data: (kind, rank, ...))
-EVENTS, OUTPUT = "events", "output"
 
 
-class RankEnds:
-    """Death detection and stopping, for a group holding ``_ranks`` and a ``_selector``."""
+def still_draining(state: RankState) -> None:
+    """Something was read from ``state``'s rank: if it is dead, wait for its streams longer."""
+    if state.drain_deadline is not None:
+        state.drain_deadline = time.monotonic() + DRAIN_IDLE
 
-    _ranks: list[RankState]
-    _by_rank: dict[int, RankState]
-    _selector: selectors.BaseSelector
-    _listener: Listener | None
-    _current_call: int | None
-    outcomes_recorded: int
 
-    def pump_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
-        raise NotImplementedError
+class EndWatcher:
+    """Sees the ends of ``ranks`` and stops them.
+
+    Args:
+        ranks: the group's rank states (shared: the group records their outcomes too).
+        selector: where the ranks' connections are registered (a dead rank's waiting data).
+        pump_until: the group's loop, ``pump_until(done, timeout) -> bool``, run while waiting
+            for ranks to exit.
+        error_path: where a rank writes why it could not connect (``None``: nowhere yet).
+    """
+
+    def __init__(
+        self,
+        ranks: list[RankState],
+        selector: selectors.BaseSelector,
+        pump_until: Callable[[Callable[[], bool], float | None], bool],
+        error_path: Callable[[int], str | None],
+    ) -> None:
+        self._ranks = ranks
+        self._by_rank = {r.rank: r for r in ranks}
+        self._selector = selector
+        self._pump_until = pump_until
+        self._error_path = error_path
 
     # ------------------------------------------------------------------ ends seen
-    def _check_processes(self) -> None:
+    def check(self, current_call: int | None) -> int:
+        """Record the crash of each rank whose process ended and whose streams are drained,
+        as the outcome of ``current_call`` (when it was busy with it) or of its start (when it
+        never became ready); how many outcomes were recorded."""
+        recorded = 0
         for state in self._ranks:
             if state.process is None or state.process.poll() is None:
                 continue
@@ -61,14 +81,15 @@ class RankEnds:
                 detail=self._crash_detail(state),
                 lost=bool(state.process.lost),
             )
-            pending = self._current_call if state.busy_since is not None else None
+            pending = current_call if state.busy_since is not None else None
             if pending is not None and pending not in state.outcomes:
                 state.outcomes[pending] = crash
                 state.busy_since = None
-                self.outcomes_recorded += 1
+                recorded += 1
             if not state.ready and not state.outcomes:
                 state.outcomes[0] = crash
-                self.outcomes_recorded += 1
+                recorded += 1
+        return recorded
 
     def _drained(self, state: RankState) -> bool:
         """True once a dead process's streams were read to the end, or stayed silent for
@@ -95,7 +116,7 @@ class RankEnds:
             if key.data[0] in kinds and key.data[1] == state.rank
         ]
         if readable(waiting):
-            self._still_draining(state)
+            still_draining(state)
             return False
         return True
 
@@ -104,10 +125,11 @@ class RankEnds:
         wrote down when it could not connect to this driver."""
         if state.process is not None and state.process.lost:
             return state.process.lost
-        if self._listener is None or state.connected:
+        path = self._error_path(state.rank)
+        if path is None or state.connected:
             return ""
         try:
-            with open(self._listener.private_path(f"rank-{state.rank}.error")) as handle:
+            with open(path) as handle:
                 return handle.read(2000).strip()
         except OSError:
             return ""
@@ -120,14 +142,10 @@ class RankEnds:
             if call_id not in r.outcomes and r.process is not None and r.process.poll() is not None
         ]
 
-    @staticmethod
-    def _still_draining(state: RankState) -> None:
-        if state.drain_deadline is not None:
-            state.drain_deadline = time.monotonic() + DRAIN_IDLE
-
     # ------------------------------------------------------------------ stopping
     def signal_all(self, sig: int, ranks: Iterable[int] | None = None) -> None:
-        targets = self.ranks if ranks is None else ranks
+        """Send ``sig`` to ``ranks`` (default all) and everything they started."""
+        targets = self._by_rank if ranks is None else ranks
         for rank in targets:
             state = self._by_rank[rank]
             if state.process is not None:
@@ -166,7 +184,8 @@ class RankEnds:
                     pass
 
     def wait_exit(self, timeout: float) -> bool:
-        return self.pump_until(
+        """Pump until every rank's process has ended; False when ``timeout`` s passed first."""
+        return self._pump_until(
             lambda: all(r.process is None or r.process.poll() is not None for r in self._ranks),
             timeout,
         )

@@ -346,22 +346,29 @@ class ForkServer:
         self._listeners.clear()
 
 
-_server: ForkServer | None = None
-_server_lock = threading.Lock()
+class _ProcessWide:
+    """The process's one fork server, and the lock that guards (re)starting it."""
+
+    def __init__(self) -> None:
+        self.server: ForkServer | None = None
+        self.lock = threading.Lock()
+
+
+_process_wide = _ProcessWide()
 
 
 def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
     """The process-wide fork server, (re)started when needed, with ``preload`` imported."""
-    global _server
-    with _server_lock:
-        if _server is None or not _server.alive():
-            if _server is not None:
-                _server.close()  # reap the dead one, close its pipes
+    with _process_wide.lock:
+        server = _process_wide.server
+        if server is None or not server.alive():
+            if server is not None:
+                server.close()  # reap the dead one, close its pipes
             sweep_segments()  # a new kernel: reclaim the shared memory of dead ones
-            _server = ForkServer(preload)
+            server = _process_wide.server = ForkServer(preload)
         else:
-            _server.preload(preload)
-        return _server
+            server.preload(preload)
+        return server
 
 
 _TELL_WAIT_AFTER = 0.25  # seconds a launch waits for the server before it says so
@@ -429,9 +436,8 @@ class ForkServerLauncher(ProcessLauncher):
 
 def shutdown_forkserver() -> None:
     """Stop and reap the process-wide fork server (at exit, or when asked)."""
-    global _server
-    with _server_lock:
-        server, _server = _server, None
+    with _process_wide.lock:
+        server, _process_wide.server = _process_wide.server, None
     if server is not None:
         server.close()
 

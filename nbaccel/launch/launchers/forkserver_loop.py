@@ -114,19 +114,24 @@ def cuda_refusal(module: str) -> str:
     )
 
 
-_cuda_culprit: str | None = None  # server side: the first module whose import initialised CUDA
-_inherited: frozenset[str] | None = None  # server side: the modules every rank forked now gets
+class _Preloaded:
+    """What the server's preloading did (server side; a rank forked from it inherits it)."""
+
+    cuda_culprit: str | None = None  # the first module whose import initialised CUDA
+    inherited: frozenset[str] | None = None  # the modules every rank forked now gets
+
+
+_preloaded = _Preloaded()
 
 
 def inherited_modules() -> frozenset[str] | None:
     """In a rank forked by the server: the modules it had imported for it (what ``sys.modules``
     held at the fork); None elsewhere. What a rank imports beyond them is its own start-up
     cost, paid again by every rank of every launch."""
-    return _inherited
+    return _preloaded.inherited
 
 
 def _preload(modules: Iterable[str], strict: bool) -> None:
-    global _cuda_culprit, _inherited
     for module in modules:
         try:
             __import__(module)
@@ -137,9 +142,9 @@ def _preload(modules: Iterable[str], strict: bool) -> None:
             # (or does without it: IPython's display on a host that lacks IPython).
             if not _not_installed(exc, module):
                 print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
-        if _cuda_culprit is None and _cuda_initialized():
-            _cuda_culprit = module
-    _inherited = frozenset(sys.modules)
+        if _preloaded.cuda_culprit is None and _cuda_initialized():
+            _preloaded.cuda_culprit = module
+    _preloaded.inherited = frozenset(sys.modules)
 
 
 def _not_installed(exc: Exception, module: str) -> bool:
@@ -177,8 +182,9 @@ def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Re
     if request[0] == ServerMessage.PRELOAD:
         _preload(request[1], strict=False)
         return True
-    if _cuda_culprit is not None:
-        write_frame(stdout, (ServerMessage.REFUSED, request[1], cuda_refusal(_cuda_culprit)))
+    if _preloaded.cuda_culprit is not None:
+        refusal = cuda_refusal(_preloaded.cuda_culprit)
+        write_frame(stdout, (ServerMessage.REFUSED, request[1], refusal))
         return False
     _fork_rank(request, stdout, server_fds, reaper)
     return False

@@ -17,6 +17,7 @@ than Linux (no subreapers) the driver's tree kill at stop time is all there is.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import signal
@@ -30,18 +31,18 @@ DETACH_ENV = "NBACCEL_DETACH"
 KILL_AFTER = 1.0  # s between SIGTERM and SIGKILL for an orphan
 
 
-_prctl: Any = None  # libc's prctl, looked up once: the fork server's ranks inherit it ready
+@functools.cache
+def _prctl() -> Any:
+    """libc's prctl, looked up once: the fork server's ranks inherit it ready."""
+    return ctypes.CDLL(None, use_errno=True).prctl
 
 
 def become_subreaper() -> bool:
     """Adopt this process's orphaned descendants (Linux); False where unsupported."""
-    global _prctl
     if not os.path.exists("/proc/self"):
         return False
     try:
-        if _prctl is None:
-            _prctl = ctypes.CDLL(None, use_errno=True).prctl
-        return _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return _prctl()(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

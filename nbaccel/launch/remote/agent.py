@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.launchers.forkserver import ForkServer
 from nbaccel.launch.remote.messages import (
@@ -68,12 +69,6 @@ def _route_address(hub: str) -> str:
             return probe.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def relay_flags(relay: Relay, reading: bool = True) -> int:
@@ -326,7 +321,7 @@ class Agent:
             Kind.READY,
             {
                 "lid": lid,
-                "port": _free_port(),
+                "port": free_port(""),  # the world's MASTER_PORT, on every interface
                 "cwd": cwd,
                 "entrance": session.entrance_path,
                 "private": session.private,

@@ -221,7 +221,7 @@ class Address:
         return self.family == "unix" and not self.relayed
 
 
-_swept = False
+_swept_roots: set[str] = set()  # temp folders this process has swept already
 _PRIVATE_DIR = re.compile(r"^nbaccel-(\d+)-")
 #: longest temp folder that leaves room for ``/nbaccel-<pid>-<random>/channel`` in a socket path
 _LONGEST_ROOT = 64
@@ -233,12 +233,11 @@ def _private_dir() -> str:
     The first one a process makes also removes those left by processes of this user that no
     longer exist (a kernel killed with SIGKILL never runs its cleanup).
     """
-    global _swept
     root = tempfile.gettempdir()
     if len(root) > _LONGEST_ROOT and os.path.isdir("/tmp"):
         root = "/tmp"  # a Unix socket path must fit in ~104 bytes
-    if not _swept:
-        _swept = True
+    if root not in _swept_roots:
+        _swept_roots.add(root)
         _sweep_stale_dirs(root)
     return tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-", dir=root)  # 0700
 

@@ -18,8 +18,8 @@ from typing import Any
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
 from nbaccel.launch.driver.child_failed import as_child_failed
 from nbaccel.launch.driver.render import Renderer
-from nbaccel.launch.plan import Front, LaunchPlan, check_call
-from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.launch.plan import LaunchPlan, check_call
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import launch_xla, run_function
 from nbaccel.notebook.kernel.renderers import choose_renderer
 from nbaccel.notebook.preload import WORKER_PRELOAD
@@ -76,7 +76,7 @@ def notebook_launcher(
     """
     __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
     request = LaunchRequest.create(
-        Fronts.LAUNCHER,
+        Front.LAUNCHER,
         num_processes=num_processes,
         mixed_precision=mixed_precision,
         use_port=use_port,
@@ -122,19 +122,10 @@ def launch_request(
     hooks = worker_setup(memory=request.memory)
     renderer = renderer or choose_renderer()
     if xla:
-        return launch_xla(
-            function,
-            args,
-            request.num_processes,  # default: every local XLA device
-            "fork",
-            renderer=renderer,
-            mixed_precision=request.mixed_precision,
-            timeout=request.timeout,
-            setup=hooks,
-        )
+        return launch_xla(function, args, request, renderer=renderer, setup=hooks)
     try:
         report = run_function(
-            LaunchPlan.create(Front.NOTEBOOK, request),
+            LaunchPlan.create(Front.LAUNCHER, request),
             function,
             args,
             renderer=renderer,

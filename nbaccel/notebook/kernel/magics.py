@@ -23,7 +23,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from nbaccel.launch.launchers.forkserver import warm_up
-from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, add_to_message
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
@@ -37,9 +37,9 @@ _KNOWN_LINES = 64  # parsed %%distributed lines kept (DistributedMagics._options
 
 
 def _launch_options(magic: Callable[..., Any]) -> Callable[..., Any]:
-    """Declare the launch options that apply to ``%%distributed`` (``Fronts.MAGIC`` in
+    """Declare the launch options that apply to ``%%distributed`` (``Front.MAGIC`` in
     :class:`~nbaccel.launch.request.LaunchRequest`), in their order there."""
-    for flags, keywords in reversed(LaunchRequest.arguments(Fronts.MAGIC).values()):
+    for flags, keywords in reversed(LaunchRequest.arguments(Front.MAGIC).values()):
         magic = argument(*flags, **keywords)(magic)
     return magic
 
@@ -75,7 +75,7 @@ class DistributedMagics(Magics):
             if args is None:
                 return None
             with _bad_input_is_usage():
-                request = LaunchRequest.from_parsed(args, Fronts.MAGIC)
+                request = LaunchRequest.from_parsed(args, Front.MAGIC)
                 known = (args, request, parse_names(args.push))
             if len(self._known_lines) >= _KNOWN_LINES:
                 self._known_lines.clear()
@@ -211,14 +211,7 @@ class DistributedMagics(Magics):
         running = pool_module.get_pool()
         started = time.perf_counter()
         with _bad_input_is_usage():
-            pool = pool_module.start_pool(
-                request.num_processes,
-                request.backend,
-                renderer,
-                start_method=request.start_method,
-                remote=request.remote,
-                cpu=request.cpu,
-            )
+            pool = pool_module.start_pool(request, renderer)
         if pool is not running and not renderer.quiet:  # news, not a warning: stdout
             print(f"[nbaccel] pool ready in {time.perf_counter() - started:.1f} s.", flush=True)
         return pool

@@ -7,12 +7,13 @@ leave the pool usable when the ranks come back to idle; a rank that does not (a 
 collective, a crash) gets the pool restarted, with a message saying that names were lost.
 
     from nbaccel.notebook.kernel.pool import start_pool
-    pool = start_pool(2)
+    pool = start_pool(num_processes=2)
     pool.run_cell("import torch; x = torch.ones(1) * RANK", push={"RANK": 0})
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -22,11 +23,11 @@ from typing import Any
 from nbaccel.launch.driver.group import WorkerGroup
 from nbaccel.launch.driver.loop import POOL, CallState, run_call
 from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import describe_exit
-from nbaccel.launch.plan import Front, LaunchPlan, free_port
+from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.registry import make_launcher
-from nbaccel.launch.remote.options import RemoteOptions
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.spec import Mode
 from nbaccel.notebook.kernel import pool_status, pool_values
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
@@ -38,6 +39,10 @@ from nbaccel.notebook.rank.instrumentation import worker_setup
 __all__ = ["Pool", "PoolChangedError", "get_pool", "shutdown_pool", "start_pool"]
 
 _MPL_BACKEND = "module://nbaccel.notebook.rank.mpl_backend"
+# the options that say where a pool's ranks run (its hosts and how their agents start)
+_HOST_OPTIONS = tuple(
+    name for name in LaunchRequest.options(Front.REMOTE) if name != "num_processes"
+)
 
 
 class PoolChangedError(RuntimeError):
@@ -52,32 +57,22 @@ class Pool:
     no group of ranks is ever left without its pool.
 
     Args:
-        num_processes: number of ranks (default: ``LaunchPlan``'s pool default, one per GPU,
-            else 2).
-        backend: process-group backend (default: nccl on GPUs, gloo on CPU).
-        start_method: "auto" (fork server with torch preloaded), "spawn" or "fork".
-        cpu: CPU ranks even when GPUs are present (without GPUs, a pool runs CPU ranks).
-        remote: ranks on other hosts (``nbaccel.launch.remote.options.remote_options``): one
-            agent per host stays up with the pool.
+        request: what the pool is asked for (``%%distributed``'s options): ``num_processes``
+            (default: ``LaunchPlan``'s pool default, one per GPU, else 2), ``backend``
+            (default: nccl on GPUs, gloo on CPU), ``start_method``, ``cpu`` (CPU ranks even
+            when GPUs are present; without GPUs a pool runs CPU ranks) and the hosts (one agent
+            per host stays up with the pool). The options of a cell (``timeout``,
+            ``mixed_precision``) are each call's.
     """
 
-    def __init__(
-        self,
-        num_processes: int | None = None,
-        backend: str | None = None,
-        start_method: str = "auto",
-        cpu: bool = False,
-        remote: RemoteOptions | None = None,
-    ) -> None:
-        request = LaunchRequest(
-            num_processes=num_processes, start_method=start_method, cpu=cpu, backend=backend
-        )
+    def __init__(self, request: LaunchRequest | None = None) -> None:
+        self.request = request or LaunchRequest()
         self.plan = LaunchPlan.create(
-            Front.POOL, request, extra_env={"MPLBACKEND": _MPL_BACKEND}, remote=remote
+            Front.MAGIC, self.request, extra_env={"MPLBACKEND": _MPL_BACKEND}
         )
-        self.remote = remote
+        self.remote = self.plan.remote
         self.num_processes = self.plan.num_processes
-        self.backend = backend
+        self.backend = self.request.backend
         self.cpu = self.plan.cpu
         self.info: dict[int, dict[str, Any]] = {}
         self.group: WorkerGroup | None = None
@@ -113,26 +108,35 @@ class Pool:
         """The process group's backend as the ranks reported it (None before they did)."""
         return self.backend or self.info.get(0, {}).get("backend")
 
-    def serves(
-        self,
-        num_processes: int | None = None,
-        backend: str | None = None,
-        remote: RemoteOptions | None = None,
-        cpu: bool = False,
-    ) -> bool:
-        """Whether this running pool can run what asks for these settings, so that it is kept.
+    def serves(self, request: LaunchRequest) -> bool:
+        """Whether this running pool can run what ``request`` asks for, so that it is kept.
 
-        The one place that decides reuse: ``None`` (``cpu=False``) means "whatever the pool
-        has"; a named backend matches the one the ranks use (``gloo`` is what a default CPU pool
-        runs). How the ranks were started does not matter to a cell.
+        The one place that decides reuse: an option left out (``None``, ``cpu=False``) means
+        "whatever the pool has"; a named backend matches the one the ranks use (``gloo`` is what
+        a default CPU pool runs). How the ranks were started does not matter to a cell.
         """
         return (
             self.running
-            and num_processes in (None, self.num_processes)
-            and backend in (None, self.backend, self.effective_backend)
-            and remote in (None, self.remote)
-            and (self.cpu or not cpu)
+            and request.num_processes in (None, self.num_processes)
+            and request.backend in (None, self.backend, self.effective_backend)
+            and request.remote in (None, self.remote)
+            and (self.cpu or not request.cpu)
         )
+
+    def keeping(self, request: LaunchRequest) -> LaunchRequest:
+        """``request`` with what it leaves out taken from this pool's: its number of ranks
+        (unless new hosts bring their own), its backend, its hosts, CPU ranks."""
+        kept: dict[str, Any] = {}
+        if request.remote is None:
+            if request.num_processes is None:
+                kept["num_processes"] = self.num_processes
+            if self.remote is not None:
+                kept.update({name: getattr(self.request, name) for name in _HOST_OPTIONS})
+        if request.backend is None and self.backend is not None:
+            kept["backend"] = self.backend
+        if self.cpu and not request.cpu:
+            kept["cpu"] = True
+        return dataclasses.replace(request, **kept) if kept else request
 
     def start(self, renderer: Renderer | None = None, timeout: float = 180.0) -> None:
         """Start the ranks and initialise their process group (once)."""
@@ -368,37 +372,36 @@ def get_pool() -> Pool | None:
 
 
 def start_pool(
-    num_processes: int | None = None,
-    backend: str | None = None,
-    renderer: Renderer | None = None,
-    start_method: str = "auto",
-    remote: RemoteOptions | None = None,
-    cpu: bool = False,
+    request: LaunchRequest | None = None, renderer: Renderer | None = None, **options: Any
 ) -> Pool:
-    """The running pool when it can serve these settings (:meth:`Pool.serves`), else a new one
-    (the old one is shut down, with a notice on ``renderer``). ``None`` keeps the running pool's
-    value (``num_processes``, ``backend``, ``remote``), else takes the plan's default."""
+    """The running pool when it can serve ``request`` (:meth:`Pool.serves`), else a new one
+    (the old one is shut down, with a notice on ``renderer``). What the request leaves out
+    keeps the running pool's value (:meth:`Pool.keeping`), else takes the plan's default.
+
+    Without a request, ``options`` are its keywords: ``start_pool(num_processes=2)``.
+    """
     global _pool
+    if request is None:
+        request = LaunchRequest.create(Front.MAGIC, **options)
+    elif options:
+        raise TypeError(f"pass either a LaunchRequest or its options, not both: {sorted(options)}")
     with _registry:
         current = get_pool()
-        if current is not None and current.serves(num_processes, backend, remote, cpu):
+        if current is not None and current.serves(request):
             if renderer is not None:
                 renderer.start("", current.num_processes)
             return current
         if current is not None:  # what is not asked for stays as it is
-            if remote is None:  # new hosts bring their own number of ranks
-                num_processes = num_processes or current.num_processes
-            backend = backend if backend is not None else current.backend
-            remote = remote if remote is not None else current.remote
-            cpu = cpu or current.cpu
-        pool = Pool(num_processes, backend, start_method, cpu, remote)
+            request = current.keeping(request)
+        pool = Pool(request)
         if current is not None:  # the new settings are valid: only now stop the running pool
             if renderer is not None:
+                remote = pool.remote
                 where = f" on {remote.layout.describe()}" if remote is not None else ""
                 renderer.notice(
                     f"restarting the pool ({current.num_processes} -> {pool.num_processes} "
                     f"processes{where}, backend {current.effective_backend or 'default'} -> "
-                    f"{backend or 'default'}); names defined on the ranks are lost."
+                    f"{pool.backend or 'default'}); names defined on the ranks are lost."
                 )
             current.shutdown()
         if renderer is not None:

@@ -2,37 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from nbaccel.training.trackers import GeneralTracker, plain_values, require
+from nbaccel.training.tracker_backends.project_run import ProjectRunTracker
 
 
-class SwanLabTracker(GeneralTracker):
+class SwanLabTracker(ProjectRunTracker):
     """Logs to a SwanLab run whose project is ``run_name``; ``**kwargs`` go to ``swanlab.init``."""
 
     name = "swanlab"
-    requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__(run_name)
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
-    def start(self) -> None:
-        swanlab = require("swanlab", "swanlab", self.name)
-        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
-
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
-        swanlab = require("swanlab", "swanlab", self.name)
-        swanlab.config.update(plain_values(values))
-
-    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        self.run.log(plain_values(values), step=step, **kwargs)
-
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
+    library = "swanlab"
+    config_on_run = False  # swanlab.config: the current run's

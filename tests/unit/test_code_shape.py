@@ -1,0 +1,170 @@
+"""The shape of the code, checked from the source with ``ast``: files stay small, the engine
+keeps no module state assigned through ``global``, and a class in ``launch/`` holds the objects
+that do its parts rather than being assembled from mixins that share its private state."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "nbaccel"
+LAUNCH = ROOT / "launch"
+MAX_LINES = 500
+
+
+def _trees(folder: Path) -> dict[str, ast.Module]:
+    return {
+        str(path.relative_to(ROOT.parent)): ast.parse(path.read_text(), str(path))
+        for path in sorted(folder.rglob("*.py"))
+    }
+
+
+def _globals(tree: ast.Module) -> list[int]:
+    """Lines of ``global`` statements."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Global)]
+
+
+def _base_names(cls: ast.ClassDef) -> list[str]:
+    names = []
+    for base in cls.bases:
+        node = base.value if isinstance(base, ast.Subscript) else base
+        if isinstance(node, ast.Name):
+            names.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.append(node.attr)
+    return names
+
+
+# classes whose annotations are fields by design (the class builds or describes them)
+_FIELD_BASES = {"Protocol", "NamedTuple", "TypedDict", "Enum", "IntEnum", "StrEnum", "Exception"}
+
+
+def _borrowed_state(cls: ast.ClassDef) -> list[str]:
+    """Attributes the methods of ``cls`` read on ``self`` that the class only declares by
+    annotation (``_ranks: list[RankState]``) and never assigns: state another class provides,
+    which is what a mixin sharing private state looks like."""
+    decorated = {(d.func if isinstance(d, ast.Call) else d) for d in cls.decorator_list}
+    if any(getattr(d, "id", getattr(d, "attr", "")) == "dataclass" for d in decorated):
+        return []
+    if _FIELD_BASES & set(_base_names(cls)):
+        return []
+    declared = {
+        node.target.id
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign)
+        and node.value is None
+        and isinstance(node.target, ast.Name)
+    }
+    assigned, read = set(), set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "self":
+                (assigned if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node in cls.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if isinstance(node, ast.Assign) or node.value is not None:
+                assigned.update(t.id for t in targets if isinstance(t, ast.Name))
+    return sorted((declared & read) - assigned)
+
+
+def _sharing(trees: list[ast.Module]) -> set[str]:
+    """Names of the classes that use state they only annotate."""
+    return {
+        node.name
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and _borrowed_state(node)
+    }
+
+
+def _mixin_problems(tree: ast.Module, where: str, sharing: set[str] | None = None) -> list[str]:
+    """What in ``tree`` is a mixin, or is built from one (``sharing``: such classes of other
+    modules, by name)."""
+    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    sharing = (sharing or set()) | _sharing([tree])
+    problems = []
+    for cls in classes:
+        if borrowed := _borrowed_state(cls):
+            problems.append(f"{where}: {cls.name} uses state it only annotates: {borrowed}")
+        for base in _base_names(cls):
+            if base.endswith("Mixin") or base in sharing:
+                problems.append(f"{where}: {cls.name} inherits {base}")
+    return problems
+
+
+def test_no_file_over_the_limit():
+    long = {
+        name: count
+        for name, count in (
+            (str(p.relative_to(ROOT.parent)), len(p.read_text().splitlines()))
+            for p in ROOT.rglob("*.py")
+        )
+        if count > MAX_LINES
+    }
+    assert long == {}, f"split these by composition (objects a class holds): {long}"
+
+
+def test_the_engine_assigns_no_module_state_through_global():
+    found = {name: lines for name, tree in _trees(LAUNCH).items() if (lines := _globals(tree))}
+    assert found == {}
+
+
+def test_no_class_in_the_engine_is_built_from_mixins_sharing_private_state():
+    trees = _trees(LAUNCH)
+    sharing = _sharing(list(trees.values()))
+    problems = [p for name, tree in trees.items() for p in _mixin_problems(tree, name, sharing)]
+    assert problems == []
+
+
+def test_the_checks_see_what_they_forbid():
+    """Each check flags the shape it is for, and passes its composed counterpart."""
+    mixins = ast.parse(
+        textwrap.dedent(
+            """
+            class Ends:
+                _ranks: list
+                def check(self):
+                    return [r for r in self._ranks]
+
+            class Group(Ends, LoggingMixin):
+                def __init__(self):
+                    self._ranks = []
+            """
+        )
+    )
+    assert _mixin_problems(mixins, "m.py") == [
+        "m.py: Ends uses state it only annotates: ['_ranks']",
+        "m.py: Group inherits Ends",
+        "m.py: Group inherits LoggingMixin",
+    ]
+    composed = ast.parse(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass
+
+            @dataclass
+            class State:
+                rank: int
+                def label(self):
+                    return str(self.rank)
+
+            class Ends:
+                _ranks: list
+                def __init__(self, ranks):
+                    self._ranks = ranks
+                def check(self):
+                    return list(self._ranks)
+
+            class Group:
+                def __init__(self):
+                    self.ends = Ends([])
+            """
+        )
+    )
+    assert _mixin_problems(composed, "c.py") == []
+    group_elsewhere = ast.parse("class Group(Ends):\n    pass\n")
+    assert _mixin_problems(group_elsewhere, "g.py", _sharing([mixins])) == [
+        "g.py: Group inherits Ends"
+    ]
+    assert _globals(ast.parse("x = 0\ndef f():\n    global x\n    x = 1\n")) == [3]
