@@ -225,6 +225,16 @@ class LaunchPlan:
         extra_env: Mapping[str, str] | None,
     ) -> LaunchPlan:
         """A plan whose ranks run on ``remote``'s hosts, driven from this kernel."""
+        from nbaccel.launch.registry import place_remote
+
+        if remote.layout is None:  # placed by the cluster's scheduler (Ray), checked there
+            remote = place_remote(
+                dataclasses.replace(remote, num_processes=request.num_processes),
+                pool=front == Front.POOL,
+            )
+        assert remote.layout is not None
+        if remote.ray is not None and not remote.ray.gpus:
+            cpu = True  # the ranks hold no GPU: gloo, whatever their node has
         total = remote.layout.num_processes
         if request.num_processes is not None and request.num_processes != total:
             raise ValueError(

@@ -1,8 +1,8 @@
 """Every launcher variant, chosen in one place: :data:`LAUNCHERS` maps a launch kind to its class.
 
 ``forkserver`` (default on Linux/macOS), ``spawn``, ``fork`` and ``xla`` start ranks on this
-machine; ``ssh`` and ``slurm`` start them on other hosts through one agent per host
-(``nbaccel.launch.remote``).
+machine; ``ssh``, ``slurm`` and ``ray`` start them on other hosts through one agent per host
+(``nbaccel.launch.remote``; Ray's in ``nbaccel.launch.remote.ray``, Ray imported only when used).
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from nbaccel.launch.launchers.fork import ForkLauncher
 from nbaccel.launch.launchers.forkserver import ForkServerLauncher
 from nbaccel.launch.launchers.spawn import SpawnLauncher
 from nbaccel.launch.launchers.xla import XlaLauncher
+from nbaccel.launch.remote.launcher import RemoteLauncher
+from nbaccel.launch.remote.options import RemoteOptions
+from nbaccel.launch.remote.ray.launcher import RayLauncher
 from nbaccel.launch.remote.slurm import SlurmLauncher
 from nbaccel.launch.remote.ssh import SshLauncher
 
-__all__ = ["LAUNCHERS", "ProcessLauncher", "make_launcher"]
+__all__ = ["LAUNCHERS", "ProcessLauncher", "make_launcher", "place_remote"]
 
 LAUNCHERS: dict[str, type[ProcessLauncher]] = {
     ForkServerLauncher.name: ForkServerLauncher,
@@ -26,6 +29,7 @@ LAUNCHERS: dict[str, type[ProcessLauncher]] = {
     XlaLauncher.name: XlaLauncher,
     SshLauncher.name: SshLauncher,
     SlurmLauncher.name: SlurmLauncher,
+    RayLauncher.name: RayLauncher,
 }
 
 
@@ -38,3 +42,12 @@ def make_launcher(kind: str, **options: Any) -> ProcessLauncher:
             f"unknown launch kind {kind!r}; choose one of {', '.join(LAUNCHERS)}."
         ) from None
     return cls(**options)
+
+
+def place_remote(remote: RemoteOptions, pool: bool) -> RemoteOptions:
+    """``remote`` with its hosts known: the variant's scheduler places the ranks now (Ray), or
+    they were given (ssh, SLURM). Raises before anything of the launch starts."""
+    cls = LAUNCHERS.get(remote.kind)
+    if cls is not None and issubclass(cls, RemoteLauncher):
+        return cls.placed(remote, pool)
+    return remote

@@ -314,7 +314,8 @@ class LaunchRequest:
         _REMOTE, metavar="H:N,...",
     )  # fmt: skip
     launcher: str | None = option(
-        None, "how the hosts' agents start: ssh (with hosts) or slurm (this allocation's nodes)",
+        None, "how the hosts' agents start: ssh (with hosts), slurm (this allocation's nodes) "
+        "or ray (a Ray cluster's nodes)",
         _REMOTE, choices=REMOTE_KINDS,
     )  # fmt: skip
     python: str | None = option(None, "the interpreter on the hosts (default: this one)",
@@ -335,6 +336,23 @@ class LaunchRequest:
     channel_address: str | None = option(
         None, "this machine's address that the hosts connect back to (default: the one on the "
         "route to the first host)", _REMOTE, metavar="ADDR",
+    )  # fmt: skip
+    ray_address: str | None = option(
+        None, "the Ray cluster of launcher='ray' (default: RAY_ADDRESS, else the cluster "
+        "ray.init connected this kernel to)", _REMOTE, metavar="ADDR",
+    )  # fmt: skip
+    ray_resources: Mapping[str, float] | str | None = option(
+        None, "what each rank reserves on the Ray cluster: GPU=1,CPU=4,custom=1 (default CPU=1)",
+        _REMOTE, metavar="R=N,...",
+    )  # fmt: skip
+    ray_placement: str | None = option(
+        None, "how Ray places the ranks: pack (default: as few nodes as possible), spread, "
+        "strict_pack, strict_spread", _REMOTE, metavar="HOW",
+    )  # fmt: skip
+    ray_keep_warm: float | None = option(
+        None, "seconds a launch's Ray nodes stay reserved, their agents warm, for the next "
+        "launch (default 300; 0: released at the launch's end)", _REMOTE, parse=float,
+        metavar="S",
     )  # fmt: skip
     remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
 
@@ -358,16 +376,20 @@ class LaunchRequest:
         """The hosts' options, checked here (before anything starts), or None."""
         tuning = [
             name
-            for name in ("python", "cwd", "env", "ssh_args", "srun_args", "channel_address")
+            for name in (
+                "python", "cwd", "env", "ssh_args", "srun_args", "channel_address",
+                "ray_address", "ray_resources", "ray_placement", "ray_keep_warm",
+            )
             if getattr(self, name) is not None
-        ]
+        ]  # fmt: skip
         if self.hosts is None and self.launcher is None:
             if tuning:
                 one = len(tuning) == 1
                 hints = "".join(f" {_ON_THIS_MACHINE[n]}" for n in tuning if n in _ON_THIS_MACHINE)
                 raise ValueError(
                     f"{', '.join(tuning)} {'applies' if one else 'apply'} only to a launch over "
-                    "hosts (hosts='node1:4,node2:4' over ssh, or launcher='slurm'), and this "
+                    "hosts (hosts='node1:4,node2:4' over ssh, launcher='slurm' or "
+                    "launcher='ray'), and this "
                     f"launch runs on this machine: add hosts, or leave {'it' if one else 'them'} "
                     f"out.{hints}"
                 )

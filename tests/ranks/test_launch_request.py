@@ -81,7 +81,9 @@ def test_remote_options_are_the_requests():
     remote = set(LaunchRequest.options(Front.REMOTE)) - {"launcher", "num_processes"}
     assert keywords == remote
     fields = {f.name for f in dataclasses.fields(RemoteOptions)}
-    assert remote - {"hosts"} <= fields  # hosts become the layout
+    # hosts become the layout, the ray_* options the Ray options (RemoteOptions.ray)
+    assert {n for n in remote - {"hosts"} if not n.startswith("ray_")} <= fields
+    assert "ray" in fields
 
 
 def test_remote_options_are_derived_from_the_request():

@@ -87,6 +87,17 @@ class RemoteLauncher(ProcessLauncher):
     def start_agent(self, host: Host, config: dict[str, Any]) -> AgentProcess:
         """Start ``host``'s agent with ``config`` (kept off argv: its secret key is in it)."""
 
+    def node_env(self, node: int) -> dict[str, str]:
+        """Variables every rank of ``node`` gets from the launcher (Ray: its GPUs)."""
+        return {}
+
+    @classmethod
+    def placed(cls, remote: RemoteOptions, pool: bool) -> RemoteOptions:
+        """``remote`` with its layout known; called when the plan is made, before anything
+        starts. The hosts of ssh and SLURM are known already; a variant whose scheduler
+        places the ranks (Ray) asks it here."""
+        return remote
+
     # ------------------------------------------------------------------ the interface
     @property
     def hosts_by_rank(self) -> dict[int, str]:
@@ -207,6 +218,7 @@ class RemoteLauncher(ProcessLauncher):
         addr, port = self.master
         env = dict(hello["environ"])
         env.update(_launch_variables(spec.env))
+        env.update(self.node_env(node))
         env.update(self.options.env)
         env.update(MASTER_ADDR=addr, MASTER_PORT=str(port), NBACCEL_HOST=host.name)
         host_spec = dataclasses.replace(

@@ -105,6 +105,7 @@ class LaunchKind(Word):
     XLA = "xla"  # torch-xla's processes
     SSH = "ssh"  # on other hosts, one agent per host started over ssh
     SLURM = "slurm"  # on the nodes of this SLURM allocation, agents started by srun
+    RAY = "ray"  # on the nodes of a Ray cluster, one agent per node started by a Ray actor
 
 
 class ServerMessage(Word):

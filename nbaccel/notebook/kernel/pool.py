@@ -99,8 +99,9 @@ class Pool:
         return self.group is not None and not self.group.closed
 
     def describe(self) -> str:
-        if self.remote is not None:
-            return f"{self.plan.describe()} on {self.remote.layout.describe()}"
+        placed = self.plan.remote  # a Ray pool's hosts are known once placed
+        if placed is not None and placed.layout is not None:
+            return f"{self.plan.describe()} on {placed.layout.describe()}"
         return self.plan.describe()
 
     @property
@@ -119,7 +120,7 @@ class Pool:
             self.running
             and request.num_processes in (None, self.num_processes)
             and request.backend in (None, self.backend, self.effective_backend)
-            and request.remote in (None, self.remote)
+            and request.remote in (None, self.request.remote)  # as asked (Ray: before placing)
             and (self.cpu or not request.cpu)
         )
 
@@ -396,8 +397,8 @@ def start_pool(
         pool = Pool(request)
         if current is not None:  # the new settings are valid: only now stop the running pool
             if renderer is not None:
-                remote = pool.remote
-                where = f" on {remote.layout.describe()}" if remote is not None else ""
+                placed = pool.plan.remote
+                where = f" on {placed.layout.describe()}" if placed and placed.layout else ""
                 renderer.notice(
                     f"restarting the pool ({current.num_processes} -> {pool.num_processes} "
                     f"processes{where}, backend {current.effective_backend or 'default'} -> "
