@@ -37,9 +37,9 @@ def reduce_and_report(x):
     return (state.process_index, int(os.environ["LOCAL_RANK"]), int(os.environ["NODE_RANK"]),
             int(os.environ["LOCAL_WORLD_SIZE"]), t.item(), x, dist.get_backend())
 
-def leftovers():
+def leftovers(settle=20):
     from ray.util import placement_group_table
-    deadline = time.monotonic() + 20  # Ray's resource view follows a release within a second
+    deadline = time.monotonic() + settle  # Ray's resource view follows a release in a second
     while time.monotonic() < deadline and (
         ray.cluster_resources().get("CPU", 0) != ray.available_resources().get("CPU", 0)
     ):
@@ -79,6 +79,15 @@ try:
     notebook_launcher(refuse, num_processes=4, launcher="ray", timeout=50)
 except ValueError as exc:
     print("CAUGHT", type(exc).__name__, exc)
+"""
+
+TOO_BIG = """
+try:
+    notebook_launcher(reduce_and_report, (0,), num_processes=2, launcher="ray",
+                      ray_resources={"GPU": 1, "CPU": 1})
+except ValueError as exc:
+    print("REFUSED", exc)
+print("LEFT", json.dumps(leftovers(settle=0)))
 """
 
 POOL_START = """%%distributed --launcher ray --ray_address {address} -n 4
@@ -152,6 +161,7 @@ def test_ranks_on_a_ray_cluster_from_a_kernel(cluster):
         FIRST,
         WARM,
         RAISES,
+        TOO_BIG,
         "%load_ext nbaccel",
         POOL_START.format(address=cluster.address),
         POOL_AGAIN,
@@ -159,7 +169,7 @@ def test_ranks_on_a_ray_cluster_from_a_kernel(cluster):
         KILL,
     ]
     nb = run_notebook(cells, timeout=300, shutdown=True)
-    for index in (0, 1, 2, 3, 5, 6, 7, 8):
+    for index in (0, 1, 2, 3, 4, 6, 7, 8, 9):
         assert not cell_errors(nb.cells[index]), "\n-----\n".join(cell_text(c) for c in nb.cells)
 
     # 4 ranks on 2 nodes, numbered node by node, all-reduced over gloo: 1+2+3+4
@@ -183,17 +193,28 @@ def test_ranks_on_a_ray_cluster_from_a_kernel(cluster):
     raised = cell_text(nb.cells[3])
     assert f"CAUGHT ValueError [rank 2 @ {b}] rank two says no" in raised
 
+    # a cluster that cannot hold the ranks: refused with what it has, before anything starts
+    # (the warm allocation of the launches above is kept: nothing new was created)
+    refused = cell_text(nb.cells[4])
+    assert (
+        "cannot hold 2 rank(s) of CPU=1, GPU=1 each: that is CPU=2, GPU=2, and the cluster "
+        "has CPU=4, GPU=0 in all" in refused
+    ), refused
+    assert "Launching" not in refused
+    assert _left(refused)["groups"] == ["CREATED"]  # the warm one, only
+
     # a pool on the cluster keeps its names across cells
-    pool = cell_text(nb.cells[5]) + cell_text(nb.cells[6])
+    pool = cell_text(nb.cells[6]) + cell_text(nb.cells[7])
     for rank in range(4):
         node, value = (a, b)[rank // 2], rank * 10 + rank // 2
         assert f"[rank {rank} @ {node}] kept {value + 1}" in pool
 
     # after the pool's shutdown: nothing of it (nor of the warm launches) on the cluster
-    assert _left(cell_text(nb.cells[7])) == {"groups": [], "actors": 0, "cpus_held": 0.0}
+    assert _left(cell_text(nb.cells[8])) == {"groups": [], "actors": 0, "cpus_held": 0.0}
 
     # a node killed mid-launch: its ranks named with it; nothing left on the cluster
-    killed = cell_text(nb.cells[8])
+    killed = cell_text(nb.cells[9])
+    print(killed)  # how long the node's loss took to be named (-s shows it)
     victim = re.search(r"VICTIM (\w+)", killed).group(1)
     lost = re.search(r"LOST (\w+) (.*)", killed)
     assert lost, killed

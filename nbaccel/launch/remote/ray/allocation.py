@@ -124,10 +124,10 @@ def lease(options: RayOptions, count: int, pool: bool) -> Allocation:
             match.pool, match.keep_warm = pool, options.keep_warm
             return match
         match.release()
+    _check_fits(ray, options, count)  # a refusal leaves the warm allocations as they are
     for other in idle:  # what this kernel holds idle makes room first
         if other is not match:
             other.release()
-    _check_fits(ray, options, count)
     return _place(ray, key, options, count, pool)
 
 

@@ -1,0 +1,169 @@
+"""Ranks on a Ray cluster from one notebook: first and warm launch, a warm pool cell, vs the same
+ranks on this machine and vs Ray Train's ``TorchTrainer.fit()`` of the same function.
+
+``.venv/bin/python benchmarks/bench_ray.py`` starts a 2-node Ray cluster on this machine (a head
+and one more node, each ``ray start --block`` with its own folder and ports: ``tests/ray_cluster``;
+stopped by its own handles at the end, never ``ray stop``), then in one real Jupyter kernel
+(nbclient), all on that cluster and in the same run:
+
+- launch-to-return of a no-op function on 4 ranks (2 per node, gloo): the first launch (it
+  places the placement group, starts the keeper actors and each node's agent, which imports
+  torch) and warm launches (the allocation kept warm by the first), vs the same 4 ranks on this
+  machine (fork server), medians of REPEATS each, alternated;
+- ``TorchTrainer(fn, ScalingConfig(num_workers=4)).fit()`` of the same no-op, first and again
+  (each ``fit()`` starts its controller and worker actors anew; nbaccel's allocation released
+  first so that Ray Train gets the same CPUs);
+- a warm empty ``%%distributed`` cell on a pool of 4 Ray ranks (median of CELLS), vs a local pool.
+
+Results go to benchmarks/results/ray.json with the date, commit and machine. Never run in CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from ray_cluster import RayCluster  # noqa: E402
+
+REPEATS = 5
+CELLS = 20
+
+SETUP = """
+import json, os, statistics, tempfile, time
+import ray
+from nbaccel import notebook_launcher
+from nbaccel.launch.driver.render import Renderer
+ADDRESS = {address!r}
+def noop():
+    return None
+notebook_launcher(noop, num_processes=4, renderer=Renderer())  # warm the local fork server
+"""
+
+FIRST = """
+t0 = time.perf_counter()
+notebook_launcher(noop, num_processes=4, launcher="ray", ray_address=ADDRESS, renderer=Renderer())
+first_s = time.perf_counter() - t0
+"""
+
+LAUNCH = """
+ray_s, local_s = [], []
+for _ in range({repeats}):
+    t0 = time.perf_counter()
+    notebook_launcher(noop, num_processes=4, launcher="ray", renderer=Renderer())
+    ray_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    notebook_launcher(noop, num_processes=4, renderer=Renderer())
+    local_s.append(time.perf_counter() - t0)
+from nbaccel.launch.remote.ray.allocation import release_all
+release_all()  # the CPUs go back to the cluster, for Ray Train
+"""
+
+TRAIN = """
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+storage = tempfile.mkdtemp()
+train_s = []
+for attempt in range(2):
+    trainer = TorchTrainer(
+        lambda config: None,
+        scaling_config=ScalingConfig(num_workers=4, use_gpu=False,
+                                     resources_per_worker={{"CPU": 1}}),
+        run_config=RunConfig(storage_path=storage, name=f"noop-{{attempt}}"),
+    )
+    t0 = time.perf_counter()
+    trainer.fit()
+    train_s.append(time.perf_counter() - t0)
+"""
+
+POOL = """
+from nbaccel.notebook.kernel import pool as pool_module
+from nbaccel.launch.request import LaunchRequest
+ip = get_ipython()
+ip.run_line_magic("load_ext", "nbaccel")
+cells = {{}}
+for where, line in (("ray", f"--launcher ray --ray_address {{ADDRESS}} -n 4"), ("local", "-n 4")):
+    t0 = time.perf_counter()
+    ip.run_cell_magic("distributed", line, "pass\\n")
+    start = time.perf_counter() - t0
+    samples = []
+    for _ in range({cells}):
+        t0 = time.perf_counter()
+        ip.run_cell_magic("distributed", "", "pass\\n")
+        samples.append((time.perf_counter() - t0) * 1000)
+    cells[where] = dict(start_s=start, cell_ms=statistics.median(samples), all_ms=samples)
+    ip.run_line_magic("dist_shutdown", "")
+print(json.dumps(dict(
+    first_launch_s=first_s, warm_launch_s=statistics.median(ray_s),
+    local_launch_s=statistics.median(local_s), warm_all=ray_s, local_all=local_s,
+    train_fit_s=train_s, pool_start_s=cells["ray"]["start_s"],
+    warm_cell_ms=cells["ray"]["cell_ms"], local_cell_ms=cells["local"]["cell_ms"],
+    cell_all_ms=cells["ray"]["all_ms"])))
+"""
+
+
+def _run(sources: list[str]) -> dict:
+    """Run ``sources`` as the cells of one fresh kernel; the JSON its last cell printed."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in sources]
+    env = {**os.environ, "NBACCEL_RENDERER": "text", "NBACCEL_NO_WARMUP": "1"}
+    env.pop("RAY_ADDRESS", None)
+    client = NotebookClient(nb, timeout=900, kernel_name="python3")
+    with client.setup_kernel(env=env):
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+            errors = [o for o in cell.outputs if o.output_type == "error"]
+            if errors:
+                raise RuntimeError(
+                    f"cell {index}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+                )
+    out = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+
+
+def main() -> int:
+    import ray
+
+    with RayCluster(cpus=(3, 3)) as cluster:  # 6 CPUs: Ray Train's 4 workers and its controller
+        result = _run(
+            [
+                SETUP.format(address=cluster.address),
+                FIRST,
+                LAUNCH.format(repeats=REPEATS),
+                TRAIN,
+                POOL.format(cells=CELLS),
+            ]
+        )
+    result["ratio_warm_to_local"] = result["warm_launch_s"] / result["local_launch_s"]
+    result["ratio_first_to_train_fit"] = result["first_launch_s"] / result["train_fit_s"][0]
+    result["ratio_warm_to_train_fit"] = result["warm_launch_s"] / min(result["train_fit_s"])
+    result["ratio_cell_to_local"] = result["warm_cell_ms"] / result["local_cell_ms"]
+    result.update(
+        date=datetime.date.today().isoformat(),
+        commit=_commit(),
+        machine=f"{os.cpu_count()} cores, {platform.machine()}; a 2-node Ray {ray.__version__} "
+        "cluster on this machine (3 CPUs each), 4 ranks x 1 CPU, gloo",
+    )
+    path = ROOT / "benchmarks" / "results" / "ray.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
