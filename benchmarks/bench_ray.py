@@ -77,8 +77,8 @@ for attempt in range(2):
     trainer = TorchTrainer(
         lambda config: None,
         scaling_config=ScalingConfig(num_workers=4, use_gpu=False,
-                                     resources_per_worker={{"CPU": 1}}),
-        run_config=RunConfig(storage_path=storage, name=f"noop-{{attempt}}"),
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=storage, name=f"noop-{attempt}"),
     )
     t0 = time.perf_counter()
     trainer.fit()

@@ -274,11 +274,13 @@ def _request(args: argparse.Namespace, per_machine: int | None, port: int | None
     per machine, not in total; the port prepared for a world)."""
     from nbaccel.launch.request import Front, LaunchRequest
 
+    # ranks on other hosts (ssh, slurm, ray) form their world themselves: no port of ours
+    remote = getattr(args, "hosts", None) is not None or getattr(args, "launcher", None)
     return LaunchRequest.from_parsed(
         args,
         Front.CLI,
         num_processes=per_machine,
-        use_port=port if port is not None else args.main_process_port,
+        use_port=None if remote else port if port is not None else args.main_process_port,
         cpu=bool(args.cpu or getattr(args, "use_cpu", False)),
         rdzv_conf=args.rdzv_conf or None,
     )
