@@ -3,7 +3,8 @@
 A cluster (a head and more nodes, each its own ``ray start --block``, see ``tests/ray_cluster.py``)
 costs about 20 s to start and a few hundred MB while it runs, so these tests run only when
 ``NBACCEL_RAY_LANE=1`` (the lane script sets it) or, for the ``gpu``-marked ones, in the GPU lane
-on a CUDA machine. The default suite runs Ray's cheap checks (``tests/unit/test_ray_options.py``).
+on a CUDA machine. The default suite runs Ray's cheap checks (``tests/unit/test_ray_options.py``,
+``tests/ranks/test_ray_extra.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Ranks on other hosts, driven from this kernel: the ``ssh`` and ``slurm`` launcher variants.
+"""Ranks on other hosts, driven from this kernel: the ``ssh``, ``slurm`` and ``ray`` launcher
+variants (``ray``: the sub-package ``ray``, whose agents start in Ray actors; ``ray_options`` its
+options, checked without Ray).
 
 Reading order: ``hosts`` (which hosts, how many ranks each, checked before anything starts),
 ``options`` (python, cwd, env, ssh/srun arguments), ``launcher`` (the variant both share: take

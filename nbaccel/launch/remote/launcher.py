@@ -87,6 +87,10 @@ class RemoteLauncher(ProcessLauncher):
     def start_agent(self, host: Host, config: dict[str, Any]) -> AgentProcess:
         """Start ``host``'s agent with ``config`` (kept off argv: its secret key is in it)."""
 
+    def rank_threads(self, node: int, cpus: int) -> int:
+        """torch threads of each rank on ``node`` (its host has ``cpus`` cores): a fair share."""
+        return max(1, cpus // self.layout.hosts[node].slots)
+
     def node_env(self, node: int) -> dict[str, str]:
         """Variables every rank of ``node`` gets from the launcher (Ray: its GPUs)."""
         return {}
@@ -230,7 +234,7 @@ class RemoteLauncher(ProcessLauncher):
             + [p for p in spec.sys_path if p not in hello["sys_path"]],
             cwd=ready["cwd"],
             address=Address("unix", ready["entrance"], relayed=True),
-            threads=max(1, int(hello["cpus"]) // host.slots),
+            threads=self.rank_threads(node, int(hello["cpus"])),
             error_path=os.path.join(ready["private"], f"rank-{spec.rank}.error"),
             work=self._work_on(node, spec.work),
         )

@@ -101,6 +101,13 @@ class RayLauncher(RemoteLauncher):
             else {}
         )
 
+    def rank_threads(self, node: int, cpus: int) -> int:
+        """The CPUs each rank reserved (at least one), not a share of the whole node: the node's
+        other CPUs belong to other jobs."""
+        assert self.options.ray is not None
+        reserved = int(self.options.ray.resources.get("CPU", 1.0))
+        return max(1, min(reserved, cpus))
+
     def describe(self) -> str:
         ray = self.options.ray
         assert ray is not None and self.allocation is not None
