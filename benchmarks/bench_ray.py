@@ -20,11 +20,8 @@ Results go to benchmarks/results/ray.json with the date, commit and machine. Nev
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +30,7 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from ray_cluster import RayCluster  # noqa: E402
 
 REPEATS = 5
@@ -130,12 +128,6 @@ def _run(sources: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-
-
 def main() -> int:
     import ray
 
@@ -153,12 +145,13 @@ def main() -> int:
     result["ratio_first_to_train_fit"] = result["first_launch_s"] / result["train_fit_s"][0]
     result["ratio_warm_to_train_fit"] = result["warm_launch_s"] / min(result["train_fit_s"])
     result["ratio_cell_to_local"] = result["warm_cell_ms"] / result["local_cell_ms"]
-    result.update(
-        date=datetime.date.today().isoformat(),
-        commit=_commit(),
-        machine=f"{os.cpu_count()} cores, {platform.machine()}; a 2-node Ray {ray.__version__} "
-        "cluster on this machine (3 CPUs each), 4 ranks x 1 CPU, gloo",
+    from provenance import stamp  # the date, commit and machine of this run
+
+    result["setup"] = (
+        f"a 2-node Ray {ray.__version__} cluster on this machine (3 CPUs each), 4 ranks x 1 CPU, "
+        "gloo; local: the same 4 ranks from the fork server"
     )
+    result["provenance"] = stamp()
     path = ROOT / "benchmarks" / "results" / "ray.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
