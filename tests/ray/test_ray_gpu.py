@@ -35,6 +35,7 @@ print("VALUES", values)
 
 
 def test_nccl_all_reduce_on_ray_gpus():
+    pytest.importorskip("ray", reason="Ray is not installed: pip install nbaccel[ray]")
     gpus = torch.cuda.device_count()
     n = min(2, gpus)
     with RayCluster(cpus=(max(2, n),), gpus=gpus) as cluster:
