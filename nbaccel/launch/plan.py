@@ -230,7 +230,7 @@ class LaunchPlan:
         if remote.layout is None:  # placed by the cluster's scheduler (Ray), checked there
             remote = place_remote(
                 dataclasses.replace(remote, num_processes=request.num_processes),
-                pool=front == Front.POOL,
+                pool=front == Front.MAGIC,
             )
         assert remote.layout is not None
         if remote.ray is not None and not remote.ray.gpus:

@@ -41,10 +41,10 @@ def test_nbaccel_imports_no_ray_and_a_missing_ray_names_the_extra():
 def test_a_ray_launch_without_a_cluster_says_how_to_name_one():
     pytest.importorskip("ray")
     done = _python(
-        "from nbaccel.launch.plan import Front, LaunchPlan\n"
-        "from nbaccel.launch.request import LaunchRequest\n"
+        "from nbaccel.launch.plan import LaunchPlan\n"
+        "from nbaccel.launch.request import Front, LaunchRequest\n"
         "try:\n"
-        "    LaunchPlan.create(Front.NOTEBOOK, LaunchRequest(launcher='ray', num_processes=2))\n"
+        "    LaunchPlan.create(Front.LAUNCHER, LaunchRequest(launcher='ray', num_processes=2))\n"
         "except ValueError as exc:\n"
         "    print('REFUSED', exc)\n"
     )

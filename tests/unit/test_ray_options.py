@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from nbaccel.launch.request import Fronts, LaunchRequest
+from nbaccel.launch.request import Front, LaunchRequest
 
 
 def test_ray_options_are_checked_when_the_request_is_made():
@@ -48,8 +48,8 @@ def test_ray_options_without_the_ray_launcher_say_so():
 
 
 def test_every_front_takes_the_ray_options():
-    for front in (Fronts.LAUNCHER, Fronts.MAGIC, Fronts.CLI):
+    for front in (Front.LAUNCHER, Front.MAGIC, Front.CLI):
         names = set(LaunchRequest.options(front))
         assert {"ray_address", "ray_resources", "ray_placement", "ray_keep_warm"} <= names
-    flags, _ = LaunchRequest.arguments(Fronts.MAGIC)["ray_address"]
+    flags, _ = LaunchRequest.arguments(Front.MAGIC)["ray_address"]
     assert "--ray_address" in flags
