@@ -11,6 +11,7 @@ agent kills its ranks and exits: nothing outlives the reservation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -86,12 +87,8 @@ class Keeper:
                 self._popen.send_signal(signal.Signals(sig))
 
 
-_actor_class: Any = None
-
-
+@functools.cache
 def keeper_class() -> Any:
-    """The actor class (threaded: waiting for the agent does not block the other calls)."""
-    global _actor_class
-    if _actor_class is None:
-        _actor_class = ray.remote(max_concurrency=4, max_restarts=0)(Keeper)
-    return _actor_class
+    """The actor class (threaded: waiting for the agent does not block the other calls); made
+    once, when Ray is first used."""
+    return ray.remote(max_concurrency=4, max_restarts=0)(Keeper)
