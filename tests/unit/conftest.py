@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _posixsubprocess
 import os
+import subprocess
 
 import pytest
 
@@ -28,6 +29,7 @@ def _no_processes(monkeypatch):
     monkeypatch.setattr(os, "fork", _refuse("os.fork"))
     monkeypatch.setattr(os, "posix_spawn", _refuse("os.posix_spawn"))
     monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse("a subprocess"))
+    monkeypatch.setattr(subprocess, "_fork_exec", _refuse("a subprocess"))  # bound at import
     from nbaccel.launch.launchers.forkserver import ForkServer
 
     for name in ("spawn", "spawn_many"):
