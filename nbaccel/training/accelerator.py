@@ -77,16 +77,12 @@ def _mark_prepared(obj: Any) -> Any:
 
 
 def _check_parallelism(config: ParallelismConfig | None, accelerator: Any) -> Any:
-    """Accept the data-parallel layouts (validated against the run); refuse tensor, context
-    and sequence parallelism and HSDP, which nbaccel does not train."""
+    """Validate the layout against the run (tensor/context parallel and HSDP train on the mesh
+    strategy; sequence parallel is DeepSpeed's and refused when the config is built)."""
     if config is None:
         return None
     if not isinstance(config, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a ParallelismConfig, not {type(config)}.")
-    if config.tp_enabled or config.cp_enabled or config.sp_enabled:
-        raise _refuse("parallelism_config with tp_size/cp_size/sp_size > 1")
-    if config.dp_replicate_enabled and config.dp_shard_enabled:
-        raise _refuse("parallelism_config with both dp_replicate_size and dp_shard_size > 1 (HSDP)")
     config._validate_accelerator(accelerator)
     return config
 
@@ -126,7 +122,6 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         for value, what in (
             (deepspeed_plugin or deepspeed_plugins, "DeepSpeed (deepspeed_plugin)"),
             (megatron_lm_plugin, "Megatron-LM (megatron_lm_plugin)"),
-            (torch_tp_plugin, "Tensor parallelism (torch_tp_plugin)"),
         ):
             if value is not None:
                 raise _refuse(what)
@@ -147,6 +142,10 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             _from_accelerator=True,
             **group_options,
         )
+        if torch_tp_plugin is not None:  # Accelerate's older spelling of tp_size
+            parallelism_config = ParallelismConfig.from_tp_plugin(
+                torch_tp_plugin, self.num_processes, parallelism_config
+            )
         self.parallelism_config = _check_parallelism(parallelism_config, self)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
@@ -179,7 +178,11 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         )
         self.scaler = self.precision.scaler
         self.strategy = select_strategy(
-            self.state, self.precision, self.handlers.get(DistributedDataParallelKwargs)
+            self.state,
+            self.precision,
+            self.handlers.get(DistributedDataParallelKwargs),
+            parallelism_config=self.parallelism_config,
+            tp_plan=getattr(torch_tp_plugin, "tp_plan", None),
         )
         self.profile_handler = self.handlers.get(ProfileKwargs)
         self.step = 0
@@ -331,6 +334,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         prepared = prepare_data_loader(
             data_loader,
             self.device,
+            num_processes=self.strategy.data_parallel_size,  # None: every rank
+            process_index=self.strategy.data_parallel_rank,
             split_batches=config.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             rng_types=list(self.rng_types),
