@@ -58,9 +58,10 @@ _DATACLASSES = (
     "nbaccel.training.run_options",
     "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,DeepSpeedSequenceParallelConfig,"
     "MegatronLMPlugin,FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
-    "BnbQuantizationConfig,TorchTensorParallelPlugin,FP8BackendType,"
+    "BnbQuantizationConfig,FP8BackendType,"
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
     "nbaccel.training.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
+    "nbaccel.training.strategies.tensor_parallel:TorchTensorParallelPlugin",
     "nbaccel.distributed.structures:TensorInformation",
     "nbaccel.training.model_inspection:get_module_class_from_name",
 )
@@ -185,7 +186,8 @@ _TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
-        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,prepare_pippy",
+        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin",
+        "nbaccel.bigmodel.pipeline:prepare_pippy",
         "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.distributed.probes:is_rich_available",
         "nbaccel.distributed.random:synchronize_rng_states",
@@ -269,10 +271,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     ),
     "nbaccel.local_sgd": ("nbaccel.training.local_sgd:LocalSGD",),
     "nbaccel.launchers": ("nbaccel.notebook.kernel.launcher:debug_launcher,notebook_launcher",),
-    "nbaccel.inference": (
-        _UNSUPPORTED + ":prepare_pippy,build_pipeline,pippy_forward,generate_device_map,"
-        "find_pippy_batch_size",
-    ),
+    "nbaccel.inference": ("nbaccel.bigmodel.pipeline",),
     "nbaccel.memory_utils": (
         "nbaccel.training.batch_size:find_executable_batch_size,release_memory",
     ),

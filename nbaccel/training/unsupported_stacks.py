@@ -1,7 +1,7 @@
 """Names of the stacks nbaccel does not drive, so code that mentions them still imports.
 
-DeepSpeed, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP, torchao), bitsandbytes
-quantisation, PiPPy pipelines and tensor/context parallelism: their classes exist (user code
+DeepSpeed, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP, torchao) and bitsandbytes
+quantisation: their classes exist (user code
 lists them in ``isinstance`` checks and conditions), their probes say "not available", and
 constructing or calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
 """
@@ -26,8 +26,6 @@ _INSTEAD = {
     "Megatron-LM": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
     "FP8": "use mixed_precision='bf16' or 'fp16'",
     "bitsandbytes": "load the model in bf16/fp16, or quantise it with your own library first",
-    "PiPPy": "use dispatch_model / load_checkpoint_and_dispatch to split a model across devices",
-    "tensor/context parallelism": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
     "torch-xla setup": "install torch-xla yourself; nbaccel detects it",
 }
 
@@ -75,7 +73,6 @@ _CLASSES = {
     "MegatronLMSchedulerWrapper",
     "FP8": "FP8RecipeKwargs TERecipeKwargs AORecipeKwargs MSAMPRecipeKwargs",
     "bitsandbytes": "BnbQuantizationConfig",
-    "tensor/context parallelism": "TorchTensorParallelPlugin",
 }
 _FUNCTIONS = {
     "DeepSpeed": "get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed GatheredParameters "
@@ -89,7 +86,6 @@ _FUNCTIONS = {
     "setup_fp8_env",
     "bitsandbytes": "load_and_quantize_model replace_with_bnb_layers quantize_and_offload_8bit "
     "get_keys_to_not_convert get_quantized_model_device_map",
-    "PiPPy": "prepare_pippy build_pipeline pippy_forward generate_device_map find_pippy_batch_size",
     "torch-xla setup": "install_xla",
 }
 
