@@ -57,11 +57,12 @@ _DATACLASSES = (
     "nbaccel.training.trackers:LoggerType",
     "nbaccel.training.run_options",
     "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,DeepSpeedSequenceParallelConfig,"
-    "MegatronLMPlugin,FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
+    "FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
     "BnbQuantizationConfig,FP8BackendType,"
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
     "nbaccel.training.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
     "nbaccel.training.strategies.tensor_parallel:TorchTensorParallelPlugin",
+    "nbaccel.training.strategies.megatron:MegatronLMPlugin",
     "nbaccel.distributed.structures:TensorInformation",
     "nbaccel.training.model_inspection:get_module_class_from_name",
 )
@@ -157,7 +158,7 @@ _UTILS = (
     "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
     "save_fsdp_model,save_fsdp_optimizer",
     "nbaccel.training.unsupported_stacks:install_xla,prepare_deepspeed_cmd_env,setup_fp8_env,"
-    "MegatronLMPlugin,MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
+    "MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
     "BertTrainStep,GPTTrainStep,T5TrainStep,add_model_config_to_megatron_parser,"
     "avg_losses_across_data_parallel_group,GatheredParameters",
     _STATE + ":DistributedType",

@@ -119,12 +119,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         deepspeed_plugins: Any = None,
         parallelism_config: Any = None,
     ) -> None:
-        for value, what in (
-            (deepspeed_plugin or deepspeed_plugins, "DeepSpeed (deepspeed_plugin)"),
-            (megatron_lm_plugin, "Megatron-LM (megatron_lm_plugin)"),
-        ):
-            if value is not None:
-                raise _refuse(what)
+        if (deepspeed_plugin or deepspeed_plugins) is not None:
+            raise _refuse("DeepSpeed (deepspeed_plugin)")
         mixed_precision = str(getattr(mixed_precision, "value", mixed_precision) or "") or None
         if (mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION", "")).lower() == "fp8":
             raise _refuse("mixed_precision='fp8'")
@@ -183,6 +179,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             self.handlers.get(DistributedDataParallelKwargs),
             parallelism_config=self.parallelism_config,
             tp_plan=getattr(torch_tp_plugin, "tp_plan", None),
+            megatron_lm_plugin=megatron_lm_plugin,
         )
         self.profile_handler = self.handlers.get(ProfileKwargs)
         self.step = 0

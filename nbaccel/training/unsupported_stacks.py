@@ -23,7 +23,9 @@ __all__ = [
 
 _INSTEAD = {
     "DeepSpeed": "use DDP (the default) or FSDP2 via FullyShardedDataParallelPlugin",
-    "Megatron-LM": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
+    "Megatron-LM": "nbaccel trains with Accelerator(megatron_lm_plugin=MegatronLMPlugin("
+    "tp_degree=..., pp_degree=..., num_micro_batches=...)) on torch's engines, with a torch "
+    "optimizer and scheduler and the model's causal LM loss (no Megatron-LM install)",
     "FP8": "use mixed_precision='bf16' or 'fp16'",
     "bitsandbytes": "load the model in bf16/fp16, or quantise it with your own library first",
     "torch-xla setup": "install torch-xla yourself; nbaccel detects it",
@@ -31,6 +33,10 @@ _INSTEAD = {
 
 
 def _message(name: str, stack: str) -> str:
+    if stack == "Megatron-LM":
+        return f"{name} belongs to Megatron-LM's own engine, which nbaccel does not run: " + (
+            _INSTEAD[stack] + "."
+        )
     return f"{name} belongs to {stack}, which nbaccel does not support: {_INSTEAD[stack]}."
 
 
@@ -67,7 +73,7 @@ _CLASSES = {
     "DeepSpeed": "DeepSpeedPlugin DeepSpeedSequenceParallelConfig DeepSpeedEngineWrapper "
     "DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper DummyOptim DummyScheduler "
     "HfDeepSpeedConfig",
-    "Megatron-LM": "MegatronLMPlugin MegatronLMDummyDataLoader MegatronLMDummyScheduler "
+    "Megatron-LM": "MegatronLMDummyDataLoader MegatronLMDummyScheduler "
     "AbstractTrainStep "
     "BertTrainStep GPTTrainStep T5TrainStep MegatronEngine MegatronLMOptimizerWrapper "
     "MegatronLMSchedulerWrapper",

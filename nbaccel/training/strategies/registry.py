@@ -35,9 +35,19 @@ def select_strategy(
     ddp_kwargs: DistributedDataParallelKwargs | None = None,
     parallelism_config: Any = None,
     tp_plan: Any = None,
+    megatron_lm_plugin: Any = None,
 ) -> Strategy:
     """The strategy for ``state.distributed_type``; a ``parallelism_config`` with tensor or
-    context parallel or HSDP gets the mesh strategy."""
+    context parallel or HSDP gets the mesh strategy, a ``megatron_lm_plugin`` the tensor +
+    pipeline one."""
+    if megatron_lm_plugin is not None:
+        from nbaccel.training.strategies.megatron import MegatronStrategy
+
+        if parallelism_config is not None and parallelism_config.total_size > 1:
+            raise ValueError(
+                "Pass megatron_lm_plugin or a parallelism_config with sizes above 1, not both."
+            )
+        return MegatronStrategy(state, precision, ddp_kwargs, plugin=megatron_lm_plugin)
     if needs_mesh_strategy(parallelism_config):
         return MeshStrategy(
             state, precision, ddp_kwargs, parallelism_config=parallelism_config, tp_plan=tp_plan
