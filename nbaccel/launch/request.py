@@ -229,6 +229,16 @@ def _key_values(text: str) -> dict[str, str]:
 
 
 _LOCAL, _REMOTE = Front.ALL, Front.ALL | Front.REMOTE
+_PC, _PC_AXES, _CP = "parallelism_config_", ("dp_replicate", "dp_shard", "tp", "cp"), (
+    "allgather", "alltoall")  # fmt: skip
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 _WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
 
 
@@ -354,6 +364,26 @@ class LaunchRequest:
         "launch (default 300; 0: released at the launch's end)", _REMOTE, parse=float,
         metavar="S",
     )  # fmt: skip
+    parallelism_config_dp_replicate_size: int | None = option(
+        None, "ParallelismConfig: ranks holding full replicas (HSDP with dp_shard_size)", _LOCAL,
+        check=_positive_or_none("parallelism_config_dp_replicate_size"), parse=int, metavar="N",
+    )  # fmt: skip
+    parallelism_config_dp_shard_size: int | None = option(
+        None, "ParallelismConfig: ranks sharding the model (FSDP2)", _LOCAL,
+        check=_positive_or_none("parallelism_config_dp_shard_size"), parse=int, metavar="N",
+    )  # fmt: skip
+    parallelism_config_tp_size: int | None = option(
+        None, "ParallelismConfig: tensor-parallel ranks (the model's TP plan)", _LOCAL,
+        check=_positive_or_none("parallelism_config_tp_size"), parse=int, metavar="N",
+    )  # fmt: skip
+    parallelism_config_cp_size: int | None = option(
+        None, "ParallelismConfig: context-parallel ranks (CUDA only)", _LOCAL,
+        check=_positive_or_none("parallelism_config_cp_size"), parse=int, metavar="N",
+    )  # fmt: skip
+    parallelism_config_cp_comm_strategy: str | None = option(
+        None, "ParallelismConfig: how context-parallel ranks exchange keys/values", _LOCAL,
+        check=lambda v: None if v is None else _choice("cp_comm_strategy", _CP)(v), choices=_CP,
+    )  # fmt: skip
     remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -362,7 +392,48 @@ class LaunchRequest:
             if spec is not None and spec.check is not None:
                 object.__setattr__(self, item.name, spec.check(getattr(self, item.name)))
         self._check_world()
+        self._check_parallelism()
         object.__setattr__(self, "remote", self._remote())
+
+    def _check_parallelism(self) -> None:
+        """The mesh must fill the world exactly (its product becomes ``num_processes`` when that
+        is not given); context parallel needs CUDA ranks. Checked before any rank starts."""
+        sizes = {a: getattr(self, f"{_PC}{a}_size") for a in _PC_AXES}
+        given = {a: s for a, s in sizes.items() if s is not None}
+        if not given:
+            return
+        product = 1
+        for size in given.values():
+            product *= size
+        if self.num_processes is None and self.hosts is None and self.launcher is None:
+            object.__setattr__(self, "num_processes", product)
+        world = None if self.num_processes is None else self.num_processes * self.num_nodes
+        if world is not None and product != world:
+            shown = " x ".join(f"{a}_size={s}" for a, s in given.items())
+            raise ValueError(
+                f"The parallelism mesh {shown} = {product} ranks, but the launch has {world}: "
+                f"launch {product} processes, or change the sizes so their product is {world}."
+            )
+        if (given.get("cp") or 1) > 1 and (self.cpu or not _cuda()):
+            raise ValueError(
+                "parallelism_config_cp_size > 1 needs CUDA ranks: torch's context_parallel has "
+                "no CPU kernel (SDPA's CPU flash attention has no sharding rule). Set "
+                "parallelism_config_cp_size=1 here, or launch on GPUs."
+            )
+
+    def rank_environment(self) -> dict[str, str]:
+        """What the ranks' ``ParallelismConfig()`` and ``Accelerator()`` read (Accelerate's
+        ``PARALLELISM_CONFIG_*`` variables); empty when no size was given."""
+        env = {
+            f"PARALLELISM_CONFIG_{a.upper()}_SIZE": str(getattr(self, f"{_PC}{a}_size"))
+            for a in _PC_AXES
+            if getattr(self, f"{_PC}{a}_size") is not None
+        }
+        if self.parallelism_config_cp_comm_strategy is not None:
+            env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = self.parallelism_config_cp_comm_strategy
+        if env:
+            env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+        return env
 
     def _check_world(self) -> None:
         if not 0 <= self.node_rank < self.num_nodes:

@@ -47,6 +47,7 @@ from nbaccel.training.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.trackers import TrackerSet
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["Accelerator"]
 
@@ -76,9 +77,14 @@ def _mark_prepared(obj: Any) -> Any:
     return obj
 
 
-def _check_parallelism(config: ParallelismConfig | None, accelerator: Any) -> Any:
-    """Validate the layout against the run (tensor/context parallel and HSDP train on the mesh
-    strategy; sequence parallel is DeepSpeed's and refused when the config is built)."""
+def _check_parallelism(config: Any, accelerator: Any, tp_plugin: Any = None) -> Any:
+    """The run's layout, validated against it: the one passed, else the launcher's
+    (``PARALLELISM_CONFIG_*``), with a ``torch_tp_plugin``'s tp_size (Accelerate's older
+    spelling). Tensor/context parallel and HSDP train on the mesh strategy."""
+    if config is None and env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        config = ParallelismConfig()  # sizes from PARALLELISM_CONFIG_* (nbaccel launch)
+    if tp_plugin is not None:
+        config = ParallelismConfig.from_tp_plugin(tp_plugin, accelerator.num_processes, config)
     if config is None:
         return None
     if not isinstance(config, ParallelismConfig):
@@ -138,11 +144,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             _from_accelerator=True,
             **group_options,
         )
-        if torch_tp_plugin is not None:  # Accelerate's older spelling of tp_size
-            parallelism_config = ParallelismConfig.from_tp_plugin(
-                torch_tp_plugin, self.num_processes, parallelism_config
-            )
-        self.parallelism_config = _check_parallelism(parallelism_config, self)
+        self.parallelism_config = _check_parallelism(parallelism_config, self, torch_tp_plugin)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
