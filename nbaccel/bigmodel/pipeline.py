@@ -224,6 +224,7 @@ def pippy_forward(
         if size is None:
             raise ValueError("pippy_forward found no tensor with a batch dimension in the inputs.")
         padded = -(-size // num_chunks) * num_chunks
+        args, kwargs = send_to_device((args, kwargs), state.device)
         args = tuple(_pad(a, padded) for a in args)
         kwargs = {k: _pad(v, padded) for k, v in kwargs.items()}
         forward(*args, **kwargs)
