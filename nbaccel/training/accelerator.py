@@ -63,7 +63,9 @@ _HANDLERS = (
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} is not supported by nbaccel. Supported: DDP (multi-CPU/GPU/XPU), FSDP2 "
-        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), torch-xla, and mixed precision "
+        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), tensor/hybrid/context parallel "
+        "(parallelism_config=ParallelismConfig(...)), tensor + pipeline parallel "
+        "(megatron_lm_plugin=MegatronLMPlugin(...)), torch-xla, and mixed precision "
         "'no', 'fp16' or 'bf16'."
     )
 

@@ -23,24 +23,22 @@ def _pipelined(layers: int):
     state = PartialState()
     out = {}
     ids = _inputs()
+    if state.num_processes == 2:  # "auto", the output on the last stage only
+        model = tiny_llama(layers=layers).eval()
+        model = prepare_pippy(model, split_points="auto", example_args=(ids,))
+        out["auto_points"] = model.hf_split_points
+        with torch.no_grad():
+            logits = model(ids)
+        out["auto"] = None if logits is None else logits.clone()
+        split = {"split_points": ["model.layers.2"]}  # explicit, gathered
+    else:
+        split = {}  # "auto", gathered
     model = tiny_llama(layers=layers).eval()
-    model = prepare_pippy(model, split_points="auto", example_args=(ids,))
-    out["auto_points"] = model.hf_split_points
-    with torch.no_grad():
-        logits = model(ids)
-    out["auto"] = None if logits is None else logits.clone()
-
-    model = tiny_llama(layers=layers).eval()
-    model = prepare_pippy(model, example_args=(ids,), num_chunks=2, gather_output=True)
+    model = prepare_pippy(model, example_args=(ids,), num_chunks=2, gather_output=True, **split)
+    out["points"] = model.hf_split_points
     with torch.no_grad():
         out["gathered"] = model(ids).clone()
         out["odd"] = model(_inputs(3)).clone()  # 3 rows padded to 2 chunks of 2, trimmed
-    if state.num_processes == 2:
-        model = tiny_llama(layers=layers).eval()
-        model = prepare_pippy(model, split_points=["model.layers.2"], example_args=(ids,))
-        with torch.no_grad():
-            logits = model(ids)
-        out["explicit"] = None if logits is None else logits.clone()
     return out
 
 
@@ -55,13 +53,13 @@ def test_pipeline_returns_the_unsplit_logits(ranks, layers):
     results = run_on_ranks(_pipelined, ranks, args=(layers,), timeout=400)
     ref, ref3 = _reference(layers), _reference(layers, 3)
     *others, last = results
-    points = last["auto_points"]
-    assert all(p.startswith("model.layers.") and p.count(".") == 2 for p in points)  # layer starts
-    assert len(points) == ranks - 1
-    assert torch.allclose(last["auto"], ref, atol=1e-5)
-    assert all(r["auto"] is None for r in others)  # only the last stage has the output
-    for r in results:  # gather_output=True: every rank
+    for r in results:  # gather_output=True: every rank has the output
         assert torch.allclose(r["gathered"], ref, atol=1e-5)
         assert r["odd"].shape == ref3.shape and torch.allclose(r["odd"], ref3, atol=1e-5)
     if ranks == 2:
-        assert torch.allclose(last["explicit"], ref, atol=1e-5)
+        assert last["points"] == ["model.layers.2"]
+        assert last["auto_points"] == ["model.layers.2"]  # balanced: 2 of 4 layers per stage
+        assert torch.allclose(last["auto"], ref, atol=1e-5)
+        assert all(r["auto"] is None for r in others)  # only the last stage has the output
+    else:  # "auto" cut the 4 layers at layer starts, one per stage
+        assert last["points"] == ["model.layers.1", "model.layers.2", "model.layers.3"]
