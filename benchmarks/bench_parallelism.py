@@ -17,14 +17,10 @@ Results: benchmarks/results/parallelism.json. Never run in CI.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,25 +222,18 @@ def _accelerate_refusals() -> dict:
     return rows
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    return done.stdout.strip() or "unknown"
-
-
 def measure() -> dict:
     """Run every layout on 4 ranks; per layout: median step time and memory per rank, ratios to
     nbaccel's DDP (and to Accelerate's DDP for the step time)."""
-    import torch
 
     from nbaccel.testing import run_on_ranks
 
     ranks = run_on_ranks(_rank_main, RANKS, args=(ROUNDS,), timeout=2400)
+    from provenance import stamp  # the date, commit and machine of this run
+
     report: dict = {
-        "date": date.today().isoformat(),
-        "commit": _commit(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-        f"{RANKS} gloo ranks (1 thread each)",
+        "provenance": stamp(),
+        "ranks": f"{RANKS} gloo ranks (1 thread each)",
         "model": "LlamaForCausalLM hidden 256, 4 layers, 8 heads, vocab 2048, seq 64",
         "global_batch": GLOBAL_BATCH,
         "steps_timed": STEPS * ROUNDS,

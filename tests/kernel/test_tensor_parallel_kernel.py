@@ -36,8 +36,8 @@ CELLS = [
         "accelerator.backward(loss)\n"
         "optimizer.step()\n"
         "from nbaccel.training.strategies.tensor_parallel import tp_layout\n"
-        "layout = tp_layout(model)\n"
-        "print('loss', round(loss.item(), 5), 'down_proj', layout['model.layers.1.mlp.down_proj.weight'])"
+        "down = tp_layout(model)['model.layers.1.mlp.down_proj.weight']\n"
+        "print('loss', round(loss.item(), 5), 'down_proj', down)"
     ),
     (
         "from nbaccel import notebook_launcher\n"
