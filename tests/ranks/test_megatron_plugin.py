@@ -1,7 +1,9 @@
 """MegatronLMPlugin on torch's engines, 4 gloo ranks (tp_degree=2 x pp_degree=2): the training
 loop of Accelerate's Megatron-LM guide, unchanged, trains a tiny transformers Llama to the losses
 and weights of one process; micro-batches run inside the model call (1F1B schedule); gradient
-clipping is by the global norm across stages; save_state/load_state resumes exactly. One launch."""
+clipping is by the global norm across stages; save_state/load_state resumes exactly; with
+sequence_parallelism=True the activations between blocks hold half the sequence per rank and the
+losses stay the same. One launch."""
 
 from __future__ import annotations
 
@@ -64,7 +66,35 @@ def _guide_loop(root: str):
             "optimizer_params": sum(len(g["params"]) for g in optimizer.optimizer.param_groups),
         }
 
-    return train(resume=False), train(resume=True)
+    return train(resume=False), train(resume=True), _sequence_parallel()
+
+
+def _sequence_parallel():
+    """tp 2 x pp 2 with sequence_parallelism=True: the same losses, and between attention/MLP
+    blocks each rank holds half of the sequence."""
+    from nbaccel import Accelerator
+    from nbaccel.utils import MegatronLMPlugin
+
+    plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2,
+                              gradient_clipping=CLIP, sequence_parallelism=True)  # fmt: skip
+    accelerator = Accelerator(megatron_lm_plugin=plugin)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(Tokens(), batch_size=BATCH)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    layer = next(iter(accelerator.unwrap_model(model).model.layers.values()))
+    shapes = []
+    layer.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        outputs = model(**batch)
+        accelerator.backward(outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(outputs.loss.item())
+    return {"losses": losses, "layer_output": shapes[0]}
 
 
 def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
@@ -86,6 +116,9 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
         expected_eval = plain(**batch).loss.item()
     for r in first:
         assert r["eval"] == pytest.approx(expected_eval, abs=2e-5)
+    for r in results:  # sequence parallel: micro-batch of 2, 16 tokens split over tp=2
+        assert r[2]["layer_output"] == (2, 8, 64)
+        assert r[2]["losses"] == pytest.approx(ref_losses, abs=2e-5)
     resumed = [r[1] for r in results]
     for r in resumed:
         assert r["losses"] == pytest.approx(ref_losses[2:], abs=2e-5)

@@ -93,7 +93,5 @@ def test_layouts_that_do_not_fit_one_process():
         Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
     with pytest.raises(ValueError, match="tp_degree=2 x pp_degree=1 = 2 does not divide the 1"):
         Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2))
-    with pytest.raises(NotImplementedError, match="sequence_parallelism=True"):
-        MegatronLMPlugin(tp_degree=2, sequence_parallelism=True)
     with pytest.raises(NotImplementedError, match="custom_train_step_class .* Megatron-LM's own"):
         MegatronLMPlugin(custom_train_step_class=object)

@@ -67,6 +67,8 @@ class DecoderStage(nn.Module):
         base = check_decoder_model(model)
         first, last = layer_ranges(len(base.layers), stages)[index]
         self.is_first, self.is_last = index == 0, index == stages - 1
+        #: ranks the sequence is split over between blocks (sequence parallelism), else 1
+        self.sequence_shards = 1
         self.layer_range = (first, last)
         base.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(first, last)})
         if not self.is_first:
@@ -81,8 +83,13 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = getattr(self, self.prefix)
+        if self.is_first and x.shape[1] % self.sequence_shards:
+            raise ValueError(
+                f"Sequence parallelism splits the sequence over {self.sequence_shards} ranks: "
+                f"the length {x.shape[1]} must divide by it (pad or trim the batches)."
+            )
         hidden = base.embed_tokens(x) if self.is_first else x
-        batch, seq = hidden.shape[:2]
+        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
         positions = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         position_embeddings = base.rotary_emb(hidden, position_ids=positions)
         for layer in base.layers.values():

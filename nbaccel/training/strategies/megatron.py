@@ -59,7 +59,8 @@ class MegatronLMPlugin:
         pp_degree: pipeline stages (decoder layers shared out evenly).
         num_micro_batches: micro-batches each training step is cut into (a multiple of nothing:
             the batch must divide by it).
-        sequence_parallelism: Megatron's sequence parallelism (refused: see the error).
+        sequence_parallelism: keep activations outside attention/MLP split along the sequence
+            over the ``tp`` ranks (:mod:`.sequence_parallel`); no effect when tp_degree is 1.
         gradient_clipping: clip gradients to this global norm (across stages) before a step.
         recompute_activations: recompute each decoder layer in backward (activation checkpointing).
         return_logits: keep the last stage's logits on the output (else only the loss).
@@ -93,12 +94,6 @@ class MegatronLMPlugin:
         for name in ("tp_degree", "pp_degree", "num_micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.sequence_parallelism:
-            raise NotImplementedError(
-                "sequence_parallelism=True is not run by nbaccel's Megatron-LM path: its "
-                "tensor-parallel layers keep activations replicated. Leave it False, or use "
-                "ParallelismConfig(cp_size=...) (context parallel, CUDA) for long sequences."
-            )
         given = [n for n in _MEGATRON_ONLY if getattr(self, n)]
         if given:
             raise NotImplementedError(
@@ -214,6 +209,11 @@ class MegatronStrategy(Strategy):
             from torch.distributed.tensor.parallel import parallelize_module
 
             plan = {n: by_module[id(m)] for n, m in stage.named_modules() if id(m) in by_module}
+            if p.sequence_parallelism:
+                from nbaccel.training.strategies.sequence_parallel import sequence_parallel_plan
+
+                plan = sequence_parallel_plan(stage, plan)
+                stage.sequence_shards = p.tp_degree
             parallelize_module(stage, self.mesh["tp"], plan)
         if p.recompute_activations:
             _checkpoint_layers(stage)
