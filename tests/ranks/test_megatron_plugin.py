@@ -29,7 +29,10 @@ def _guide_loop(root: str):
         model = tiny_llama()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train_dataloader = DataLoader(Tokens(), batch_size=BATCH)
-        model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, train_dataloader, lr_scheduler
+        )
         if resume:
             accelerator.load_state(root)
         losses = []
@@ -43,6 +46,7 @@ def _guide_loop(root: str):
             loss = outputs.loss
             accelerator.backward(loss)
             optimizer.step()
+            lr_scheduler.step()
             optimizer.zero_grad()
             losses.append(loss.item())
             if not resume and step == 1:

@@ -1,7 +1,8 @@
 """ParallelismConfig trained on real gloo ranks: TP2 x FSDP2 and HSDP 2x2 on 4 ranks, TP2 on 2,
 each equal to one process training the same tiny transformers Llama on the global batch;
 save_state/load_state resumes to the uninterrupted result; get_state_dict gathers full tensors
-that a plain (unsharded) model loads. One 4-rank and one 2-rank launch."""
+that a plain (unsharded) model loads; a model without a plan trains with the user's plan
+(TorchTensorParallelPlugin). One 4-rank and one 2-rank launch."""
 
 from __future__ import annotations
 
@@ -75,8 +76,41 @@ def _four_ranks(root: str):
     return tp_fsdp, hsdp
 
 
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _mlp_data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(3)]
+
+
+def _user_plan():
+    """A model without a plan of its own, split by the plan the user passes (torch styles and
+    transformers' words mixed), through Accelerate's older TorchTensorParallelPlugin."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from nbaccel import Accelerator
+    from nbaccel.utils import TorchTensorParallelPlugin
+
+    plugin = TorchTensorParallelPlugin(tp_size=2, tp_plan={"0": ColwiseParallel(), "2": "rowwise"})
+    accelerator = Accelerator(torch_tp_plugin=plugin)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses = []
+    for x, y in _mlp_data():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, tuple(model[0].weight.to_local().shape), accelerator.parallelism_config.tp_size
+
+
 def _two_ranks(root: str):
-    return _train({"tp_size": 2}, root + "/tp")
+    return _train({"tp_size": 2}, root + "/tp"), _user_plan()
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +161,8 @@ def test_hsdp_2x2_on_4_ranks_equals_one_process(four):
 
 
 def test_tp2_on_2_ranks_equals_one_process_and_resumes(tmp_path):
-    results = run_on_ranks(_two_ranks, 2, args=(str(tmp_path),), timeout=400)
+    both = run_on_ranks(_two_ranks, 2, args=(str(tmp_path),), timeout=400)
+    results = [r[0] for r in both]
     assert {r["mesh"] for r in results} == {(("tp",), (2,))}
     assert [r["dp"] for r in results] == [(1, 0), (1, 0)]
     assert {r["q_proj"] for r in results} == {(32, 64)}
@@ -135,3 +170,16 @@ def test_tp2_on_2_ranks_equals_one_process_and_resumes(tmp_path):
     ref_losses, _ = reference_run(STEPS, PER_RANK)
     assert _global_losses(results, "resumed") == pytest.approx(ref_losses[2:], abs=2e-5)
     assert results[0]["resumed_diff"] < 1e-6
+    # the user's plan on a plain MLP equals the MLP trained in one process
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for x, y in _mlp_data():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for losses, shard, tp in (r[1] for r in both):
+        assert (shard, tp) == ((16, 8), 2)
+        assert losses == pytest.approx(expected, abs=1e-6)

@@ -1,4 +1,4 @@
-"""Megatron-LM's plugin on torch's own engines: tensor + pipeline (+ data) parallel training.
+"""Megatron-LM's plugin on torch's own engines: tensor, sequence, pipeline and data parallel.
 
 ``Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2))``
 trains a decoder language model of the Llama family without Megatron-LM installed:
