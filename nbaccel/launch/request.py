@@ -23,6 +23,7 @@ and ``notebook_launcher(..., log_every=5)``, ``%%distributed --log_every 5`` and
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -233,10 +234,11 @@ _PC, _PC_AXES, _CP = "parallelism_config_", ("dp_replicate", "dp_shard", "tp", "
     "allgather", "alltoall")  # fmt: skip
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+def _mesh_size(axis: str, what: str) -> Any:
+    """A ``ParallelismConfig`` axis size as a launch option (Accelerate's flag name)."""
+    name = f"{_PC}{axis}_size"
+    return option(None, f"ParallelismConfig: {what} ranks", _LOCAL,
+                  check=_positive_or_none(name), parse=int, metavar="N")  # fmt: skip
 
 
 _WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
@@ -364,22 +366,10 @@ class LaunchRequest:
         "launch (default 300; 0: released at the launch's end)", _REMOTE, parse=float,
         metavar="S",
     )  # fmt: skip
-    parallelism_config_dp_replicate_size: int | None = option(
-        None, "ParallelismConfig: ranks holding full replicas (HSDP with dp_shard_size)", _LOCAL,
-        check=_positive_or_none("parallelism_config_dp_replicate_size"), parse=int, metavar="N",
-    )  # fmt: skip
-    parallelism_config_dp_shard_size: int | None = option(
-        None, "ParallelismConfig: ranks sharding the model (FSDP2)", _LOCAL,
-        check=_positive_or_none("parallelism_config_dp_shard_size"), parse=int, metavar="N",
-    )  # fmt: skip
-    parallelism_config_tp_size: int | None = option(
-        None, "ParallelismConfig: tensor-parallel ranks (the model's TP plan)", _LOCAL,
-        check=_positive_or_none("parallelism_config_tp_size"), parse=int, metavar="N",
-    )  # fmt: skip
-    parallelism_config_cp_size: int | None = option(
-        None, "ParallelismConfig: context-parallel ranks (CUDA only)", _LOCAL,
-        check=_positive_or_none("parallelism_config_cp_size"), parse=int, metavar="N",
-    )  # fmt: skip
+    parallelism_config_dp_replicate_size: int | None = _mesh_size("dp_replicate", "full replicas")
+    parallelism_config_dp_shard_size: int | None = _mesh_size("dp_shard", "sharding (FSDP2)")
+    parallelism_config_tp_size: int | None = _mesh_size("tp", "tensor-parallel (the TP plan)")
+    parallelism_config_cp_size: int | None = _mesh_size("cp", "context-parallel (CUDA only)")
     parallelism_config_cp_comm_strategy: str | None = option(
         None, "ParallelismConfig: how context-parallel ranks exchange keys/values", _LOCAL,
         check=lambda v: None if v is None else _choice("cp_comm_strategy", _CP)(v), choices=_CP,
@@ -398,13 +388,13 @@ class LaunchRequest:
     def _check_parallelism(self) -> None:
         """The mesh must fill the world exactly (its product becomes ``num_processes`` when that
         is not given); context parallel needs CUDA ranks. Checked before any rank starts."""
-        sizes = {a: getattr(self, f"{_PC}{a}_size") for a in _PC_AXES}
-        given = {a: s for a, s in sizes.items() if s is not None}
+        import torch
+
+        given = {a: getattr(self, f"{_PC}{a}_size") for a in _PC_AXES}
+        given = {a: s for a, s in given.items() if s is not None}
         if not given:
             return
-        product = 1
-        for size in given.values():
-            product *= size
+        product = math.prod(given.values())
         if self.num_processes is None and self.hosts is None and self.launcher is None:
             object.__setattr__(self, "num_processes", product)
         world = None if self.num_processes is None else self.num_processes * self.num_nodes
@@ -414,7 +404,7 @@ class LaunchRequest:
                 f"The parallelism mesh {shown} = {product} ranks, but the launch has {world}: "
                 f"launch {product} processes, or change the sizes so their product is {world}."
             )
-        if (given.get("cp") or 1) > 1 and (self.cpu or not _cuda()):
+        if given.get("cp", 1) > 1 and (self.cpu or not torch.cuda.is_available()):
             raise ValueError(
                 "parallelism_config_cp_size > 1 needs CUDA ranks: torch's context_parallel has "
                 "no CPU kernel (SDPA's CPU flash attention has no sharding rule). Set "
