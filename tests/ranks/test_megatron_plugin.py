@@ -3,7 +3,7 @@ loop of Accelerate's Megatron-LM guide, unchanged, trains a tiny transformers Ll
 and weights of one process; micro-batches run inside the model call (1F1B schedule); gradient
 clipping is by the global norm across stages; save_state/load_state resumes exactly; with
 sequence_parallelism=True the activations between blocks hold half the sequence per rank and the
-losses stay the same. One launch."""
+losses stay the same; pp 2 x dp 2 averages gradients over the data-parallel ranks. One launch."""
 
 from __future__ import annotations
 
@@ -70,7 +70,31 @@ def _guide_loop(root: str):
             "optimizer_params": sum(len(g["params"]) for g in optimizer.optimizer.param_groups),
         }
 
-    return train(resume=False), train(resume=True), _sequence_parallel()
+    return train(resume=False), train(resume=True), _sequence_parallel(), _data_parallel()
+
+
+def _data_parallel():
+    """pp 2 with the other 2 ranks as data parallel (dp 2): gradients averaged over dp."""
+    from nbaccel import Accelerator
+    from nbaccel.utils import MegatronLMPlugin
+
+    plugin = MegatronLMPlugin(pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP)
+    accelerator = Accelerator(megatron_lm_plugin=plugin)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(Tokens(), batch_size=BATCH // 2)  # per data-parallel rank
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        outputs = model(**batch)
+        accelerator.backward(outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(outputs.loss.item())
+    state = accelerator.get_state_dict(model)
+    return {"losses": losses, "dp": accelerator.strategy.data_parallel_size, "state": state}
 
 
 def _sequence_parallel():
@@ -123,6 +147,10 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
     for r in results:  # sequence parallel: micro-batch of 2, 16 tokens split over tp=2
         assert r[2]["layer_output"] == (2, 8, 64)
         assert r[2]["losses"] == pytest.approx(ref_losses, abs=2e-5)
+    for r in results:  # dp 2 x pp 2: the loss of the global batch on every rank
+        assert r[3]["dp"] == 2
+        assert r[3]["losses"] == pytest.approx(ref_losses, abs=2e-5)
+    assert max_diff(results[0][3]["state"], ref_state) < 1e-4
     resumed = [r[1] for r in results]
     for r in resumed:
         assert r["losses"] == pytest.approx(ref_losses[2:], abs=2e-5)
