@@ -16,14 +16,18 @@ from nbaccel.testing import run_on_ranks
 STEPS, PER_RANK = 4, 4
 
 
-def _train(sizes: dict, root: str | None, clip: float | None = None):
+def _train(sizes: dict, root: str | None, clip: float | None = None, sharded: bool = False):
     """Train the tiny Llama under ``sizes``; with ``root``, save after 2 steps, then resume a
     fresh model from it and check it ends where the uninterrupted run ended."""
     from nbaccel import Accelerator
     from nbaccel.training.parallelism_config import ParallelismConfig
 
     def run(resume_from: str | None = None, save_at: int | None = None):
-        accelerator = Accelerator(parallelism_config=ParallelismConfig(**sizes))
+        from nbaccel.utils import FullyShardedDataParallelPlugin
+
+        kind = "SHARDED_STATE_DICT" if sharded else "FULL_STATE_DICT"
+        plugin = FullyShardedDataParallelPlugin(state_dict_type=kind)
+        accelerator = Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=plugin)
         model = tiny_llama()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = DataLoader(Tokens(), batch_size=PER_RANK)
@@ -73,7 +77,8 @@ def _train(sizes: dict, root: str | None, clip: float | None = None):
 def _four_ranks(root: str):
     tp_fsdp = _train({"dp_shard_size": 2, "tp_size": 2}, root + "/tp_fsdp", clip=1.0)
     hsdp = _train({"dp_replicate_size": 2, "dp_shard_size": 2}, None)
-    return tp_fsdp, hsdp
+    sharded = _train({"dp_shard_size": 2, "tp_size": 2}, root + "/dcp", clip=1.0, sharded=True)
+    return tp_fsdp, hsdp, sharded
 
 
 def _mlp():
@@ -148,6 +153,13 @@ def test_tp2_x_fsdp2_on_4_ranks_equals_one_process(four):
     # q_proj (64x64) is split over tp, then its rows over dp_shard: 64 / 2 / 2
     assert {r["q_proj"] for r in results} == {(16, 64)}
     _check_against_reference(results, global_batch=2 * PER_RANK, clip=1.0)
+    ref_losses, _ = reference_run(STEPS, 2 * PER_RANK, clip=1.0)
+    assert _global_losses(results, "resumed") == pytest.approx(ref_losses[2:], abs=2e-5)
+    assert results[0]["resumed_diff"] < 1e-6
+
+
+def test_tp2_x_fsdp2_resumes_from_a_sharded_dcp_checkpoint(four):
+    results = [r[2] for r in four]
     ref_losses, _ = reference_run(STEPS, 2 * PER_RANK, clip=1.0)
     assert _global_losses(results, "resumed") == pytest.approx(ref_losses[2:], abs=2e-5)
     assert results[0]["resumed_diff"] < 1e-6
