@@ -23,7 +23,6 @@ and ``notebook_launcher(..., log_every=5)``, ``%%distributed --log_every 5`` and
 from __future__ import annotations
 
 import dataclasses
-import math
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
+from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
 
 __all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
 
@@ -230,8 +230,7 @@ def _key_values(text: str) -> dict[str, str]:
 
 
 _LOCAL, _REMOTE = Front.ALL, Front.ALL | Front.REMOTE
-_PC, _PC_AXES, _CP = "parallelism_config_", ("dp_replicate", "dp_shard", "tp", "cp"), (
-    "allgather", "alltoall")  # fmt: skip
+_PC, _CP = "parallelism_config_", ("allgather", "alltoall")
 
 
 def _mesh_size(axis: str, what: str) -> Any:
@@ -385,45 +384,22 @@ class LaunchRequest:
         self._check_parallelism()
         object.__setattr__(self, "remote", self._remote())
 
-    def _check_parallelism(self) -> None:
-        """The mesh must fill the world exactly (its product becomes ``num_processes`` when that
-        is not given); context parallel needs CUDA ranks. Checked before any rank starts."""
-        import torch
+    def _mesh_sizes(self) -> dict[str, int | None]:
+        return {a: getattr(self, f"{_PC}{a}_size") for a in AXES}
 
-        given = {a: getattr(self, f"{_PC}{a}_size") for a in _PC_AXES}
-        given = {a: s for a, s in given.items() if s is not None}
-        if not given:
-            return
-        product = math.prod(given.values())
-        if self.num_processes is None and self.hosts is None and self.launcher is None:
-            object.__setattr__(self, "num_processes", product)
+    def _check_parallelism(self) -> None:
+        """The mesh must fill the world (its product is ``num_processes`` when that is not
+        given); context parallel needs CUDA ranks. Checked before any rank starts."""
+        alone = self.num_processes is None and self.hosts is None and self.launcher is None
         world = None if self.num_processes is None else self.num_processes * self.num_nodes
-        if world is not None and product != world:
-            shown = " x ".join(f"{a}_size={s}" for a, s in given.items())
-            raise ValueError(
-                f"The parallelism mesh {shown} = {product} ranks, but the launch has {world}: "
-                f"launch {product} processes, or change the sizes so their product is {world}."
-            )
-        if given.get("cp", 1) > 1 and (self.cpu or not torch.cuda.is_available()):
-            raise ValueError(
-                "parallelism_config_cp_size > 1 needs CUDA ranks: torch's context_parallel has "
-                "no CPU kernel (SDPA's CPU flash attention has no sharding rule). Set "
-                "parallelism_config_cp_size=1 here, or launch on GPUs."
-            )
+        product = check_mesh(self._mesh_sizes(), world, self.cpu)
+        if product is not None and alone:
+            object.__setattr__(self, "num_processes", product)
 
     def rank_environment(self) -> dict[str, str]:
         """What the ranks' ``ParallelismConfig()`` and ``Accelerator()`` read (Accelerate's
         ``PARALLELISM_CONFIG_*`` variables); empty when no size was given."""
-        env = {
-            f"PARALLELISM_CONFIG_{a.upper()}_SIZE": str(getattr(self, f"{_PC}{a}_size"))
-            for a in _PC_AXES
-            if getattr(self, f"{_PC}{a}_size") is not None
-        }
-        if self.parallelism_config_cp_comm_strategy is not None:
-            env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = self.parallelism_config_cp_comm_strategy
-        if env:
-            env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
-        return env
+        return mesh_environment(self._mesh_sizes(), self.parallelism_config_cp_comm_strategy)
 
     def _check_world(self) -> None:
         if not 0 <= self.node_rank < self.num_nodes:
