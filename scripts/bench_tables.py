@@ -113,6 +113,12 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "python benchmarks/bench_large_results.py --gib 1 --ranks 1",
         "The notebook's peak memory when ranks return 1 GiB tensors.",
     ),
+    "parallelism.json": (
+        "Model-parallel layouts on 4 CPU ranks",
+        "python benchmarks/bench_parallelism.py",
+        "The same Llama under DDP, FSDP2, HSDP, TP, TP + FSDP2, pipeline and Megatron tp x pp, "
+        "with Accelerate's DDP as the peer: per-rank model state, peak RSS growth, step time.",
+    ),
     "hosts.json": (
         "Many hosts",
         "sudo bash scripts/hosts/up 2 && python benchmarks/bench_hosts.py",

@@ -134,7 +134,8 @@ def _paradigms_and_world(parser: argparse.ArgumentParser) -> None:
     _option(paradigm, "use_megatron_lm", action="store_true",
             help="Megatron-LM (not run by nbaccel: refused with a clear error)")  # fmt: skip
     _option(paradigm, "use_parallelism_config", action="store_true",
-            help="ParallelismConfig (not run by nbaccel)")  # fmt: skip
+            help="ParallelismConfig from the --parallelism_config_* options (accepted; "
+            "the sizes alone turn it on, with or without --use_fsdp)")  # fmt: skip
     world = parser.add_argument_group("Distributed", "Where the ranks meet.")
     _option(world, "gpu_ids", default=None, help="GPU ids to use, comma separated, or all")
     _option(world, "same_network", action="store_true", help="machines share a local network")

@@ -125,8 +125,6 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
         raise ValueError(f"Use only one of {', '.join(chosen)} at a time.")
     if args.multi_gpu and args.num_processes is not None and args.num_processes < 2:
         raise ValueError("--multi_gpu needs at least 2 processes (--num_processes 2 or more).")
-    if args.use_parallelism_config and not (args.use_fsdp and str(args.fsdp_version) == "2"):
-        raise ValueError("--use_parallelism_config needs --use_fsdp and --fsdp_version 2.")
     config, from_config, notes = None, False, []
     if args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu):
         config = load_config_from_file(args.config_file)

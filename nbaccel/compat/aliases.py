@@ -57,10 +57,12 @@ _DATACLASSES = (
     "nbaccel.training.trackers:LoggerType",
     "nbaccel.training.run_options",
     "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,DeepSpeedSequenceParallelConfig,"
-    "MegatronLMPlugin,FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
-    "BnbQuantizationConfig,TorchTensorParallelPlugin,FP8BackendType,"
+    "FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
+    "BnbQuantizationConfig,FP8BackendType,"
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
     "nbaccel.training.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
+    "nbaccel.training.strategies.tensor_parallel:TorchTensorParallelPlugin",
+    "nbaccel.training.strategies.megatron:MegatronLMPlugin",
     "nbaccel.distributed.structures:TensorInformation",
     "nbaccel.training.model_inspection:get_module_class_from_name",
 )
@@ -156,7 +158,7 @@ _UTILS = (
     "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
     "save_fsdp_model,save_fsdp_optimizer",
     "nbaccel.training.unsupported_stacks:install_xla,prepare_deepspeed_cmd_env,setup_fp8_env,"
-    "MegatronLMPlugin,MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
+    "MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
     "BertTrainStep,GPTTrainStep,T5TrainStep,add_model_config_to_megatron_parser,"
     "avg_losses_across_data_parallel_group,GatheredParameters",
     _STATE + ":DistributedType",
@@ -185,7 +187,8 @@ _TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
-        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,prepare_pippy",
+        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin",
+        "nbaccel.bigmodel.pipeline:prepare_pippy",
         "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.distributed.probes:is_rich_available",
         "nbaccel.distributed.random:synchronize_rng_states",
@@ -269,10 +272,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     ),
     "nbaccel.local_sgd": ("nbaccel.training.local_sgd:LocalSGD",),
     "nbaccel.launchers": ("nbaccel.notebook.kernel.launcher:debug_launcher,notebook_launcher",),
-    "nbaccel.inference": (
-        _UNSUPPORTED + ":prepare_pippy,build_pipeline,pippy_forward,generate_device_map,"
-        "find_pippy_batch_size",
-    ),
+    "nbaccel.inference": ("nbaccel.bigmodel.pipeline",),
     "nbaccel.memory_utils": (
         "nbaccel.training.batch_size:find_executable_batch_size,release_memory",
     ),

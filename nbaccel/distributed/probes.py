@@ -129,11 +129,17 @@ is_transformer_engine_available = _never(_NOT_DRIVEN)
 is_transformer_engine_mxfp8_available = _never(_NOT_DRIVEN)
 is_torchao_available = _never(_NOT_DRIVEN)
 is_fp8_available = _never("nbaccel has no FP8 training path")
-is_pippy_available = _never(_NOT_DRIVEN)
 is_4bit_bnb_available = _never(_NOT_DRIVEN)
 is_8bit_bnb_available = _never(_NOT_DRIVEN)
 is_bitsandbytes_multi_backend_available = _never(_NOT_DRIVEN)
 is_habana_gaudi1 = _never("Gaudi is not a device nbaccel drives")
+
+
+def is_pippy_available() -> bool:
+    """Whether torch has ``torch.distributed.pipelining`` (what ``prepare_pippy`` runs on)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch.distributed.pipelining") is not None
 
 
 def is_bnb_available(min_version: str | None = None) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
+from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
 
 __all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
 
@@ -229,6 +230,16 @@ def _key_values(text: str) -> dict[str, str]:
 
 
 _LOCAL, _REMOTE = Front.ALL, Front.ALL | Front.REMOTE
+_PC, _CP = "parallelism_config_", ("allgather", "alltoall")
+
+
+def _mesh_size(axis: str, what: str) -> Any:
+    """A ``ParallelismConfig`` axis size as a launch option (Accelerate's flag name)."""
+    name = f"{_PC}{axis}_size"
+    return option(None, f"ParallelismConfig: {what} ranks", _LOCAL,
+                  check=_positive_or_none(name), parse=int, metavar="N")  # fmt: skip
+
+
 _WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
 
 
@@ -354,6 +365,14 @@ class LaunchRequest:
         "launch (default 300; 0: released at the launch's end)", _REMOTE, parse=float,
         metavar="S",
     )  # fmt: skip
+    parallelism_config_dp_replicate_size: int | None = _mesh_size("dp_replicate", "full replicas")
+    parallelism_config_dp_shard_size: int | None = _mesh_size("dp_shard", "sharding (FSDP2)")
+    parallelism_config_tp_size: int | None = _mesh_size("tp", "tensor-parallel (the TP plan)")
+    parallelism_config_cp_size: int | None = _mesh_size("cp", "context-parallel (CUDA only)")
+    parallelism_config_cp_comm_strategy: str | None = option(
+        None, "ParallelismConfig: how context-parallel ranks exchange keys/values", _LOCAL,
+        check=lambda v: None if v is None else _choice("cp_comm_strategy", _CP)(v), choices=_CP,
+    )  # fmt: skip
     remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -362,7 +381,25 @@ class LaunchRequest:
             if spec is not None and spec.check is not None:
                 object.__setattr__(self, item.name, spec.check(getattr(self, item.name)))
         self._check_world()
+        self._check_parallelism()
         object.__setattr__(self, "remote", self._remote())
+
+    def _mesh_sizes(self) -> dict[str, int | None]:
+        return {a: getattr(self, f"{_PC}{a}_size") for a in AXES}
+
+    def _check_parallelism(self) -> None:
+        """The mesh must fill the world (its product is ``num_processes`` when that is not
+        given); context parallel needs CUDA ranks. Checked before any rank starts."""
+        alone = self.num_processes is None and self.hosts is None and self.launcher is None
+        world = None if self.num_processes is None else self.num_processes * self.num_nodes
+        product = check_mesh(self._mesh_sizes(), world, self.cpu)
+        if product is not None and alone:
+            object.__setattr__(self, "num_processes", product)
+
+    def rank_environment(self) -> dict[str, str]:
+        """What the ranks' ``ParallelismConfig()`` and ``Accelerator()`` read (Accelerate's
+        ``PARALLELISM_CONFIG_*`` variables); empty when no size was given."""
+        return mesh_environment(self._mesh_sizes(), self.parallelism_config_cp_comm_strategy)
 
     def _check_world(self) -> None:
         if not 0 <= self.node_rank < self.num_nodes:

@@ -47,6 +47,7 @@ from nbaccel.training.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.trackers import TrackerSet
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["Accelerator"]
 
@@ -62,7 +63,9 @@ _HANDLERS = (
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} is not supported by nbaccel. Supported: DDP (multi-CPU/GPU/XPU), FSDP2 "
-        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), torch-xla, and mixed precision "
+        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), tensor/hybrid/context parallel "
+        "(parallelism_config=ParallelismConfig(...)), tensor + pipeline parallel "
+        "(megatron_lm_plugin=MegatronLMPlugin(...)), torch-xla, and mixed precision "
         "'no', 'fp16' or 'bf16'."
     )
 
@@ -76,17 +79,18 @@ def _mark_prepared(obj: Any) -> Any:
     return obj
 
 
-def _check_parallelism(config: ParallelismConfig | None, accelerator: Any) -> Any:
-    """Accept the data-parallel layouts (validated against the run); refuse tensor, context
-    and sequence parallelism and HSDP, which nbaccel does not train."""
+def _check_parallelism(config: Any, accelerator: Any, tp_plugin: Any = None) -> Any:
+    """The run's layout, validated against it: the one passed, else the launcher's
+    (``PARALLELISM_CONFIG_*``), with a ``torch_tp_plugin``'s tp_size (Accelerate's older
+    spelling). Tensor/context parallel and HSDP train on the mesh strategy."""
+    if config is None and env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        config = ParallelismConfig()  # sizes from PARALLELISM_CONFIG_* (nbaccel launch)
+    if tp_plugin is not None:
+        config = ParallelismConfig.from_tp_plugin(tp_plugin, accelerator.num_processes, config)
     if config is None:
         return None
     if not isinstance(config, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a ParallelismConfig, not {type(config)}.")
-    if config.tp_enabled or config.cp_enabled or config.sp_enabled:
-        raise _refuse("parallelism_config with tp_size/cp_size/sp_size > 1")
-    if config.dp_replicate_enabled and config.dp_shard_enabled:
-        raise _refuse("parallelism_config with both dp_replicate_size and dp_shard_size > 1 (HSDP)")
     config._validate_accelerator(accelerator)
     return config
 
@@ -123,13 +127,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         deepspeed_plugins: Any = None,
         parallelism_config: Any = None,
     ) -> None:
-        for value, what in (
-            (deepspeed_plugin or deepspeed_plugins, "DeepSpeed (deepspeed_plugin)"),
-            (megatron_lm_plugin, "Megatron-LM (megatron_lm_plugin)"),
-            (torch_tp_plugin, "Tensor parallelism (torch_tp_plugin)"),
-        ):
-            if value is not None:
-                raise _refuse(what)
+        if (deepspeed_plugin or deepspeed_plugins) is not None:
+            raise _refuse("DeepSpeed (deepspeed_plugin)")
         mixed_precision = str(getattr(mixed_precision, "value", mixed_precision) or "") or None
         if (mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION", "")).lower() == "fp8":
             raise _refuse("mixed_precision='fp8'")
@@ -147,7 +146,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             _from_accelerator=True,
             **group_options,
         )
-        self.parallelism_config = _check_parallelism(parallelism_config, self)
+        self.parallelism_config = _check_parallelism(parallelism_config, self, torch_tp_plugin)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
@@ -179,7 +178,12 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         )
         self.scaler = self.precision.scaler
         self.strategy = select_strategy(
-            self.state, self.precision, self.handlers.get(DistributedDataParallelKwargs)
+            self.state,
+            self.precision,
+            self.handlers.get(DistributedDataParallelKwargs),
+            parallelism_config=self.parallelism_config,
+            tp_plan=getattr(torch_tp_plugin, "tp_plan", None),
+            megatron_lm_plugin=megatron_lm_plugin,
         )
         self.profile_handler = self.handlers.get(ProfileKwargs)
         self.step = 0
@@ -331,6 +335,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         prepared = prepare_data_loader(
             data_loader,
             self.device,
+            num_processes=self.strategy.data_parallel_size,  # None: every rank
+            process_index=self.strategy.data_parallel_rank,
             split_batches=config.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             rng_types=list(self.rng_types),

@@ -62,7 +62,12 @@ class AcceleratorNamesMixin:
     fp8_backend = _off(None, "The FP8 backend (None: FP8 is not trained by nbaccel).")
     has_lomo_optimizer = _off(False, "Whether a LOMO optimizer was prepared (never).")
     deepspeed_plugin = _off(doc="DeepSpeed plugin (DeepSpeed is refused: always None).")
-    pipeline_parallel_rank = _off(0, "Pipeline parallelism is not supported: 0.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """This process's pipeline stage (0 without pipeline parallelism)."""
+        return int(getattr(self.strategy, "pipeline_parallel_rank", 0))
+
     tensor_parallel_rank = _mesh_rank("tp_enabled", "tp", "Tensor parallelism")
     context_parallel_rank = _mesh_rank("cp_enabled", "cp", "Context parallelism")
     data_parallel_rank = _mesh_rank("dp_replicate_enabled", "dp_replicate", "Data parallelism")
@@ -107,9 +112,7 @@ class AcceleratorNamesMixin:
         config = self.parallelism_config
         if config is None:
             return None
-        if getattr(self, "_device_mesh", None) is None:
-            self._device_mesh = config.build_device_mesh(self.device.type)
-        return self._device_mesh
+        return config.get_device_mesh(self.device.type)  # one mesh, shared with the strategy
 
     @property
     def should_save_model(self) -> bool:
@@ -120,8 +123,10 @@ class AcceleratorNamesMixin:
     def maybe_context_parallel(
         self, buffers: Any = None, buffer_seq_dims: Any = None, no_restore_buffers: Any = None
     ) -> Iterator[None]:
-        """Context parallelism when configured; nbaccel refuses ``cp_size > 1``, so a no-op."""
-        yield
+        """Split ``buffers`` (input ids, labels, positions...) along ``buffer_seq_dims`` over the
+        ``cp`` axis for the block (torch's ``context_parallel``); a no-op when cp is off."""
+        with self.strategy.context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
+            yield
 
     def lomo_backward(self, loss: Any, learning_rate: float) -> None:
         """LOMO optimizers are not supported: refused with the alternative."""

@@ -8,9 +8,10 @@ Sizes left as ``None`` come from ``PARALLELISM_CONFIG_<AXIS>_SIZE`` environment 
 order ``dp_replicate, dp_shard, cp, sp, tp`` and flattens the joint axes ``dp``,
 ``dp_shard_cp`` and ``dp_cp`` that data loading and FSDP use.
 
-The :class:`~nbaccel.training.accelerator.Accelerator` trains the data-parallel layouts
-(pure replication = DDP, pure sharding = FSDP2); tensor, context and sequence parallel sizes
-above 1 are valid descriptions that the Accelerator refuses with ``NotImplementedError``.
+The :class:`~nbaccel.training.accelerator.Accelerator` trains every layout but DeepSpeed's
+sequence parallelism: pure replication = DDP, pure sharding = FSDP2, and tensor parallel, HSDP
+and their compositions on the mesh strategy (:mod:`nbaccel.training.strategies.mesh`); context
+parallel runs on CUDA ranks only (torch has no CPU kernel for it).
 """
 
 from __future__ import annotations
@@ -237,6 +238,35 @@ class ParallelismConfig:
         return {**{f"{a}_size": s for a, s in self._sizes.items()},
                 "cp_backend": self.cp_backend, "sp_backend": self.sp_backend}  # fmt: skip
 
+    @classmethod
+    def from_tp_plugin(
+        cls, plugin: Any, num_processes: int, config: ParallelismConfig | None = None
+    ) -> ParallelismConfig:
+        """The layout of a ``TorchTensorParallelPlugin(tp_size=N)``: ``tp_size=N`` and the other
+        ranks sharding the data (FSDP2); an explicit ``config`` must agree on ``tp_size``."""
+        tp = int(getattr(plugin, "tp_size", 1))
+        if config is not None:
+            if config.tp_size not in (1, tp):
+                raise ValueError(
+                    f"torch_tp_plugin says tp_size={tp} but parallelism_config says "
+                    f"tp_size={config.tp_size}: pass one of them."
+                )
+            config.tp_size = tp
+            if tp > 1 and config.tp_handler is None:
+                config.tp_handler = TorchTensorParallelConfig()
+            return config
+        if num_processes % tp:
+            raise ValueError(
+                f"TorchTensorParallelPlugin(tp_size={tp}) does not divide the {num_processes} "
+                f"ranks of the run: use a tp_size that divides {num_processes}."
+            )
+        return cls(tp_size=tp, dp_shard_size=num_processes // tp)
+
+    def describe(self) -> str:
+        """``dp_shard_size=2 x tp_size=2 = 4`` (the enabled axes; ``1`` when none)."""
+        sizes = [f"{a}_size={s}" for a, s in self._sizes.items() if s > 1]
+        return f"{' x '.join(sizes) or 'every size 1'} = {self.total_size}"
+
     def _validate_accelerator(self, accelerator: Any) -> None:
         """Check the layout against the run (a 1-rank layout becomes plain DDP over all ranks)."""
         num = accelerator.num_processes
@@ -246,8 +276,9 @@ class ParallelismConfig:
             return
         if not self.sp_enabled and self.total_size != num:
             raise ValueError(
-                f"ParallelismConfig needs {self.total_size} ranks (total_size) but the run has "
-                f"{num}: adjust dp_replicate_size/dp_shard_size/tp_size/cp_size."
+                f"ParallelismConfig needs {self.total_size} ranks ({self.describe()}) but the "
+                f"run has {num}: make the product of dp_replicate_size, dp_shard_size, tp_size "
+                f"and cp_size equal {num}, or launch {self.total_size} processes."
             )
         for axis, size in self._sizes.items():
             if size == 1 and getattr(self, f"{axis}_handler", None) is not None:

@@ -1,7 +1,7 @@
 """Names of the stacks nbaccel does not drive, so code that mentions them still imports.
 
-DeepSpeed, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP, torchao), bitsandbytes
-quantisation, PiPPy pipelines and tensor/context parallelism: their classes exist (user code
+DeepSpeed, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP, torchao) and bitsandbytes
+quantisation: their classes exist (user code
 lists them in ``isinstance`` checks and conditions), their probes say "not available", and
 constructing or calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
 """
@@ -23,16 +23,20 @@ __all__ = [
 
 _INSTEAD = {
     "DeepSpeed": "use DDP (the default) or FSDP2 via FullyShardedDataParallelPlugin",
-    "Megatron-LM": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
+    "Megatron-LM": "nbaccel trains with Accelerator(megatron_lm_plugin=MegatronLMPlugin("
+    "tp_degree=..., pp_degree=..., num_micro_batches=...)) on torch's engines, with a torch "
+    "optimizer and scheduler and the model's causal LM loss (no Megatron-LM install)",
     "FP8": "use mixed_precision='bf16' or 'fp16'",
     "bitsandbytes": "load the model in bf16/fp16, or quantise it with your own library first",
-    "PiPPy": "use dispatch_model / load_checkpoint_and_dispatch to split a model across devices",
-    "tensor/context parallelism": "use DDP or FSDP2 via FullyShardedDataParallelPlugin",
     "torch-xla setup": "install torch-xla yourself; nbaccel detects it",
 }
 
 
 def _message(name: str, stack: str) -> str:
+    if stack == "Megatron-LM":
+        return f"{name} belongs to Megatron-LM's own engine, which nbaccel does not run: " + (
+            _INSTEAD[stack] + "."
+        )
     return f"{name} belongs to {stack}, which nbaccel does not support: {_INSTEAD[stack]}."
 
 
@@ -69,13 +73,12 @@ _CLASSES = {
     "DeepSpeed": "DeepSpeedPlugin DeepSpeedSequenceParallelConfig DeepSpeedEngineWrapper "
     "DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper DummyOptim DummyScheduler "
     "HfDeepSpeedConfig",
-    "Megatron-LM": "MegatronLMPlugin MegatronLMDummyDataLoader MegatronLMDummyScheduler "
+    "Megatron-LM": "MegatronLMDummyDataLoader MegatronLMDummyScheduler "
     "AbstractTrainStep "
     "BertTrainStep GPTTrainStep T5TrainStep MegatronEngine MegatronLMOptimizerWrapper "
     "MegatronLMSchedulerWrapper",
     "FP8": "FP8RecipeKwargs TERecipeKwargs AORecipeKwargs MSAMPRecipeKwargs",
     "bitsandbytes": "BnbQuantizationConfig",
-    "tensor/context parallelism": "TorchTensorParallelPlugin",
 }
 _FUNCTIONS = {
     "DeepSpeed": "get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed GatheredParameters "
@@ -89,7 +92,6 @@ _FUNCTIONS = {
     "setup_fp8_env",
     "bitsandbytes": "load_and_quantize_model replace_with_bnb_layers quantize_and_offload_8bit "
     "get_keys_to_not_convert get_quantized_model_device_map",
-    "PiPPy": "prepare_pippy build_pipeline pippy_forward generate_device_map find_pippy_batch_size",
     "torch-xla setup": "install_xla",
 }
 

@@ -104,10 +104,10 @@ def test_device_mesh_on_2_gloo_ranks():
         assert flattened == [2, 2, 2] and implicit == 2 and total == 2.0
 
 
-def test_accelerator_refuses_layouts_it_does_not_train():
+def test_accelerator_refuses_layouts_that_do_not_fit_the_run():
     from nbaccel import Accelerator
 
-    with pytest.raises(NotImplementedError, match="tp_size"):
+    with pytest.raises(ValueError, match=r"needs 4 ranks \(dp_shard_size=2 x tp_size=2 = 4\)"):
         Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
     with pytest.raises(ValueError, match="needs 4 ranks"):
         Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=4))

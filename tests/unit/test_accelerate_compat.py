@@ -101,7 +101,7 @@ def test_unsupported_stacks_import_check_and_refuse():
     from nbaccel import DeepSpeedPlugin
     from nbaccel.utils import (
         FP8RecipeKwargs,
-        MegatronLMPlugin,
+        GPTTrainStep,
         is_deepspeed_available,
         load_and_quantize_model,
     )
@@ -117,8 +117,8 @@ def test_unsupported_stacks_import_check_and_refuse():
         DeepSpeedPlugin(zero_stage=2)
     with pytest.raises(NotImplementedError, match="bf16"):
         FP8RecipeKwargs(backend="te")
-    with pytest.raises(NotImplementedError, match="nbaccel does not support"):
-        MegatronLMPlugin()
+    with pytest.raises(NotImplementedError, match="megatron_lm_plugin=MegatronLMPlugin"):
+        GPTTrainStep()  # Megatron-LM's own train step: refused, naming the supported path
     with pytest.raises(NotImplementedError, match="bitsandbytes"):
         load_and_quantize_model(model)
 

@@ -125,7 +125,7 @@ def launch_request(
         return launch_xla(function, args, request, renderer=renderer, setup=hooks)
     try:
         report = run_function(
-            LaunchPlan.create(Front.LAUNCHER, request),
+            LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment()),
             function,
             args,
             renderer=renderer,

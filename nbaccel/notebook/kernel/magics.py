@@ -176,7 +176,8 @@ class DistributedMagics(Magics):
         pool = self._ensure_pool(request, renderer)
         with _bad_input_is_usage():
             ranks = parse_ranks(args.ranks, pool.num_processes)
-        env = {"NBACCEL_MIXED_PRECISION": request.mixed_precision} if args.mixed_precision else None
+        env = {"NBACCEL_MIXED_PRECISION": request.mixed_precision} if args.mixed_precision else {}
+        env = {**env, **request.rank_environment()} or None  # --parallelism_config_*
         ok = False
         try:
             values = pool.run_cell(cell, ranks, push, request.timeout, filename, 2, env, renderer)

@@ -98,6 +98,15 @@ class Strategy:
         preparing them replaced their parameters)."""
         repoint_optimizer(optimizer, models)
 
+    #: ranks that read different batches and this rank's index among them (None: every rank of
+    #: the run, as plain data parallelism); mesh strategies shard data over their dp axes only
+    data_parallel_size: int | None = None
+    data_parallel_rank: int | None = None
+
+    def context_parallel(self, buffers: Any, buffer_seq_dims: Any, no_restore_buffers: Any) -> Any:
+        """The context in which ``buffers`` are split along their sequence dims (none here)."""
+        return contextlib.nullcontext()
+
     def prepare_dataloader(self, dataloader: Any) -> Any:
         """The last step of preparing a (sharded) dataloader (nothing here)."""
         return dataloader

@@ -182,6 +182,7 @@ def shard_model(
     model: nn.Module,
     plugin: FullyShardedDataParallelPlugin | None = None,
     device: torch.device | str | None = None,
+    mesh: Any = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 and return it (it is now an ``FSDPModule``).
 
@@ -189,6 +190,8 @@ def shard_model(
         model: the module; on ``meta`` (except on rank 0) when ``cpu_ram_efficient_loading``.
         plugin: the options (defaults to ``FullyShardedDataParallelPlugin()``).
         device: where the shards live (``cuda:N`` with NCCL, ``cpu`` with gloo).
+        mesh: the data-parallel mesh to shard over (1-D: FSDP; 2-D ``(replicate, shard)``:
+            HSDP); default: every rank of the world.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -218,7 +221,8 @@ def shard_model(
     blocks = _blocks_to_wrap(model, plugin)
     if plugin.activation_checkpointing:
         blocks = _apply_activation_checkpointing(model, blocks)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward}
     if plugin.mixed_precision_policy is not None:
         options["mp_policy"] = plugin.mixed_precision_policy

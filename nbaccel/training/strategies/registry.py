@@ -6,12 +6,15 @@ place that maps each kind of run to its strategy class (add a parallelism by add
 
 from __future__ import annotations
 
+from typing import Any
+
 from nbaccel.distributed.state import AcceleratorState, DistributedType
 from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.ddp import DDPStrategy
 from nbaccel.training.strategies.fsdp import FSDPStrategy
+from nbaccel.training.strategies.mesh import MeshStrategy, needs_mesh_strategy
 from nbaccel.training.strategies.xla import XLAStrategy
 
 __all__ = ["STRATEGIES", "select_strategy"]
@@ -30,8 +33,25 @@ def select_strategy(
     state: AcceleratorState,
     precision: PrecisionPolicy,
     ddp_kwargs: DistributedDataParallelKwargs | None = None,
+    parallelism_config: Any = None,
+    tp_plan: Any = None,
+    megatron_lm_plugin: Any = None,
 ) -> Strategy:
-    """The strategy for ``state.distributed_type``."""
+    """The strategy for ``state.distributed_type``; a ``parallelism_config`` with tensor or
+    context parallel or HSDP gets the mesh strategy, a ``megatron_lm_plugin`` the tensor +
+    pipeline one."""
+    if megatron_lm_plugin is not None:
+        from nbaccel.training.strategies.megatron import MegatronStrategy
+
+        if parallelism_config is not None and parallelism_config.total_size > 1:
+            raise ValueError(
+                "Pass megatron_lm_plugin or a parallelism_config with sizes above 1, not both."
+            )
+        return MegatronStrategy(state, precision, ddp_kwargs, plugin=megatron_lm_plugin)
+    if needs_mesh_strategy(parallelism_config):
+        return MeshStrategy(
+            state, precision, ddp_kwargs, parallelism_config=parallelism_config, tp_plan=tp_plan
+        )
     kind = state.distributed_type
     if kind not in STRATEGIES:
         raise NotImplementedError(

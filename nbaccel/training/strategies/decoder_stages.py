@@ -1,0 +1,120 @@
+"""One pipeline stage of a decoder-only language model, cut by hand (no tracing).
+
+Training with pipeline parallelism needs each rank to hold a stage it can run forward and
+backward on, and tensor parallelism inside the stage needs the stage's modules as they are
+(a traced graph bakes in the full head counts). :class:`DecoderStage` keeps the model's own
+modules for decoder layers ``[first, last)``: the token embedding on the first stage, the final
+norm and LM head on the last, the rotary embedding everywhere. Parameter names stay those of
+the full model (``model.layers.3.mlp.up_proj.weight``), so stages' state dicts together are the
+model's state dict.
+
+Models of the Llama family are supported (a base model with ``embed_tokens``, ``layers``,
+``norm``, ``rotary_emb`` and an ``lm_head``: Llama, Mistral, Qwen2/3, Gemma...); others are
+refused naming what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DecoderStage", "check_decoder_model", "layer_ranges"]
+
+_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def check_decoder_model(model: nn.Module) -> nn.Module:
+    """The base model (``model.model``) after checking the parts a stage needs."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    missing = [p for p in _PARTS if base is None or not hasattr(base, p)]
+    if not hasattr(model, "lm_head"):
+        missing.append("lm_head")
+    if missing:
+        raise ValueError(
+            f"Pipeline-parallel training cuts decoder language models of the Llama family "
+            f"(base model with {', '.join(_PARTS)}, and lm_head); {type(model).__name__} lacks "
+            f"{missing}. Train it with ParallelismConfig (tensor parallel / FSDP2) instead."
+        )
+    return base
+
+
+def layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """``[first, last)`` decoder layers of each stage, as even as possible (earlier stages get
+    the extra layers)."""
+    if num_layers < stages:
+        raise ValueError(
+            f"The model has {num_layers} decoder layers, fewer than pp_degree={stages} pipeline "
+            f"stages: use pp_degree <= {num_layers}."
+        )
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for s in range(stages):
+        end = start + base + (1 if s < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+class DecoderStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a decoder LM: input ids (first stage) or hidden states
+    in, hidden states or logits (last stage) out. Takes the model's modules (the model is
+    consumed)."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int) -> None:
+        super().__init__()
+        base = check_decoder_model(model)
+        first, last = layer_ranges(len(base.layers), stages)[index]
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        #: ranks the sequence is split over between blocks (sequence parallelism), else 1
+        self.sequence_shards = 1
+        self.layer_range = (first, last)
+        base.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(first, last)})
+        if not self.is_first:
+            base.embed_tokens = None
+        if not self.is_last:
+            base.norm = None
+        self.config = getattr(model, "config", None)
+        prefix = getattr(model, "base_model_prefix", "model")
+        self.prefix = prefix
+        self.add_module(prefix, base)  # same parameter names as the full model
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = getattr(self, self.prefix)
+        if self.is_first and x.shape[1] % self.sequence_shards:
+            raise ValueError(
+                f"Sequence parallelism splits the sequence over {self.sequence_shards} ranks: "
+                f"the length {x.shape[1]} must divide by it (pad or trim the batches)."
+            )
+        hidden = base.embed_tokens(x) if self.is_first else x
+        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
+        positions = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
+        position_embeddings = base.rotary_emb(hidden, position_ids=positions)
+        for layer in base.layers.values():
+            hidden = layer(
+                hidden,
+                attention_mask=None,  # causal attention (sdpa's is_causal): no padding
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+            )
+        if not self.is_last:
+            return hidden
+        return self.lm_head(base.norm(hidden))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, mean over the tokens whose label is not -100 (transformers'
+    causal LM loss)."""
+    vocab = logits.shape[-1]
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+    )
+
+
+def stage_of(model: Any) -> Any:
+    """The :class:`DecoderStage` inside a prepared pipeline model (or ``model`` itself)."""
+    return getattr(model, "stage_module", model)
