@@ -91,6 +91,11 @@ _PLACED = {
     "Resources": ("mixed_precision", "num_processes", "num_nodes"),
     "Distributed": ("node_rank", "master_addr", "use_port", "rdzv_backend", "rdzv_conf",
                     "max_restarts", "monitor_interval"),
+    "Paradigm": ("use_deepspeed",),
+    "DeepSpeed": ("deepspeed_config_file", "zero_stage", "offload_optimizer_device",
+                  "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+                  "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
+                  "deepspeed_moe_layer_cls_names"),
 }  # fmt: skip
 
 
@@ -129,8 +134,7 @@ def _hardware_and_resources(parser: argparse.ArgumentParser) -> None:
 def _paradigms_and_world(parser: argparse.ArgumentParser) -> None:
     paradigm = parser.add_argument_group("Paradigm", "How the model is spread over the ranks.")
     _option(paradigm, "use_fsdp", action="store_true", help="shard the model with FSDP")
-    _option(paradigm, "use_deepspeed", action="store_true",
-            help="DeepSpeed (not run by nbaccel: refused with a clear error)")  # fmt: skip
+    _launch_option(paradigm, "use_deepspeed")
     _option(paradigm, "use_megatron_lm", action="store_true",
             help="Megatron-LM (not run by nbaccel: refused with a clear error)")  # fmt: skip
     _option(paradigm, "use_parallelism_config", action="store_true",
@@ -161,14 +165,13 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
     _option(tpu, "vm", type=str, action="append", help="TPU VM names of the pod")
     _option(tpu, "env", type=str, action="append", help="KEY=VALUE variables for the pod")
     _option(tpu, "main_training_function", default=None, help="function run on TPU cores")
-    deepspeed = parser.add_argument_group("DeepSpeed", "Read from configs; DeepSpeed is refused.")
-    for name in (
-        "deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
-        "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_clipping",
-        "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
-        "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names",
-    ):  # fmt: skip
-        _option(deepspeed, name, default=None, help="(DeepSpeed)")
+    deepspeed = parser.add_argument_group("DeepSpeed", "Options of a --use_deepspeed launch.")
+    for name in _PLACED["DeepSpeed"]:
+        _launch_option(deepspeed, name)
+    for name in ("deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+                 "deepspeed_multinode_launcher"):  # fmt: skip
+        _option(deepspeed, name, default=None,
+                help="accepted for compatibility (nbaccel forms the world itself)")  # fmt: skip
     _option(deepspeed, "gradient_accumulation_steps", type=int, default=None,
             help="gradient accumulation steps of the Accelerator")  # fmt: skip
     fsdp = parser.add_argument_group("FSDP", "Options of a --use_fsdp launch.")

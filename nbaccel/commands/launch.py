@@ -12,8 +12,9 @@ Options not given come from the config file (``--config_file``, else the default
 ``nbaccel config`` writes; see :mod:`nbaccel.commands.config.config_args`). ``--num_processes``
 is the total over all machines; ``--num_machines``/``--machine_rank``/``--main_process_ip``/
 ``--main_process_port`` start one node of a multi-node run. A config with ``mpirun_hostfile``
-runs the script under ``mpirun``. DeepSpeed, Megatron-LM and SageMaker configs are refused with
-a clear error before anything starts.
+runs the script under ``mpirun``. ``--use_deepspeed`` (or a DEEPSPEED config) tells each rank's
+``Accelerator()`` to run DeepSpeed ZeRO as the DeepSpeed options say, checked before anything
+starts. Megatron-LM and SageMaker configs are refused with a clear error before anything starts.
 """
 
 from __future__ import annotations
@@ -175,12 +176,11 @@ def _refuse_unsupported(args: argparse.Namespace, config: Any) -> None:
         if not is_torch_xla_available():
             raise ValueError("--tpu (or distributed_type: XLA) needs torch-xla on a TPU host: "
                              "pip install torch-xla, or drop --tpu.")  # fmt: skip
-    for flag, stack in (("use_deepspeed", "DeepSpeed"), ("use_megatron_lm", "Megatron-LM")):
-        if getattr(args, flag, False) and not args.cpu:
-            raise NotImplementedError(
-                f"nbaccel does not run {stack}: use --use_fsdp (FSDP2) or plain data parallel "
-                f"instead, or launch this script with `accelerate launch`."
-            )
+    if getattr(args, "use_megatron_lm", False) and not args.cpu:
+        raise NotImplementedError(
+            "nbaccel does not run Megatron-LM: use --use_fsdp (FSDP2), --use_deepspeed or plain "
+            "data parallel instead, or launch this script with `accelerate launch`."
+        )
 
 
 def _check_target(args: argparse.Namespace) -> tuple[str, int | None]:
@@ -303,6 +303,10 @@ def _launch(args: argparse.Namespace) -> int:
         return subprocess.run(cmd, env=env).returncode
     world = (args.num_processes or 1) > 1 or args.num_machines > 1
     env = prepare_multi_gpu_env(args) if world else prepare_simple_launcher_cmd_env(args)[1]
+    if args.use_deepspeed:  # checked here (the config file too), before any rank starts
+        from nbaccel.training.strategies.deepspeed_launch import deepspeed_environment
+
+        env.update(deepspeed_environment(args, args.num_processes))
     request = _request(args, per_machine, int(args.master_port) if world else None)
     call = (target, list(args.training_script_args), args.module, os.getcwd(),
             args.num_cpu_threads_per_process)  # fmt: skip

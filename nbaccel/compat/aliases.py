@@ -19,7 +19,7 @@ _OPS = (
     "nbaccel.training.precision:convert_outputs_to_fp32,convert_to_fp32",
     "nbaccel.training.precision_contexts:ConvertOutputsToFp32",
     "nbaccel.bigmodel.placement:find_device",
-    "nbaccel.training.unsupported_stacks:GatheredParameters",
+    "nbaccel.training.strategies.deepspeed_wrappers:GatheredParameters",
 )
 _MODELING = (
     "nbaccel.bigmodel.align_devices_hook:align_module_device,has_offloaded_params",
@@ -56,7 +56,8 @@ _DATACLASSES = (
     "nbaccel.training.strategies.fsdp_plugin:FullyShardedDataParallelPlugin",
     "nbaccel.training.trackers:LoggerType",
     "nbaccel.training.run_options",
-    "nbaccel.training.unsupported_stacks:DeepSpeedPlugin,DeepSpeedSequenceParallelConfig,"
+    "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin",
+    "nbaccel.training.unsupported_stacks:DeepSpeedSequenceParallelConfig,"
     "FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
     "BnbQuantizationConfig,FP8BackendType,"
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
@@ -81,7 +82,7 @@ _OTHER = (
     "nbaccel.distributed.host_info:check_os_kernel",
     "nbaccel.distributed.environment_patch:convert_dict_to_env_variables",
     "nbaccel.training.constants:FSDP_PYTORCH_VERSION",
-    "nbaccel.training.unsupported_stacks:compile_regions_deepspeed",
+    "nbaccel.training.compile_regions:compile_regions_deepspeed",
     "nbaccel.launch.host.ports:get_free_port=free_port,is_port_in_use",
     "nbaccel.training.model_inspection:convert_bytes,recursive_getattr",
     "nbaccel.training.run_options:get_pretty_name,merge_dicts",
@@ -113,9 +114,11 @@ _CONSTANTS = (
 )
 _UNSUPPORTED = "nbaccel.training.unsupported_stacks"
 _DEEPSPEED = (
-    _UNSUPPORTED + ":DeepSpeedEngineWrapper,DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,"
-    "DummyOptim,DummyScheduler,HfDeepSpeedConfig,get_active_deepspeed_plugin,"
+    "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
+    "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
     "map_pytorch_optim_to_deepspeed",
+    "nbaccel.training.strategies.deepspeed_config:HfDeepSpeedConfig",
+    "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
 )
 _MEGATRON = (
     _UNSUPPORTED + ":MegatronEngine,MegatronLMOptimizerWrapper,MegatronLMSchedulerWrapper,"
@@ -157,10 +160,17 @@ _UTILS = (
     "nbaccel.distributed.progress",
     "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
     "save_fsdp_model,save_fsdp_optimizer",
-    "nbaccel.training.unsupported_stacks:install_xla,prepare_deepspeed_cmd_env,setup_fp8_env,"
+    "nbaccel.training.strategies.deepspeed_launch:prepare_deepspeed_cmd_env",
+    "nbaccel.training.strategies.deepspeed_config:HfDeepSpeedConfig",
+    "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
+    "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
+    "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
+    "map_pytorch_optim_to_deepspeed",
+    "nbaccel.training.unsupported_stacks:install_xla,setup_fp8_env,"
     "MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
     "BertTrainStep,GPTTrainStep,T5TrainStep,add_model_config_to_megatron_parser,"
-    "avg_losses_across_data_parallel_group,GatheredParameters",
+    "avg_losses_across_data_parallel_group",
+    "nbaccel.training.strategies.deepspeed_wrappers:GatheredParameters",
     _STATE + ":DistributedType",
 )  # fmt: skip
 
@@ -187,7 +197,7 @@ _TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
-        "nbaccel.training.unsupported_stacks:DeepSpeedPlugin",
+        "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin",
         "nbaccel.bigmodel.pipeline:prepare_pippy",
         "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.distributed.probes:is_rich_available",
@@ -218,8 +228,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.training.precision_contexts:get_grad_scaler,get_mixed_precision_context_manager",
         "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
         "save_fsdp_model,save_fsdp_optimizer",
-        _UNSUPPORTED + ":apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao,"
-        "compile_regions_deepspeed",
+        _UNSUPPORTED + ":apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao",
+        "nbaccel.training.compile_regions:compile_regions_deepspeed",
+        "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
+        "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
+        "map_pytorch_optim_to_deepspeed",
         "nbaccel.training.accelerator:Accelerator",
         "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.training.trackers:LOGGER_TYPE_TO_CLASS",

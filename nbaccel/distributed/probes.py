@@ -1,7 +1,7 @@
 """Is X available here? Package probes (``importlib.util.find_spec``: nothing heavy is imported),
 device probes (torch's own ``is_available``), and version comparisons.
 
-Stacks nbaccel does not drive (DeepSpeed, Megatron-LM, Transformer Engine, MS-AMP, torchao FP8,
+Stacks nbaccel does not drive (Megatron-LM, Transformer Engine, MS-AMP, torchao FP8,
 bitsandbytes quantisation, PiPPy) report ``False`` even when their package is installed, so code
 that branches on them takes its plain-PyTorch path instead of reaching a NotImplementedError.
 """
@@ -122,7 +122,7 @@ is_transformers_available = _package_probe("transformers")
 is_triton_available = _package_probe("triton")
 is_wandb_available = _package_probe("wandb")
 
-is_deepspeed_available = _never(_NOT_DRIVEN)
+is_deepspeed_available = _package_probe("deepspeed")
 is_megatron_lm_available = _never(_NOT_DRIVEN)
 is_msamp_available = _never(_NOT_DRIVEN)
 is_transformer_engine_available = _never(_NOT_DRIVEN)
@@ -256,7 +256,18 @@ def _refuse_stack(stack: str) -> Callable[[Callable[..., Any]], Callable[..., An
     return decorator
 
 
-deepspeed_required = _refuse_stack("DeepSpeed")
+def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` raises ImportError naming the extra when DeepSpeed is not installed."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not is_deepspeed_available():
+            raise ImportError(f"{func.__name__} needs DeepSpeed: pip install nbaccel[deepspeed].")
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
 torchao_required = _refuse_stack("torchao")
 
 __all__ += sorted(n for n in dir() if n.startswith("is_") and n.endswith(("available", "gaudi1")))

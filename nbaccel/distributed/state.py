@@ -46,8 +46,8 @@ class DistributedType(str, Enum):
     MULTI_XPU = "MULTI_XPU"
     FSDP = "FSDP"
     XLA = "XLA"
-    DEEPSPEED = "DEEPSPEED"  # named for compatibility; nbaccel refuses it with a clear error
-    MEGATRON_LM = "MEGATRON_LM"  # idem
+    DEEPSPEED = "DEEPSPEED"  # DeepSpeed ZeRO engines (Accelerator(deepspeed_plugin=...))
+    MEGATRON_LM = "MEGATRON_LM"  # named for compatibility; nbaccel refuses it with a clear error
     # Accelerate's other device stacks, as values only (nbaccel never reports them).
     MULTI_NPU = "MULTI_NPU"
     MULTI_MLU = "MULTI_MLU"
@@ -101,7 +101,7 @@ def _distributed_type(device: torch.device, world_size: int) -> DistributedType:
 _STATE_FIELDS = frozenset(
     ("device", "backend", "num_processes", "process_index", "local_process_index",
      "local_num_processes", "distributed_type", "launch_environment", "communicator",
-     "fork_launched", "mixed_precision", "dynamo_plugin", "fsdp_plugin")
+     "fork_launched", "mixed_precision", "dynamo_plugin", "fsdp_plugin", "deepspeed_plugins")
 )  # fmt: skip
 
 
@@ -349,6 +349,7 @@ class AcceleratorState(PartialState):
         cpu: bool = False,
         dynamo_plugin: Any = None,
         fsdp_plugin: Any = None,
+        deepspeed_plugin: Any = None,
         _from_accelerator: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -365,6 +366,10 @@ class AcceleratorState(PartialState):
                 # A later Accelerator (a re-run cell in a pool) asks for another plugin: it takes
                 # effect for the accelerators built from now on; earlier ones keep their strategy.
                 self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
+            if deepspeed_plugin is not None and deepspeed_plugin is not self.__dict__.get(
+                "deepspeed_plugins"
+            ):
+                self._use_deepspeed_plugins(deepspeed_plugin)
             return
         self.__dict__.update(partial.__dict__)
         chosen = mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION") or "no"
@@ -378,6 +383,37 @@ class AcceleratorState(PartialState):
         self.fsdp_plugin = None
         if fsdp_plugin is not None:
             self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
+        self.deepspeed_plugins = None
+        if deepspeed_plugin is not None:
+            self._use_deepspeed_plugins(deepspeed_plugin)
+
+    def _use_deepspeed_plugins(self, plugins: Any) -> None:
+        """Run DeepSpeed with ``plugins`` (one, or a dict by name; the first is selected)."""
+        if self.device.type == "xla" or self.fsdp_plugin is not None:
+            raise ValueError("DeepSpeed cannot run together with FSDP or torch-xla: pick one.")
+        self.deepspeed_plugins = plugins if isinstance(plugins, dict) else {"default": plugins}
+        self.distributed_type = DistributedType.DEEPSPEED
+        self.select_deepspeed_plugin(next(iter(self.deepspeed_plugins)))
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The selected DeepSpeed plugin (None when DeepSpeed is not used)."""
+        plugins = self.__dict__.get("deepspeed_plugins") or {}
+        return next((p for p in plugins.values() if p.selected), None)
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The DeepSpeed plugin registered as ``name``."""
+        return self.deepspeed_plugins[name]
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        """Make plugin ``name`` the one the next ``prepare`` (and transformers) uses."""
+        plugins = self.__dict__.get("deepspeed_plugins") or {}
+        if name not in plugins:
+            raise ValueError(f"No DeepSpeed plugin {name!r}; the plugins are {list(plugins)}.")
+        for key, plugin in plugins.items():
+            if key != name:
+                plugin._unselect()
+        plugins[name].select(_from_accelerator_state=True)
 
     def _use_fsdp_plugin(self, fsdp_plugin: Any, process_type: DistributedType) -> None:
         """Shard with ``fsdp_plugin`` from now on (FSDP over the process's DDP-able run)."""

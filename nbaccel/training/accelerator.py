@@ -44,6 +44,7 @@ from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.scheduler import AcceleratedScheduler
+from nbaccel.training.strategies.deepspeed_launch import requested_plugins
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.trackers import TrackerSet
@@ -63,7 +64,8 @@ _HANDLERS = (
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} is not supported by nbaccel. Supported: DDP (multi-CPU/GPU/XPU), FSDP2 "
-        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), tensor/hybrid/context parallel "
+        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), DeepSpeed ZeRO (deepspeed_plugin="
+        "DeepSpeedPlugin(...)), tensor/hybrid/context parallel "
         "(parallelism_config=ParallelismConfig(...)), tensor + pipeline parallel "
         "(megatron_lm_plugin=MegatronLMPlugin(...)), torch-xla, and mixed precision "
         "'no', 'fp16' or 'bf16'."
@@ -127,8 +129,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         deepspeed_plugins: Any = None,
         parallelism_config: Any = None,
     ) -> None:
-        if (deepspeed_plugin or deepspeed_plugins) is not None:
-            raise _refuse("DeepSpeed (deepspeed_plugin)")
+        deepspeed_plugin = requested_plugins(deepspeed_plugin, deepspeed_plugins, fsdp_plugin)
         mixed_precision = str(getattr(mixed_precision, "value", mixed_precision) or "") or None
         if (mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION", "")).lower() == "fp8":
             raise _refuse("mixed_precision='fp8'")
@@ -136,13 +137,14 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         group = self.handlers.get(InitProcessGroupKwargs)
         group_options = {} if group is None else group.to_kwargs()
         group_options.pop("init_method", None)
-        if fsdp_plugin is None:
+        if fsdp_plugin is None and deepspeed_plugin is None:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_environment()  # launch --use_fsdp
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,
             dynamo_plugin=dynamo_plugin,
             fsdp_plugin=fsdp_plugin,
+            deepspeed_plugin=deepspeed_plugin,
             _from_accelerator=True,
             **group_options,
         )
@@ -176,7 +178,6 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             self.handlers.get(AutocastKwargs),
             self.handlers.get(GradScalerKwargs),
         )
-        self.scaler = self.precision.scaler
         self.strategy = select_strategy(
             self.state,
             self.precision,
@@ -185,6 +186,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             tp_plan=getattr(torch_tp_plugin, "tp_plan", None),
             megatron_lm_plugin=megatron_lm_plugin,
         )
+        self.scaler = None if self.strategy.owns_precision else self.precision.scaler
         self.profile_handler = self.handlers.get(ProfileKwargs)
         self.step = 0
         self._models: list[torch.nn.Module] = []
@@ -269,6 +271,11 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             raise ValueError(
                 f"device_placement has {len(placement)} entries for {len(args)} objects."
             )
+        if self.strategy.prepares_together:  # DeepSpeed: one engine from model + optimizer
+            result = self.strategy.prepare_together(
+                list(args), self, self.prepare_data_loader, self._register_prepared
+            )
+            return result[0] if len(result) == 1 else tuple(result)
         result = list(args)
         kinds = (
             (torch.nn.Module, self.prepare_model),
@@ -292,6 +299,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         A model this accelerator already prepared is returned as it is."""
         if any(m is model for m in self._models):
             return model
+        if self.strategy.prepares_together:
+            return self.prepare(model)
         _refuse_offloaded_quantized(model)
         if device_placement is None:
             device_placement = self.device_placement
@@ -365,6 +374,12 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         self._schedulers.append(_mark_prepared(wrapped))
         return wrapped
 
+    def _register_prepared(self, kind: str, obj: Any) -> None:
+        """Record an object a strategy prepared itself (``prepares_together``)."""
+        {"model": self._models, "optimizer": self._optimizers, "scheduler": self._schedulers}[
+            kind
+        ].append(_mark_prepared(obj))
+
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` was dispatched over several devices (big-model inference)."""
         return _has_device_map(model)
@@ -373,7 +388,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided for accumulation and scaled under fp16."""
         steps = self.gradient_state.num_steps
-        if steps > 1:
+        if steps > 1 and not self.strategy.engine_scales_accumulation:
             loss = loss / steps
         self.strategy.backward(loss, **kwargs)
 

@@ -51,7 +51,7 @@ class AcceleratorNamesMixin:
     scaler_handler = _handler(GradScalerKwargs)
     init_handler = _handler(InitProcessGroupKwargs)
     autocast_handler = _handler(AutocastKwargs)
-    # FP8 recipes, LOMO and DeepSpeed are refused when asked for, so they are never set here
+    # FP8 recipes and LOMO are refused when asked for, so they are never set here
     fp8_recipe_handler = _off(doc="FP8 recipe handler (FP8 is refused: always None).")
     te_recipe_handler = _off(doc="Transformer Engine recipe handler (always None).")
     ao_recipe_handler = _off(doc="torchao recipe handler (always None).")
@@ -61,7 +61,18 @@ class AcceleratorNamesMixin:
     delayed_fp8_autocast = _off(False, "Delayed FP8 autocast (never).")
     fp8_backend = _off(None, "The FP8 backend (None: FP8 is not trained by nbaccel).")
     has_lomo_optimizer = _off(False, "Whether a LOMO optimizer was prepared (never).")
-    deepspeed_plugin = _off(doc="DeepSpeed plugin (DeepSpeed is refused: always None).")
+    deepspeed_plugin = property(
+        lambda self: self.state.deepspeed_plugin,
+        doc="The selected DeepSpeed plugin (None without DeepSpeed).",
+    )
+    deepspeed_config = property(
+        lambda self: getattr(self.state.deepspeed_plugin, "deepspeed_config", None),
+        doc="The selected DeepSpeed plugin's config, its 'auto' values filled by prepare.",
+    )
+    deepspeed_engine_wrapped = property(
+        lambda self: getattr(self.strategy, "wrapped", None),
+        doc="The DeepSpeed engine accelerator.backward drives (None without DeepSpeed).",
+    )
 
     @property
     def pipeline_parallel_rank(self) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 
 __all__ = [
     "compile_regions",
+    "compile_regions_deepspeed",
     "compile_regions_fsdp2",
     "get_model_tp_size",
     "get_module_children_bottom_up",
@@ -133,3 +134,10 @@ def get_model_tp_size(model: nn.Module) -> int | None:
     mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["tp"].size() if "tp" in names else None
+
+
+def compile_regions_deepspeed(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """Regional compilation for a module inside a DeepSpeed engine (``engine.module``): each
+    repeated block is compiled in place, so ZeRO's parameter hooks stay on the original
+    modules; a module without repeated blocks is compiled whole, in place."""
+    return compile_regions_fsdp2(module, **compile_kwargs)

@@ -1,9 +1,9 @@
 """Names of the stacks nbaccel does not drive, so code that mentions them still imports.
 
-DeepSpeed, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP, torchao) and bitsandbytes
-quantisation: their classes exist (user code
-lists them in ``isinstance`` checks and conditions), their probes say "not available", and
-constructing or calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
+DeepSpeed Ulysses sequence parallelism, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP,
+torchao) and bitsandbytes quantisation: their classes exist (user code lists them in
+``isinstance`` checks and conditions), their probes say "not available", and constructing or
+calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = [
 ]
 
 _INSTEAD = {
-    "DeepSpeed": "use DDP (the default) or FSDP2 via FullyShardedDataParallelPlugin",
+    "DeepSpeed Ulysses": "train with DeepSpeed ZeRO (DeepSpeedPlugin) without sequence "
+    "parallelism (sp_size=1): nbaccel does not shard the sequence",
     "Megatron-LM": "nbaccel trains with Accelerator(megatron_lm_plugin=MegatronLMPlugin("
     "tp_degree=..., pp_degree=..., num_micro_batches=...)) on torch's engines, with a torch "
     "optimizer and scheduler and the model's causal LM loss (no Megatron-LM install)",
@@ -43,7 +44,7 @@ def _message(name: str, stack: str) -> str:
 class UnsupportedStack:
     """Base of the placeholder classes: importable, usable in ``isinstance``, never built."""
 
-    stack = "DeepSpeed"
+    stack = "DeepSpeed Ulysses"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(_message(type(self).__name__, self.stack))
@@ -70,9 +71,7 @@ def _placeholder_function(name: str, stack: str) -> Any:
 
 
 _CLASSES = {
-    "DeepSpeed": "DeepSpeedPlugin DeepSpeedSequenceParallelConfig DeepSpeedEngineWrapper "
-    "DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper DummyOptim DummyScheduler "
-    "HfDeepSpeedConfig",
+    "DeepSpeed Ulysses": "DeepSpeedSequenceParallelConfig",
     "Megatron-LM": "MegatronLMDummyDataLoader MegatronLMDummyScheduler "
     "AbstractTrainStep "
     "BertTrainStep GPTTrainStep T5TrainStep MegatronEngine MegatronLMOptimizerWrapper "
@@ -81,8 +80,6 @@ _CLASSES = {
     "bitsandbytes": "BnbQuantizationConfig",
 }
 _FUNCTIONS = {
-    "DeepSpeed": "get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed GatheredParameters "
-    "compile_regions_deepspeed prepare_deepspeed_cmd_env",
     "Megatron-LM": "add_model_config_to_megatron_parser avg_losses_across_data_parallel_group "
     "gather_across_data_parallel_groups finish_mpu_init initialize model_provider_func "
     "prepare_model_optimizer_scheduler prepare_optimizer prepare_scheduler prepare_data_loader "

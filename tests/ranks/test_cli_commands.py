@@ -145,10 +145,13 @@ def test_unsupported_configs_are_refused_before_anything_runs(tmp_path, monkeypa
         compute_environment: LOCAL_MACHINE
         distributed_type: DEEPSPEED
         num_processes: 1
+        deepspeed_config:
+          zero_stage: 2
+          offload_param_device: cpu
     """)  # fmt: skip
     cases = [
         (["--config_file", str(bad)], "unknown keys (invalid_key)"),
-        (["--config_file", str(deepspeed)], "does not run DeepSpeed"),
+        (["--config_file", str(deepspeed)], "offload_param.device='cpu' needs ZeRO stage 3"),
         (["--cpu", "--use_fsdp"], "only one of --cpu, --use_fsdp"),
     ]
     if importlib.util.find_spec("torch_xla") is None:

@@ -33,8 +33,8 @@ UTILS_NAMES = [
     "prepare_simple_launcher_cmd_env", "prepare_tpu", "FullyShardedDataParallelPlugin",
 ]  # fmt: skip
 DELIBERATELY_ABSENT = {
-    # DeepSpeed (refused by Accelerator) and its sequence-parallel loader adapter
-    "deepspeed_ulysses_dl_adapter", "deepspeed_engine_wrapped",
+    # DeepSpeed Ulysses sequence parallelism's loader adapter (sequence parallelism is refused)
+    "deepspeed_ulysses_dl_adapter",
     # FSDP2 internals Accelerate's own prepare calls; nbaccel's FSDP strategy has its own
     "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
     "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters", "get_fsdp2_grad_scaler",

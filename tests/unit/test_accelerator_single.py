@@ -19,9 +19,10 @@ from nbaccel.values.sizes import parse_size
 
 
 def test_unsupported_backends_are_refused_clearly():
-    for kwargs in ({"deepspeed_plugin": object()}, {"megatron_lm_plugin": object()}):
-        with pytest.raises(NotImplementedError, match="Supported: DDP"):
-            Accelerator(**kwargs)
+    with pytest.raises(NotImplementedError, match="Supported: DDP"):
+        Accelerator(megatron_lm_plugin=object())
+    with pytest.raises(TypeError, match="DeepSpeedPlugin objects"):
+        Accelerator(deepspeed_plugin=object())
     with pytest.raises(NotImplementedError, match="fp8.*'no', 'fp16' or 'bf16'"):
         Accelerator(mixed_precision="fp8")
 

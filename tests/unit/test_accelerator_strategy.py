@@ -35,9 +35,10 @@ def test_strategy_is_chosen_once_from_the_distributed_type():
     assert STRATEGIES[DistributedType.XLA] is XLAStrategy
     for kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU):
         assert STRATEGIES[kind] is DDPStrategy
-    acc.state.distributed_type = DistributedType.DEEPSPEED
+    assert STRATEGIES[DistributedType.DEEPSPEED].__name__ == "DeepSpeedStrategy"
+    acc.state.distributed_type = DistributedType.MEGATRON_LM
     try:
-        with pytest.raises(NotImplementedError, match="DEEPSPEED runs are not supported"):
+        with pytest.raises(NotImplementedError, match="MEGATRON_LM runs are not supported"):
             select_strategy(acc.state, acc.precision)
     finally:
         acc.state.distributed_type = DistributedType.NO

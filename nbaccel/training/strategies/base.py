@@ -43,6 +43,13 @@ class Strategy:
 
     #: ``prepare_model`` gives the model new Parameter objects (optimizers must follow them).
     replaces_parameters = False
+    #: ``prepare`` hands every object to :meth:`prepare_together` (an engine built from the
+    #: model, optimizer and scheduler at once: DeepSpeed)
+    prepares_together = False
+    #: the engine divides the loss for gradient accumulation (the Accelerator does not)
+    engine_scales_accumulation = False
+    #: the engine does mixed precision itself (no GradScaler from the Accelerator)
+    owns_precision = False
 
     def __init__(
         self,
@@ -88,6 +95,12 @@ class Strategy:
         if before is not None:  # an XLA move: optimizers built earlier must follow
             remember_moves(model, before, dict(model.named_parameters()))
         return model if evaluation_mode else self.wrap_model(model)
+
+    def prepare_together(
+        self, args: list[Any], run: Any, prepare_loader: Any, register: Any
+    ) -> list[Any]:
+        """Prepare all of ``args`` at once (strategies with ``prepares_together``)."""
+        raise NotImplementedError(f"{type(self).__name__} prepares objects one by one.")
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The parallel wrapper around a placed model (none here)."""

@@ -13,6 +13,7 @@ from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
 from nbaccel.training.precision import PrecisionPolicy
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.ddp import DDPStrategy
+from nbaccel.training.strategies.deepspeed import DeepSpeedStrategy
 from nbaccel.training.strategies.fsdp import FSDPStrategy
 from nbaccel.training.strategies.mesh import MeshStrategy, needs_mesh_strategy
 from nbaccel.training.strategies.xla import XLAStrategy
@@ -25,6 +26,7 @@ STRATEGIES: dict[DistributedType, type[Strategy]] = {
     DistributedType.MULTI_GPU: DDPStrategy,
     DistributedType.MULTI_XPU: DDPStrategy,
     DistributedType.FSDP: FSDPStrategy,
+    DistributedType.DEEPSPEED: DeepSpeedStrategy,
     DistributedType.XLA: XLAStrategy,
 }
 
