@@ -55,7 +55,9 @@ from nbaccel.training.kwargs_handlers import (
     ProfileKwargs,
 )
 from nbaccel.training.local_sgd import LocalSGD
+from nbaccel.training.strategies.deepspeed_plugin import DeepSpeedPlugin
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.training_memory import gather_training_memory, training_memory
 
 __version__ = "0.1.0"
 
@@ -71,7 +73,10 @@ __all__ = [
     "cpu_offload",
     "cpu_offload_with_hook",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "debug_launcher",
+    "gather_training_memory",
+    "training_memory",
     "detect_launch_environment",
     "detect_platform",
     "disk_offload",

@@ -197,7 +197,6 @@ _TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
-        "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin",
         "nbaccel.bigmodel.pipeline:prepare_pippy",
         "nbaccel.training.parallelism_config:ParallelismConfig",
         "nbaccel.distributed.probes:is_rich_available",

@@ -110,13 +110,13 @@ class DeepSpeedStrategy(Strategy):
                     stacklevel=3,
                 )
         if request.scheduler_index is not None:
-            if scheduler is not None and request.scheduler is None:
+            if scheduler is not None:  # the engine steps it
                 sched = DeepSpeedSchedulerWrapper(scheduler, result[request.optimizer_index])
             else:
                 from nbaccel.training.scheduler import AcceleratedScheduler
 
                 sched = AcceleratedScheduler(
-                    request.scheduler,
+                    args[request.scheduler_index],
                     [result[request.optimizer_index]],
                     step_with_optimizer=run.step_scheduler_with_optimizer,
                     split_batches=run.split_batches,

@@ -33,7 +33,6 @@ class EngineRequest:
     model_index: int
     optimizer_index: int | None
     scheduler_index: int | None
-    scheduler: Any  # the user's scheduler object (wrapped apart when the engine does not own it)
 
 
 def _is_scheduler(obj: Any, deepspeed: Any) -> bool:
@@ -242,7 +241,6 @@ def engine_request(
     for key in unfilled(config):
         plugin.hf_ds_config.del_config_sub_tree(key)
     kwargs: dict[str, Any] = {"model": model, "config_params": config}
-    owned_scheduler = None
     if isinstance(optimizer, DummyOptim):
         kwargs["model_parameters"] = optimizer.params
         if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
@@ -258,11 +256,8 @@ def engine_request(
             optimizer = map_pytorch_optim_to_deepspeed(optimizer)
         kwargs["optimizer"] = optimizer
         if scheduler is not None and _is_deepspeed_scheduler(scheduler, deepspeed):
-            kwargs["lr_scheduler"] = owned_scheduler = scheduler
-    return EngineRequest(
-        kwargs, model_index, optimizer_index, scheduler_index,
-        scheduler if owned_scheduler is None else None,
-    )  # fmt: skip
+            kwargs["lr_scheduler"] = scheduler
+    return EngineRequest(kwargs, model_index, optimizer_index, scheduler_index)
 
 
 def _is_deepspeed_scheduler(scheduler: Any, deepspeed: Any) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -43,7 +44,9 @@ def import_deepspeed(device: torch.device | str | None = None) -> ModuleType:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not is_deepspeed_available():
         raise deepspeed_missing()
-    import deepspeed
+    with warnings.catch_warnings():  # its import uses torch.jit APIs torch now deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     if kind == "cpu" and get_accelerator().device_name() != "cpu":
@@ -54,6 +57,12 @@ def import_deepspeed(device: torch.device | str | None = None) -> ModuleType:
         set_accelerator(CPU_Accelerator())
     if kind == "cpu" and os.environ.get("NBACCEL_DEEPSPEED_SHM", "0") != "1":
         _without_shm_op()
+    # DeepSpeed calls torch's older collective names at every step; the warning is not the user's
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into|reduce_scatter)_tensor` is deprecated",
+        category=FutureWarning,
+    )
     return deepspeed
 
 
