@@ -236,15 +236,17 @@ class DeepSpeedPlugin:
         return bool(self.zero3_init_flag) and self.zero_stage == 3
 
     def init_config(self) -> dict[str, Any]:
-        """A copy of the config ``deepspeed.zero.Init`` can read: batch keys still "auto" set to
-        1 (they do not matter for partitioning), other "auto" entries dropped."""
+        """A copy of the config ``deepspeed.zero.Init`` can read: batch keys still "auto"
+        replaced by values that agree (they do not matter for partitioning), other "auto"
+        entries dropped."""
         config = copy.deepcopy(self.deepspeed_config)
-        for key in _BATCH_KEYS:
+        if config.get("train_batch_size") == AUTO:
+            config.pop("train_batch_size")  # DeepSpeed derives it from the two below
+        for key in _BATCH_KEYS[1:]:
             if config.get(key) == AUTO:
                 config[key] = 1
-        micro = config.get("train_micro_batch_size_per_gpu", 1)
-        if config.get("train_batch_size") != micro * config.get("gradient_accumulation_steps", 1):
-            config.pop("train_batch_size", None)
+        if "train_batch_size" in config:
+            config.pop("train_micro_batch_size_per_gpu", None)
         reader = HfDeepSpeedConfig(config)
         for key in unfilled(config):
             reader.del_config_sub_tree(key)
