@@ -102,8 +102,15 @@ def _llama(out):
     from nbaccel import Accelerator, DeepSpeedPlugin
     from nbaccel.utils import GatheredParameters
 
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     zero3 = config(3)
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     plugin = DeepSpeedPlugin(hf_ds_config=zero3, zero3_init_flag=True)
