@@ -66,6 +66,11 @@ class DeepSpeedStrategy(Strategy):
         ddp_kwargs: DistributedDataParallelKwargs | None = None,
     ) -> None:
         super().__init__(state, precision, ddp_kwargs)
+        asked = state.mixed_precision
+        for plugin in state.deepspeed_plugins.values():  # contradictions raise, naming the keys
+            chosen = plugin.set_mixed_precision(asked)
+            if plugin.selected and asked == "no" and chosen != "no":
+                state.mixed_precision = chosen  # the config turned it on
         self.engines: list[Any] = []
         self.wrapped: DeepSpeedEngineWrapper | None = None
         self._clip_warned = False

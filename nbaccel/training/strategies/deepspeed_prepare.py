@@ -101,7 +101,7 @@ def _micro_batch(plugin: DeepSpeedPlugin, loaders: list[DataLoader], state: Any)
     sizes = [loader.batch_size for loader in loaders if loader.batch_size is not None]
     if state.split_batches:
         sizes = [size // state.num_processes for size in sizes]
-    configured = plugin.get_value("train_micro_batch_size_per_gpu")
+    configured = plugin.get_value("train_micro_batch_size_per_gpu", AUTO)
     if configured != AUTO:
         if sizes and configured not in sizes:
             raise ValueError(
@@ -211,11 +211,12 @@ def engine_request(
     loaders = [a for a in args if isinstance(a, DataLoader)]
     micro = _micro_batch(plugin, loaders, run)
     steps = _settle_accumulation(plugin, run)
+    if micro is not None:  # batch keys the config left out are added
+        batch = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": steps}
+        batch["train_batch_size"] = micro * steps * run.num_processes
+        fill_auto(config, batch, add=True)
     values: dict[str, Any] = {"gradient_clipping": 1.0}
     values["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = False
-    if micro is not None:
-        values["train_micro_batch_size_per_gpu"] = micro
-        values["train_batch_size"] = micro * steps * run.num_processes
     values.update(_hidden_size_values(plugin, model))
     if isinstance(optimizer, DummyOptim):
         values["optimizer.params.lr"] = optimizer.lr
