@@ -86,7 +86,8 @@ def _loader(batch_size=8):
 @pytest.mark.parametrize(
     ("config", "model", "optimizer", "message"),
     [
-        ({"train_micro_batch_size_per_gpu": 4}, None, None, "Two batch sizes.*says train_micro_batch_size_per_gpu=4.*gives \\[8\\]"),
+        ({"train_micro_batch_size_per_gpu": 4}, None, None,
+         "Two batch sizes.*says train_micro_batch_size_per_gpu=4.*gives \\[8\\]"),
         ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, None, None, "Two optimizers"),
         ({}, None, "dummy", "DummyOptim stands for the config's optimizer"),
         ({}, "meta", None, "parameters on the meta device"),
