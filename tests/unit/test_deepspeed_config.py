@@ -161,3 +161,27 @@ def test_launch_refuses_a_bad_deepspeed_launch_before_it_starts(
     assert code == 2
     out, err = capsys.readouterr()
     assert message in err and "never runs" not in out
+
+
+def test_config_command_writes_accelerate_deepspeed_keys_that_launch_reads(tmp_path):
+    from nbaccel.commands._launch_parser import launch_command_parser
+    from nbaccel.commands.config.config import get_user_input
+    from nbaccel.commands.launch import _validate_launch_command
+    from nbaccel.training.strategies.deepspeed_launch import deepspeed_environment
+
+    answers = iter(["deepspeed", "1", "2", "bf16", "", "3", "cpu", "none", "yes", "2"])
+    config = get_user_input(reader=lambda prompt: next(answers))
+    assert config.deepspeed_config == {
+        "zero_stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "none",
+        "zero3_init_flag": True, "gradient_accumulation_steps": 2,
+    }  # fmt: skip
+    path = tmp_path / "ds.yaml"
+    config.to_yaml_file(str(path))
+    args = launch_command_parser().parse_args(["--config_file", str(path), "t.py"])
+    args, _, _ = _validate_launch_command(args)
+    assert args.use_deepspeed and args.zero_stage == 3 and args.num_processes == 2
+    env = deepspeed_environment(args, args.num_processes)
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "2"

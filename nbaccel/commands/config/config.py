@@ -24,6 +24,7 @@ _KINDS = {
     "multi-cpu": "MULTI_CPU",
     "multi-gpu": "MULTI_GPU",
     "fsdp": "FSDP",
+    "deepspeed": "DEEPSPEED",
     "xla": "XLA",
 }
 
@@ -60,7 +61,7 @@ def get_user_input(reader: Callable[[str], str] = input) -> ClusterConfig:
     kind = ask("Which kind of run", default="no", choices=tuple(_KINDS), reader=reader)
     distributed_type = _KINDS[kind]
     num_machines, machine_rank, ip, port = 1, 0, None, None
-    if distributed_type in ("MULTI_CPU", "MULTI_GPU", "FSDP"):
+    if distributed_type in ("MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"):
         num_machines = ask("How many machines", int, 1, reader=reader)
         if num_machines > 1:
             machine_rank = ask("This machine's rank", int, 0, reader=reader)
@@ -85,12 +86,37 @@ def get_user_input(reader: Callable[[str], str] = input) -> ClusterConfig:
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
+    deepspeed = _deepspeed_answers(reader) if distributed_type == "DEEPSPEED" else {}
     return ClusterConfig(
         compute_environment="LOCAL_MACHINE", distributed_type=distributed_type,
         mixed_precision=precision, use_cpu=use_cpu, debug=False, num_processes=processes,
         num_machines=num_machines, machine_rank=machine_rank, main_process_ip=ip,
-        main_process_port=port, gpu_ids=gpu_ids, fsdp_config=fsdp,
+        main_process_port=port, gpu_ids=gpu_ids, fsdp_config=fsdp, deepspeed_config=deepspeed,
     )  # fmt: skip
+
+
+def _deepspeed_answers(reader: Callable[[str], str]) -> dict[str, Any]:
+    """The ``deepspeed_config`` section (Accelerate's keys): a config file, or the options."""
+    path = ask("DeepSpeed config file (Enter: none)", str, "none", reader=reader)
+    if path != "none":
+        return {"deepspeed_config_file": path, "zero3_init_flag": ask(
+            "Build transformers models partitioned (zero3_init_flag)", _yes, False, reader=reader
+        )}  # fmt: skip
+    devices = ("none", "cpu", "nvme")
+    stage = ask("ZeRO stage", int, 2, ("0", "1", "2", "3"), reader=reader)
+    answers: dict[str, Any] = {"zero_stage": stage, "offload_optimizer_device": ask(
+        "Offload the optimizer state to", str, "none", devices, reader=reader)}  # fmt: skip
+    if stage == 3:
+        answers["offload_param_device"] = ask(
+            "Offload the parameters to", str, "none", devices, reader=reader
+        )
+        answers["zero3_init_flag"] = ask(
+            "Build transformers models partitioned (zero3_init_flag)", _yes, False, reader=reader
+        )
+    answers["gradient_accumulation_steps"] = ask(
+        "Gradient accumulation steps", int, 1, reader=reader
+    )
+    return answers
 
 
 def config_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
