@@ -60,6 +60,15 @@ def _stages(out):
         weights = accelerator.get_state_dict(model)
         out[f"stage{stage}"] = (losses, weights, type(model).__name__)
     out["stage3_engine"] = (model, optimizer)
+    # ZeRO-3 with the optimizer state and the parameters offloaded to the CPU, stepped by the
+    # torch optimizer (DeepSpeedCPUAdam, which JIT-builds for minutes, is the lane's)
+    offload = config(3, zero_force_ds_cpu_optimizer=False)
+    offload["zero_optimization"].update(
+        offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}
+    )
+    accelerator, model, optimizer, loader = _fresh(offload)
+    losses = _train(accelerator, model, optimizer, loader, STEPS)
+    out["offload"] = (losses, accelerator.get_state_dict(model), type(model).__name__)
 
 
 def _accumulation(out):
@@ -188,7 +197,7 @@ def _all_checks(root):
     from nbaccel.distributed.state import PartialState
 
     if not PartialState().is_main_process:  # weights are gathered to rank 0
-        for key in ("stage0", "stage1", "stage2", "stage3", "accumulation"):
+        for key in ("stage0", "stage1", "stage2", "stage3", "offload", "accumulation"):
             out[key] = (out[key][0], None, *out[key][2:])
     return out
 
@@ -199,14 +208,14 @@ def ranks(tmp_path_factory):
     return run_on_ranks(_all_checks, 2, args=(root,), timeout=420, env=ENV)
 
 
-def test_each_zero_stage_matches_one_process(ranks):
+def test_each_zero_stage_and_cpu_offload_match_one_process(ranks):
     want_losses, want_weights = reference(STEPS)
-    for stage in (0, 1, 2, 3):
-        losses, weights, kind = ranks[0][f"stage{stage}"]
+    for stage in ("stage0", "stage1", "stage2", "stage3", "offload"):
+        losses, weights, kind = ranks[0][stage]
         assert kind == "DeepSpeedEngine"
         assert losses == pytest.approx(want_losses, abs=1e-5), stage
         assert max_diff(weights, want_weights) < 1e-5, stage
-        assert ranks[1][f"stage{stage}"][0] == losses  # every rank saw the same mean loss
+        assert ranks[1][stage][0] == losses  # every rank saw the same mean loss
 
 
 def test_gradient_accumulation_is_the_engine_s(ranks):
