@@ -160,7 +160,9 @@ class TrainingMemoryView:
     def __repr__(self) -> str:
         lines = [self._header(), *(self._cells(r) for r in self.rows)]
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines
+        )
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self._header())
