@@ -8,6 +8,7 @@ ZeRO-3 holding at most 0.6x DDP's parameter + optimizer bytes, as torch and Deep
 One multi-process start for the file."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -53,13 +54,20 @@ def _fresh(plugin_config, **accelerator_options):
     return accelerator, *accelerator.prepare(model, optimizer, loader)
 
 
-def _stages(out):
+def _stages(out, root):
     for stage in (0, 1, 2, 3):
         accelerator, model, optimizer, loader = _fresh(config(stage))
         losses = _train(accelerator, model, optimizer, loader, STEPS)
         weights = accelerator.get_state_dict(model)
         out[f"stage{stage}"] = (losses, weights, type(model).__name__)
     out["stage3_engine"] = (model, optimizer)
+    saved = f"{root}-model"
+    accelerator.save_model(model, saved)  # ZeRO-3 weights gathered, written by rank 0
+    out["saved"] = sorted(os.listdir(saved)) if accelerator.is_main_process else None
+    if accelerator.is_main_process:
+        from safetensors.torch import load_file
+
+        out["saved_diff"] = max_diff(load_file(f"{saved}/model.safetensors"), weights)
     # ZeRO-3 with the optimizer state and the parameters offloaded to the CPU, stepped by the
     # torch optimizer (DeepSpeedCPUAdam, which JIT-builds for minutes, is the lane's)
     offload = config(3, zero_force_ds_cpu_optimizer=False)
@@ -128,8 +136,6 @@ def _resume(out, root):
     accelerator2, model2, optimizer2, loader2 = _fresh(config(2))
     accelerator2.load_state(root)
     resumed = _train(accelerator2, model2, optimizer2, loader2, STEPS, skip=2)
-    import os
-
     out["resume"] = (first, later, resumed, sorted(os.listdir(root)),
                      sorted(os.listdir(os.path.join(root, "pytorch_model"))))  # fmt: skip
 
@@ -188,11 +194,11 @@ def _memory(out, engine, optimizer):
 
 def _all_checks(root):
     out = {}
-    _stages(out)
+    _stages(out, root)
     engine, optimizer = out.pop("stage3_engine")
     _accumulation(out)
     _with_config_optimizer(out)
-    _resume(out, root)
+    _resume(out, f"{root}-state")
     _memory(out, engine, optimizer)
     from nbaccel.distributed.state import PartialState
 
@@ -204,7 +210,7 @@ def _all_checks(root):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("ds") / "ckpt")
+    root = str(tmp_path_factory.mktemp("ds") / "run")
     return run_on_ranks(_all_checks, 2, args=(root,), timeout=420, env=ENV)
 
 
@@ -216,6 +222,11 @@ def test_each_zero_stage_and_cpu_offload_match_one_process(ranks):
         assert losses == pytest.approx(want_losses, abs=1e-5), stage
         assert max_diff(weights, want_weights) < 1e-5, stage
         assert ranks[1][stage][0] == losses  # every rank saw the same mean loss
+
+
+def test_save_model_writes_the_gathered_zero3_weights(ranks):
+    assert ranks[0]["saved"] == ["model.safetensors"] and ranks[0]["saved_diff"] == 0.0
+    assert ranks[1]["saved"] is None
 
 
 def test_gradient_accumulation_is_the_engine_s(ranks):
