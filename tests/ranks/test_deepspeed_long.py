@@ -42,7 +42,7 @@ def _train(plugin_config):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()).mean().item())
-    import deepspeed.comm as ds_comm
+    from deepspeed.comm import comm as ds_comm
 
     shm = getattr(ds_comm.cdb, "shm_comm_op", None) is not None
     inner = type(getattr(optimizer.optimizer, "optimizer", None)).__name__
