@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,10 +211,9 @@ def main() -> None:
         ours, peer = summary[f"nbaccel_zero{stage}"], summary[f"accelerate_zero{stage}"]
         if "steps_per_s" in ours and "steps_per_s" in peer:
             ours["vs_accelerate_steps_per_s"] = ours["steps_per_s"] / peer["steps_per_s"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     import deepspeed
     import torch
+    from provenance import stamp  # the date, commit and machine of this run
 
     try:
         import accelerate
@@ -226,9 +222,8 @@ def main() -> None:
     except ImportError:
         peer_version = None
     report = {
-        "date": date.today().isoformat(),
-        "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
+        "provenance": stamp(),
+        "load_average": os.getloadavg()[0],
         "versions": {
             "torch": torch.__version__,
             "deepspeed": deepspeed.__version__,
