@@ -65,12 +65,15 @@ class DeepSpeedPlugin:
         gradient_clipping: max gradient norm the engine clips to (None: 1.0 where "auto").
         zero_stage: 0, 1, 2 or 3 (default 2).
         is_train_batch_min: with several dataloaders, the smallest batch size is the micro batch.
-        offload_optimizer_device / offload_param_device: "none", "cpu" or "nvme".
-        offload_optimizer_nvme_path / offload_param_nvme_path: the NVMe directory.
+        offload_optimizer_device: where ZeRO keeps the optimizer state: "none", "cpu", "nvme".
+        offload_param_device: where ZeRO-3 keeps the parameters: "none", "cpu" or "nvme".
+        offload_optimizer_nvme_path: the NVMe directory of the offloaded optimizer state.
+        offload_param_nvme_path: the NVMe directory of the offloaded parameters.
         zero3_init_flag: build transformers models partitioned (``deepspeed.zero.Init``).
         zero3_save_16bit_model: gather ZeRO-3 weights to 16 bits when saving.
         transformer_moe_cls_names: comma-separated MoE layer classes kept whole under ZeRO-3.
-        enable_msamp / msamp_opt_level: MS-AMP (not run by nbaccel: refused when True).
+        enable_msamp: MS-AMP (not run by nbaccel: refused when True).
+        msamp_opt_level: MS-AMP's level (unused).
     """
 
     hf_ds_config: Any = None
