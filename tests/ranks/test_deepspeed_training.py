@@ -192,6 +192,26 @@ def _memory(out, engine, optimizer):
     }
 
 
+def _bf16(out):
+    """mixed_precision="bf16" fills the config's bf16 section; DeepSpeed's CPU accelerator runs
+    it."""
+    from nbaccel.distributed.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # a new mixed precision for this process (the group stays)
+    accelerator, model, optimizer, loader = _fresh(config(2), mixed_precision="bf16")
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        if i == STEPS:
+            break
+        loss = nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()).mean().item())
+    dtype = str(next(accelerator.unwrap_model(model).parameters()).dtype)
+    out["bf16"] = (losses, accelerator.deepspeed_config["bf16"], dtype, accelerator.mixed_precision)
+
+
 def _all_checks(root):
     out = {}
     _stages(out, root)
@@ -200,6 +220,7 @@ def _all_checks(root):
     _with_config_optimizer(out)
     _resume(out, f"{root}-state")
     _memory(out, engine, optimizer)
+    _bf16(out)
     from nbaccel.distributed.state import PartialState
 
     if not PartialState().is_main_process:  # weights are gathered to rank 0
@@ -267,3 +288,10 @@ def test_memory_view_shows_zero3_cutting_param_and_optimizer_bytes(ranks):
     assert ratio <= 0.6, ratio
     assert m["z3_rank1"].rank == 1 and m["z3_rank1"].parameters == z3.parameters
     assert "ZeRO-3" in m["text"] and "rank" in m["text"]
+
+
+def test_bf16_from_mixed_precision_is_close_to_float32(ranks):
+    losses, section, dtype, precision = ranks[0]["bf16"]
+    assert section == {"enabled": True} and dtype == "torch.bfloat16" and precision == "bf16"
+    assert losses == pytest.approx(reference(STEPS)[0], abs=5e-3)
+    assert losses != reference(STEPS)[0]  # really computed in bfloat16
