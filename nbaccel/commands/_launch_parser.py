@@ -92,10 +92,6 @@ _PLACED = {
     "Distributed": ("node_rank", "master_addr", "use_port", "rdzv_backend", "rdzv_conf",
                     "max_restarts", "monitor_interval"),
     "Paradigm": ("use_deepspeed",),
-    "DeepSpeed": ("deepspeed_config_file", "zero_stage", "offload_optimizer_device",
-                  "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
-                  "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
-                  "deepspeed_moe_layer_cls_names"),
 }  # fmt: skip
 
 
@@ -166,8 +162,7 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
     _option(tpu, "env", type=str, action="append", help="KEY=VALUE variables for the pod")
     _option(tpu, "main_training_function", default=None, help="function run on TPU cores")
     deepspeed = parser.add_argument_group("DeepSpeed", "Options of a --use_deepspeed launch.")
-    for name in _PLACED["DeepSpeed"]:
-        _launch_option(deepspeed, name)
+    _deepspeed_options(deepspeed)
     for name in ("deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
                  "deepspeed_multinode_launcher"):  # fmt: skip
         _option(deepspeed, name, default=None,
@@ -192,6 +187,29 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
         ("fsdp_activation_checkpointing", False), ("fsdp_activation_checkpointing_offload", False),
     ):  # fmt: skip
         _option(fsdp, name, type=to_bool, default=default, help=f"true/false ({default})")
+
+
+def _deepspeed_options(group: Any) -> None:
+    """The DeepSpeedPlugin's settings (Accelerate's flags and config-file keys); the ranks get
+    them as ACCELERATE_DEEPSPEED_* variables, checked by building the plugin before they start."""
+    from nbaccel.values.zero_options import OFFLOAD_DEVICES, yes_no
+
+    _option(group, "deepspeed_config_file", default=None, metavar="FILE",
+            help="DeepSpeed config (JSON); prepare fills its 'auto' values")  # fmt: skip
+    _option(group, "zero_stage", type=int, default=None, help="ZeRO stage 0-3 (default 2)")
+    for part, what in (("optimizer", "the optimizer state"), ("param", "the parameters (ZeRO-3)")):
+        _option(group, f"offload_{part}_device", choices=OFFLOAD_DEVICES, default=None,
+                type=str.lower, help=f"where ZeRO keeps {what}")  # fmt: skip
+        _option(group, f"offload_{part}_nvme_path", default=None, metavar="DIR",
+                help=f"NVMe directory of {what}")  # fmt: skip
+    _option(group, "gradient_clipping", type=float, default=None,
+            help="max gradient norm the DeepSpeed engine clips to")  # fmt: skip
+    _option(group, "zero3_init_flag", type=yes_no, default=None, metavar="BOOL",
+            help="build transformers models partitioned under ZeRO-3 (true/false)")  # fmt: skip
+    _option(group, "zero3_save_16bit_model", type=yes_no, default=None, metavar="BOOL",
+            help="gather ZeRO-3 weights to 16 bits when saving (true/false)")  # fmt: skip
+    _option(group, "deepspeed_moe_layer_cls_names", default=None, metavar="NAMES",
+            help="MoE layer classes kept whole under ZeRO-3 (comma separated)")  # fmt: skip
 
 
 def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:

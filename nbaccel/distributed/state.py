@@ -366,9 +366,7 @@ class AcceleratorState(PartialState):
                 # A later Accelerator (a re-run cell in a pool) asks for another plugin: it takes
                 # effect for the accelerators built from now on; earlier ones keep their strategy.
                 self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
-            if deepspeed_plugin is not None and deepspeed_plugin is not self.__dict__.get(
-                "deepspeed_plugins"
-            ):
+            if deepspeed_plugin is not None and deepspeed_plugin is not self.deepspeed_plugins:
                 self._use_deepspeed_plugins(deepspeed_plugin)
             return
         self.__dict__.update(partial.__dict__)
@@ -383,23 +381,16 @@ class AcceleratorState(PartialState):
         self.fsdp_plugin = None
         if fsdp_plugin is not None:
             self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
-        self.deepspeed_plugins = None
-        if deepspeed_plugin is not None:
-            self._use_deepspeed_plugins(deepspeed_plugin)
+        self._use_deepspeed_plugins(deepspeed_plugin)
 
     def _use_deepspeed_plugins(self, plugins: Any) -> None:
-        """Run DeepSpeed with ``plugins`` (one, or a dict by name; the first is selected)."""
-        if self.device.type == "xla" or self.fsdp_plugin is not None:
-            raise ValueError("DeepSpeed cannot run together with FSDP or torch-xla: pick one.")
-        self.deepspeed_plugins = plugins if isinstance(plugins, dict) else {"default": plugins}
-        self.distributed_type = DistributedType.DEEPSPEED
-        self.select_deepspeed_plugin(next(iter(self.deepspeed_plugins)))
-
-    @property
-    def deepspeed_plugin(self) -> Any:
-        """The selected DeepSpeed plugin (None when DeepSpeed is not used)."""
-        plugins = self.__dict__.get("deepspeed_plugins") or {}
-        return next((p for p in plugins.values() if p.selected), None)
+        """Run DeepSpeed with ``plugins`` (None, one, or a dict by name); select the first."""
+        single = not isinstance(plugins, dict | None)
+        self.deepspeed_plugins = {"default": plugins} if single else plugins
+        self.deepspeed_plugin = None
+        if self.deepspeed_plugins:
+            self.distributed_type = DistributedType.DEEPSPEED
+            self.select_deepspeed_plugin(next(iter(self.deepspeed_plugins)))
 
     def get_deepspeed_plugin(self, name: str) -> Any:
         """The DeepSpeed plugin registered as ``name``."""
@@ -407,12 +398,12 @@ class AcceleratorState(PartialState):
 
     def select_deepspeed_plugin(self, name: str | None = None) -> None:
         """Make plugin ``name`` the one the next ``prepare`` (and transformers) uses."""
-        plugins = self.__dict__.get("deepspeed_plugins") or {}
+        plugins = self.deepspeed_plugins or {}
         if name not in plugins:
             raise ValueError(f"No DeepSpeed plugin {name!r}; the plugins are {list(plugins)}.")
-        for key, plugin in plugins.items():
-            if key != name:
-                plugin._unselect()
+        for plugin in plugins.values():
+            plugin._unselect()
+        self.deepspeed_plugin = plugins[name]
         plugins[name].select(_from_accelerator_state=True)
 
     def _use_fsdp_plugin(self, fsdp_plugin: Any, process_type: DistributedType) -> None:

@@ -32,7 +32,6 @@ from typing import Any
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
-from nbaccel.values import zero_options as zero
 from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
 
 __all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
@@ -244,11 +243,6 @@ def _mesh_size(axis: str, what: str) -> Any:
 _WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
 
 
-def _ds(help: str, check: Callable[[Any], Any] | None = None, **spec: Any) -> Any:
-    """A DeepSpeed option of the command line (default None: the plugin's own default)."""
-    return option(None, help, Front.CLI, check=check or _text("value"), **spec)
-
-
 @dataclass(frozen=True)
 class LaunchRequest:
     """What was asked of one launch (or pool), every option validated when it is created.
@@ -379,34 +373,8 @@ class LaunchRequest:
         None, "ParallelismConfig: how context-parallel ranks exchange keys/values", _LOCAL,
         check=lambda v: None if v is None else _choice("cp_comm_strategy", _CP)(v), choices=_CP,
     )  # fmt: skip
-    # DeepSpeed (the command line): each rank's Accelerator() builds its DeepSpeedPlugin from
-    # these (Accelerate's ACCELERATE_DEEPSPEED_* variables); a script may build its own instead
-    use_deepspeed: bool = option(False, "train with DeepSpeed ZeRO", Front.CLI,
-                                 check=_flag("use_deepspeed"))  # fmt: skip
-    deepspeed_config_file: str | None = _ds("DeepSpeed config (JSON); prepare fills its 'auto'",
-                                            metavar="FILE")  # fmt: skip
-    zero_stage: int | None = _ds("ZeRO stage: 0, 1, 2 or 3 (default 2)", zero.zero_stage,
-                                 parse=int, metavar="N")  # fmt: skip
-    offload_optimizer_device: str | None = _ds(
-        "where ZeRO keeps the optimizer state", zero.offload_device("offload_optimizer_device"),
-        choices=zero.OFFLOAD_DEVICES)  # fmt: skip
-    offload_param_device: str | None = _ds(
-        "where ZeRO-3 keeps the parameters", zero.offload_device("offload_param_device"),
-        choices=zero.OFFLOAD_DEVICES)  # fmt: skip
-    offload_optimizer_nvme_path: str | None = _ds("NVMe directory of the optimizer state",
-                                                  metavar="DIR")  # fmt: skip
-    offload_param_nvme_path: str | None = _ds("NVMe directory of the parameters", metavar="DIR")
-    gradient_clipping: float | None = _ds("max gradient norm the DeepSpeed engine clips to",
-                                          zero.at_least("gradient_clipping", 0.0), parse=float,
-                                          metavar="NORM")  # fmt: skip
-    zero3_init_flag: bool | None = _ds("build transformers models partitioned (ZeRO-3)",
-                                       zero.optional(zero.yes_no), parse=zero.yes_no,
-                                       metavar="BOOL")  # fmt: skip
-    zero3_save_16bit_model: bool | None = _ds("gather ZeRO-3 weights to 16 bits when saving",
-                                              zero.optional(zero.yes_no), parse=zero.yes_no,
-                                              metavar="BOOL")  # fmt: skip
-    deepspeed_moe_layer_cls_names: str | None = _ds("MoE layers kept whole under ZeRO-3",
-                                                    metavar="NAMES")  # fmt: skip
+    use_deepspeed: bool = option(False, "train with DeepSpeed ZeRO (options: the DeepSpeed group)",
+                                 Front.CLI, check=_flag("use_deepspeed"))  # fmt: skip
     remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
