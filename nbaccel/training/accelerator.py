@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,14 +23,17 @@ from torch.utils.data import DataLoader
 
 from nbaccel.data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from nbaccel.distributed.state import AcceleratorState, GradientState
-from nbaccel.training.accelerator_control import ProcessControlMixin
-from nbaccel.training.accelerator_io import StateIOMixin
 from nbaccel.training.accelerator_names import AcceleratorNamesMixin
+from nbaccel.training.batch_size import release_memory
+from nbaccel.training.checkpoint import Checkpointables
+from nbaccel.training.checkpointing import Checkpointing
 from nbaccel.training.configuration import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
+    accumulation_plugin,
 )
+from nbaccel.training.delegate import Delegate, DelegatedAttribute
 from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -39,65 +41,30 @@ from nbaccel.training.kwargs_handlers import (
     InitProcessGroupKwargs,
     KwargsHandler,
     ProfileKwargs,
+    sort_handlers,
 )
+from nbaccel.training.model_files import save_model_files, save_object
 from nbaccel.training.optimizer import AcceleratedOptimizer
-from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.preparation import (
+    check_parallelism,
+    dynamo_options,
+    has_device_map,
+    mark_prepared,
+    refuse_offloaded_quantized,
+    unsupported,
+)
+from nbaccel.training.process_control import ProcessControl
 from nbaccel.training.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.deepspeed_launch import requested_plugins
 from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.trackers import TrackerSet
-from nbaccel.values.booleans import env_flag
 
 __all__ = ["Accelerator"]
 
-_HANDLERS = (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    ProfileKwargs,
-)
 
-
-def _refuse(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{what} is not supported by nbaccel. Supported: DDP (multi-CPU/GPU/XPU), FSDP2 "
-        "(fsdp_plugin=FullyShardedDataParallelPlugin(...)), DeepSpeed ZeRO (deepspeed_plugin="
-        "DeepSpeedPlugin(...)), tensor/hybrid/context parallel "
-        "(parallelism_config=ParallelismConfig(...)), tensor + pipeline parallel "
-        "(megatron_lm_plugin=MegatronLMPlugin(...)), torch-xla, and mixed precision "
-        "'no', 'fp16' or 'bf16'."
-    )
-
-
-def _mark_prepared(obj: Any) -> Any:
-    """Flag an object ``prepare`` returned (``_is_nbaccel_prepared``; also Accelerate's
-    ``_is_accelerate_prepared``, which libraries such as transformers' Trainer look for)."""
-    for flag in ("_is_nbaccel_prepared", "_is_accelerate_prepared"):
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(obj, flag, True)
-    return obj
-
-
-def _check_parallelism(config: Any, accelerator: Any, tp_plugin: Any = None) -> Any:
-    """The run's layout, validated against it: the one passed, else the launcher's
-    (``PARALLELISM_CONFIG_*``), with a ``torch_tp_plugin``'s tp_size (Accelerate's older
-    spelling). Tensor/context parallel and HSDP train on the mesh strategy."""
-    if config is None and env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        config = ParallelismConfig()  # sizes from PARALLELISM_CONFIG_* (nbaccel launch)
-    if tp_plugin is not None:
-        config = ParallelismConfig.from_tp_plugin(tp_plugin, accelerator.num_processes, config)
-    if config is None:
-        return None
-    if not isinstance(config, ParallelismConfig):
-        raise TypeError(f"parallelism_config must be a ParallelismConfig, not {type(config)}.")
-    config._validate_accelerator(accelerator)
-    return config
-
-
-class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
+class Accelerator(AcceleratorNamesMixin):
     """Distributed training, mixed precision and checkpointing with Accelerate's public API.
 
     Create one per training run (every process runs the same code), ``prepare`` the model(s),
@@ -132,8 +99,8 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         deepspeed_plugin = requested_plugins(deepspeed_plugin, deepspeed_plugins, fsdp_plugin)
         mixed_precision = str(getattr(mixed_precision, "value", mixed_precision) or "") or None
         if (mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION", "")).lower() == "fp8":
-            raise _refuse("mixed_precision='fp8'")
-        self.handlers = self._sort_handlers(kwargs_handlers or [])
+            raise unsupported("mixed_precision='fp8'")
+        self.handlers = sort_handlers(kwargs_handlers or [])
         group = self.handlers.get(InitProcessGroupKwargs)
         group_options = {} if group is None else group.to_kwargs()
         group_options.pop("init_method", None)
@@ -148,22 +115,12 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             _from_accelerator=True,
             **group_options,
         )
-        self.parallelism_config = _check_parallelism(parallelism_config, self, torch_tp_plugin)
+        self.parallelism_config = check_parallelism(parallelism_config, self, torch_tp_plugin)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
-        env_steps = os.environ.get("NBACCEL_GRADIENT_ACCUMULATION_STEPS")
-        if gradient_accumulation_plugin is None:
-            steps = gradient_accumulation_steps
-            if steps == 1 and env_steps:
-                steps = int(env_steps)
-            gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
-        elif gradient_accumulation_steps != 1:
-            raise ValueError(
-                "Pass either gradient_accumulation_steps or gradient_accumulation_plugin, not "
-                "both (set num_steps on the plugin)."
-            )
-        self.gradient_state = GradientState(gradient_accumulation_plugin)
+        plugin = accumulation_plugin(gradient_accumulation_plugin, gradient_accumulation_steps)
+        self.gradient_state = GradientState(plugin)
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches:
             self.dataloader_config.split_batches = True
@@ -193,26 +150,40 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoader] = []
-        self._custom_objects: list[Any] = []
-        self._save_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
-        self._load_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
         self._trackers = TrackerSet(log_with, self.logging_dir, self.is_main_process)
-        self.flag_tensor: torch.Tensor | None = None
+        # the parts that do the work of the methods delegated to them below
+        self._control = ProcessControl(
+            self.state, self.gradient_state, self._trackers, self.profile_handler
+        )
+        self._checkpoints = Checkpointing(self.project_configuration, self.state)
 
-    @staticmethod
-    def _sort_handlers(handlers: list[KwargsHandler]) -> dict[type, KwargsHandler]:
-        found: dict[type, KwargsHandler] = {}
-        for handler in handlers:
-            kind = next((k for k in _HANDLERS if isinstance(handler, k)), None)
-            if kind is None:
-                raise TypeError(
-                    f"Unsupported kwargs handler {type(handler).__name__}; nbaccel takes "
-                    f"{[k.__name__ for k in _HANDLERS]}."
-                )
-            if kind in found:
-                raise ValueError(f"Only one {kind.__name__} may be passed in kwargs_handlers.")
-            found[kind] = handler
-        return found
+    # -- served by the parts an Accelerator holds ----------------------------------------------
+    gather = Delegate("_control", ProcessControl.gather)
+    gather_for_metrics = Delegate("_control", ProcessControl.gather_for_metrics)
+    reduce = Delegate("_control", ProcessControl.reduce)
+    pad_across_processes = Delegate("_control", ProcessControl.pad_across_processes)
+    print = Delegate("_control", ProcessControl.print)
+    wait_for_everyone = Delegate("_control", ProcessControl.wait_for_everyone)
+    main_process_first = Delegate("_control", ProcessControl.main_process_first)
+    local_main_process_first = Delegate("_control", ProcessControl.local_main_process_first)
+    split_between_processes = Delegate("_control", ProcessControl.split_between_processes)
+    on_main_process = Delegate("_control", ProcessControl.on_main_process)
+    on_local_main_process = Delegate("_control", ProcessControl.on_local_main_process)
+    on_last_process = Delegate("_control", ProcessControl.on_last_process)
+    on_process = Delegate("_control", ProcessControl.on_process)
+    on_local_process = Delegate("_control", ProcessControl.on_local_process)
+    set_trigger = Delegate("_control", ProcessControl.set_trigger)
+    check_trigger = Delegate("_control", ProcessControl.check_trigger)
+    skip_first_batches = Delegate("_control", ProcessControl.skip_first_batches)
+    init_trackers = Delegate("_control", ProcessControl.init_trackers)
+    log = Delegate("_control", ProcessControl.log)
+    get_tracker = Delegate("_control", ProcessControl.get_tracker)
+    end_training = Delegate("_control", ProcessControl.end_training)
+    profile = Delegate("_control", ProcessControl.profile)
+    flag_tensor = DelegatedAttribute("_control", "flag_tensor")
+    register_for_checkpointing = Delegate("_checkpoints", Checkpointing.register_for_checkpointing)
+    register_save_state_pre_hook = Delegate("_checkpoints", Checkpointing.register_save_hook)
+    register_load_state_pre_hook = Delegate("_checkpoints", Checkpointing.register_load_hook)
 
     # -- who and where ------------------------------------------------------------------------
     device = property(lambda self: self.state.device)
@@ -286,7 +257,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         for kind, prepare_one in kinds:  # models first: FSDP may replace their parameters
             for i, obj in enumerate(args):
                 if isinstance(obj, kind) and not isinstance(obj, AcceleratedScheduler):
-                    result[i] = _mark_prepared(prepare_one(obj, placement[i]))
+                    result[i] = mark_prepared(prepare_one(obj, placement[i]))
         return result[0] if len(result) == 1 else tuple(result)
 
     def prepare_model(
@@ -301,16 +272,16 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             return model
         if self.strategy.prepares_together:
             return self.prepare(model)
-        _refuse_offloaded_quantized(model)
+        refuse_offloaded_quantized(model)
         if device_placement is None:
             device_placement = self.device_placement
-        place = device_placement and not _has_device_map(model)
+        place = device_placement and not has_device_map(model)
         model = self.strategy.prepare_model(model, place, evaluation_mode)
         backend = self.dynamo_backend
         if backend and str(backend).lower() != "no":
-            options = _dynamo_options(self.dynamo_plugin)
+            options = dynamo_options(self.dynamo_plugin)
             model = torch.compile(model, backend=str(backend).lower(), **options)
-        self._models.append(_mark_prepared(model))
+        self._models.append(mark_prepared(model))
         for optimizer in self._optimizers:  # prepared before this model: follow its parameters
             self.strategy.prepare_optimizer(optimizer, [model])
         return model
@@ -326,7 +297,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         wrapped = AcceleratedOptimizer(
             optimizer, placement, self.scaler, step_fn=self.strategy.optimizer_step
         )
-        self._optimizers.append(_mark_prepared(wrapped))
+        self._optimizers.append(mark_prepared(wrapped))
         return wrapped
 
     def prepare_data_loader(
@@ -357,7 +328,7 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
         )
-        prepared = _mark_prepared(self.strategy.prepare_dataloader(prepared))
+        prepared = mark_prepared(self.strategy.prepare_dataloader(prepared))
         self._dataloaders.append(prepared)
         return prepared
 
@@ -371,18 +342,18 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
             step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
-        self._schedulers.append(_mark_prepared(wrapped))
+        self._schedulers.append(mark_prepared(wrapped))
         return wrapped
 
     def _register_prepared(self, kind: str, obj: Any) -> None:
         """Record an object a strategy prepared itself (``prepares_together``)."""
         {"model": self._models, "optimizer": self._optimizers, "scheduler": self._schedulers}[
             kind
-        ].append(_mark_prepared(obj))
+        ].append(mark_prepared(obj))
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` was dispatched over several devices (big-model inference)."""
-        return _has_device_map(model)
+        return has_device_map(model)
 
     # -- the training step --------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -465,31 +436,60 @@ class Accelerator(ProcessControlMixin, StateIOMixin, AcceleratorNamesMixin):
         self.unscale_gradients()
         self.strategy.clip_grad_value_(list(parameters), clip_value)
 
+    # -- persistence ------------------------------------------------------------------------------
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile=True
+    ) -> torch.nn.Module:
+        """The user's module inside the wrappers ``prepare`` added."""
+        return self.strategy.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
-def _has_device_map(model: torch.nn.Module) -> bool:
-    device_map = getattr(model, "hf_device_map", None)
-    return isinstance(device_map, dict) and len(set(device_map.values())) > 1
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict of a prepared model (gathered when sharded: call on every rank)."""
+        return self.strategy.model_state_dict(model, unwrap)
 
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Save weights as safetensors shards + index (written by the main process, atomically)."""
+        writer = self.is_main_process
+        args = (max_shard_size, safe_serialization)
+        save_model_files(model, self.get_state_dict, save_directory, writer, *args)
 
-def _refuse_offloaded_quantized(model: torch.nn.Module) -> None:
-    """A model loaded in 8/4-bit whose device map puts layers on cpu/disk cannot be trained."""
-    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(
-        model, "is_loaded_in_4bit", False
-    )
-    device_map = getattr(model, "hf_device_map", None)
-    if quantized and isinstance(device_map, dict):
-        offloaded = sorted({str(d) for d in device_map.values()} & {"cpu", "disk"})
-        if offloaded:
-            raise ValueError(
-                f"This model is quantized (8/4-bit) and its device map uses CPU or disk offload "
-                f"({', '.join(offloaded)}): such a model cannot be trained. Load it with a "
-                "device_map that keeps every layer on the accelerator."
-            )
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """``torch.save`` once per machine (or per node), atomically."""
+        on_each_node = self.project_configuration.save_on_each_node
+        if self.is_local_main_process if on_each_node else self.is_main_process:
+            save_object(obj, f, safe_serialization)
 
+    def _checkpointables(self) -> Checkpointables:
+        models, optimizers = list(self._models), list(self._optimizers)
+        schedulers, loaders = list(self._schedulers), list(self._dataloaders)
+        return Checkpointables(models, optimizers, schedulers, loaders, scaler=self.scaler)
 
-def _dynamo_options(plugin: Any) -> dict[str, Any]:
-    if plugin is None:
-        return {}
-    if isinstance(plugin, dict):
-        return {k: v for k, v in plugin.items() if k != "backend"}
-    return {k: getattr(plugin, k) for k in ("mode", "fullgraph", "dynamic") if hasattr(plugin, k)}
+    def save_state(
+        self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **_
+    ) -> str:
+        """Save models, optimizers, schedulers, scaler, RNG states, dataloader positions and
+        registered objects (every process calls it). Returns the checkpoint directory."""
+        objects, strategy = self._checkpointables(), self.strategy
+        return self._checkpoints.save(output_dir, objects, strategy, self.step, safe_serialization)
+
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kw
+    ) -> None:
+        """Restore what ``save_state`` wrote (every process calls it)."""
+        objects, strict = self._checkpointables(), kw.get("strict", True)
+        self.step = self._checkpoints.load(input_dir, objects, self.strategy, strict)
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared object, reset ``step`` and empty device caches."""
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._checkpoints.custom_objects.clear()
+        self.step = 0
+        return release_memory(*objects)
+
+    clear = free_memory

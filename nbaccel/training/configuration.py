@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "accumulation_plugin",
     "DataLoaderConfiguration",
     "GradientAccumulationPlugin",
     "PrecisionType",
@@ -141,3 +142,21 @@ class GradientAccumulationPlugin:
             "sync_with_dataloader": self.sync_with_dataloader,
             "sync_each_batch": self.sync_each_batch,
         }
+
+
+def accumulation_plugin(
+    plugin: GradientAccumulationPlugin | None, steps: int
+) -> GradientAccumulationPlugin:
+    """The Accelerator's accumulation settings: the plugin, or ``steps`` (or the launcher's
+    ``NBACCEL_GRADIENT_ACCUMULATION_STEPS`` when left at 1); both at once is refused."""
+    if plugin is not None:
+        if steps != 1:
+            raise ValueError(
+                "Pass either gradient_accumulation_steps or gradient_accumulation_plugin, not "
+                "both (set num_steps on the plugin)."
+            )
+        return plugin
+    env_steps = os.environ.get("NBACCEL_GRADIENT_ACCUMULATION_STEPS")
+    if steps == 1 and env_steps:
+        steps = int(env_steps)
+    return GradientAccumulationPlugin(num_steps=steps)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = [
+    "sort_handlers",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DistributedDataParallelKwargs",
@@ -181,3 +182,29 @@ class ProfileKwargs(KwargsHandler):
             with_flops=self.with_flops,
             with_modules=self.with_modules,
         )
+
+
+#: the handlers an Accelerator takes, one of each
+_HANDLERS = (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+
+
+def sort_handlers(handlers: list[KwargsHandler]) -> dict[type, KwargsHandler]:
+    """``kwargs_handlers`` by kind, refusing an unknown kind or two of one kind."""
+    found: dict[type, KwargsHandler] = {}
+    for handler in handlers:
+        kind = next((k for k in _HANDLERS if isinstance(handler, k)), None)
+        if kind is None:
+            raise TypeError(
+                f"Unsupported kwargs handler {type(handler).__name__}; nbaccel takes "
+                f"{[k.__name__ for k in _HANDLERS]}."
+            )
+        if kind in found:
+            raise ValueError(f"Only one {kind.__name__} may be passed in kwargs_handlers.")
+        found[kind] = handler
+    return found
