@@ -134,7 +134,9 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
             raise ValueError("This config file leaves the process count open: pass "
                              "--num_processes.")  # fmt: skip
     else:
-        if args.num_processes is None:
+        # with --hosts (or a cluster launcher) the hosts' ranks are the count
+        elsewhere = getattr(args, "hosts", None) or getattr(args, "launcher", None) in _CLUSTERS
+        if args.num_processes is None and not elsewhere:
             args.num_processes = max(torch.cuda.device_count(), 1)
             notes.append(f"--num_processes {args.num_processes}")
         if args.num_machines is None:
@@ -162,6 +164,9 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
         logger.warning("nbaccel launch used defaults for: %s (set them, or run `nbaccel "
                        "config`).", ", ".join(notes))  # fmt: skip
     return args, config, from_config
+
+
+_CLUSTERS = ("slurm", "ray")  # launchers whose allocation says how many ranks
 
 
 def _refuse_unsupported(args: argparse.Namespace, config: Any) -> None:
