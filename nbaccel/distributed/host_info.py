@@ -20,6 +20,7 @@ __all__ = [
     "CPUInformation",
     "are_libraries_initialized",
     "check_cuda_fp8_capability",
+    "fp8_hardware_problem",
     "check_cuda_p2p_ib_support",
     "check_os_kernel",
     "get_cpu_distributed_information",
@@ -112,6 +113,43 @@ def check_cuda_fp8_capability() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_hardware_problem(device_type: str = "cpu", emulate: bool = False) -> str | None:
+    """Why FP8 matmuls cannot run on ``device_type`` here (None when they can): CUDA needs
+    compute capability 8.9+ (Ada, Hopper, Blackwell); the CPU needs torch's FP8 ``_scaled_mm``
+    kernel (torch >= 2.13). ``emulate`` (torchao's emulation) runs anywhere."""
+    import torch
+
+    if emulate:
+        return None
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) >= (8, 9):
+            return None
+        name = torch.cuda.get_device_name()
+        return (
+            f"FP8 training needs an NVIDIA GPU of compute capability 8.9 or higher (L4, L40, "
+            f"RTX 40xx, H100, B200); this one is {name} (sm_{major}{minor}). Pass "
+            "AORecipeKwargs(emulate=True) to emulate FP8 (slower, for testing), or train in bf16."
+        )
+    if device_type == "cpu":
+        try:
+            one = torch.ones((16, 16)).to(torch.float8_e4m3fn)
+            scale = torch.tensor(1.0)
+            torch._scaled_mm(one, one.t(), scale, scale, out_dtype=torch.bfloat16)
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            return (
+                f"This torch ({torch.__version__}) has no FP8 matmul on the CPU (torch >= 2.13 "
+                "has one). Upgrade torch, or pass AORecipeKwargs(emulate=True)."
+            )
+        return None
+    return (
+        f"FP8 training is not available on {device_type!r} devices: use a CUDA GPU of compute "
+        "capability 8.9+ or the CPU, or pass AORecipeKwargs(emulate=True)."
+    )
 
 
 def check_os_kernel() -> None:
