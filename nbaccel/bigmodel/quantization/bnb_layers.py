@@ -99,6 +99,7 @@ def replace_with_bnb_layers(
                     quant_storage=torch.uint8,
                 )
         new.requires_grad_(False)
+        new.train(module.training)  # bitsandbytes picks its matmul by training mode
         new.source_cls = type(module)
         model.set_submodule(name, new)
         replaced += 1

@@ -120,7 +120,8 @@ class _QuantizedLoad:
         for name in names:
             mod, leaf, is_param = self.owners[name]
             if is_param:
-                shared = shared or _new_param(mod._parameters[leaf], value)
+                if shared is None:
+                    shared = _new_param(mod._parameters[leaf], value)
                 mod._parameters[leaf] = shared
             else:
                 mod._buffers[leaf] = value

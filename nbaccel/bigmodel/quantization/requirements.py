@@ -19,7 +19,10 @@ MSLK_MIN_VERSION = "1.0.0"  # torchao's int4 weight-only kernels on the CPU
 
 
 def _version(package: str) -> str | None:
-    if importlib.util.find_spec(package) is None:
+    try:
+        if importlib.util.find_spec(package) is None:
+            return None
+    except (ImportError, ValueError):  # blocked (sys.modules[name] = None) or broken
         return None
     try:
         return importlib.metadata.version(package)
