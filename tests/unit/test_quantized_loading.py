@@ -233,3 +233,16 @@ def test_device_maps_plan_with_quantized_sizes(saved) -> None:
     replace_with_bnb_layers(model, config, modules_to_not_convert=["lm_head"])
     plan = get_quantized_model_device_map(model, config, "auto", max_memory=budget)
     assert set(plan.values()) == {"cpu"}  # 4-bit layers at half a byte per weight: fits
+
+
+def test_device_map_view_shows_quantized_bytes_and_formats(saved) -> None:
+    from nbaccel.notebook.kernel.widgets.device_map_view import DeviceMapView
+
+    fp32_bytes = sum(p.numel() * 4 for p in empty_llama(saved).parameters())
+    config = BnbQuantizationConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    model = load_and_quantize_model(empty_llama(saved), config, saved, device_map="cpu")
+    view = DeviceMapView(model)
+    assert view.sizes[""] < 0.4 * fp32_bytes  # the packed 4-bit bytes, not the float shapes
+    text = view.text()
+    assert "holds: " in text and "4-bit nf4" in text and "float16" in text  # head in fp16
+    assert "4-bit nf4" in view._repr_html_()
