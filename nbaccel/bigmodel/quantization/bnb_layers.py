@@ -56,6 +56,9 @@ def get_keys_to_not_convert(model: nn.Module) -> list[str]:
 def _bnb() -> Any:
     import bitsandbytes as bnb
 
+    from nbaccel.bigmodel.quantization.shipping import register_quantized_pickling
+
+    register_quantized_pickling(bnb)  # quantized weights travel to ranks as they are
     return bnb
 
 
