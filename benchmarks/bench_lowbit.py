@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -120,13 +119,27 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _memory_kb(field: str) -> int:
+    """``VmHWM`` (peak) or ``VmRSS`` of this process, in kB (the peak is this process's own:
+    ``ru_maxrss`` would carry the parent's peak across fork and exec)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 def measure_load(variant: str, folder: Path) -> dict:
-    """In a fresh process: load time, peak RSS, weight bytes."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """In a fresh process: load time, peak RSS (imports included), weight bytes."""
+    import bitsandbytes  # noqa: F401  (every variant pays the same imports before the clock)
+    import torchao  # noqa: F401
+    import transformers  # noqa: F401
+
+    before = _memory_kb("VmRSS")
     start = time.perf_counter()
     model = load(variant, folder)
     load_s = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _memory_kb("VmHWM")
     return {"load_s": round(load_s, 2), "peak_rss_mb": round(peak / 1024),
             "rss_before_mb": round(before / 1024), "weight_bytes": weight_bytes(model)}  # fmt: skip
 

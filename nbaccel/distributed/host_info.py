@@ -20,6 +20,8 @@ __all__ = [
     "CPUInformation",
     "are_libraries_initialized",
     "check_cuda_fp8_capability",
+    "check_fp8_launch",
+    "fp8_emulation_requested",
     "fp8_hardware_problem",
     "check_cuda_p2p_ib_support",
     "check_os_kernel",
@@ -133,7 +135,8 @@ def fp8_hardware_problem(device_type: str = "cpu", emulate: bool = False) -> str
         return (
             f"FP8 training needs an NVIDIA GPU of compute capability 8.9 or higher (L4, L40, "
             f"RTX 40xx, H100, B200); this one is {name} (sm_{major}{minor}). Pass "
-            "AORecipeKwargs(emulate=True) to emulate FP8 (slower, for testing), or train in bf16."
+            "AORecipeKwargs(emulate=True) (or set NBACCEL_FP8_EMULATE=1 before launching) to "
+            "emulate FP8 (slower, for testing), or train in bf16."
         )
     if device_type == "cpu":
         try:
@@ -150,6 +153,22 @@ def fp8_hardware_problem(device_type: str = "cpu", emulate: bool = False) -> str
         f"FP8 training is not available on {device_type!r} devices: use a CUDA GPU of compute "
         "capability 8.9+ or the CPU, or pass AORecipeKwargs(emulate=True)."
     )
+
+
+def fp8_emulation_requested() -> bool:
+    """Whether ``NBACCEL_FP8_EMULATE`` asks torchao to emulate FP8 (the launch check and
+    ``AORecipeKwargs``'s default both read it)."""
+    return os.environ.get("NBACCEL_FP8_EMULATE", "").lower() in ("1", "true", "yes", "on")
+
+
+def check_fp8_launch(mixed_precision: str, cpu: bool) -> None:
+    """Before any rank starts: refuse ``mixed_precision="fp8"`` on GPU ranks whose GPU has no
+    FP8 matmul (compute capability below 8.9), unless emulation is asked for."""
+    if str(mixed_precision).lower() != "fp8" or cpu:
+        return
+    problem = fp8_hardware_problem("cuda", fp8_emulation_requested())
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def check_os_kernel() -> None:

@@ -104,7 +104,7 @@ class _QuantizedLoad:
         if tensor.is_floating_point():
             tensor = tensor.to(self._float_dtype(owner))
         mod, leaf, is_param = self.owners[key]
-        if self._offloaded(device) and (is_param or device != "disk"):
+        if self._offloaded(device) and is_param:  # buffers stay with the computing device
             if device == "disk":
                 offload_weight(tensor, key, self.offload_folder, index=self.disk_index)
             else:

@@ -32,7 +32,8 @@ class AORecipeKwargs(KwargsHandler):
     with ``pad_inner_dim=True``). ``module_filter_func(module, fqn) -> bool``: which linears
     to convert (default: every linear whose sizes are multiples of 16, except the model's first
     and last, as Accelerate does). ``emulate`` (nbaccel): run the FP8 matmuls emulated in
-    higher precision, for hardware without FP8 (GPUs before compute capability 8.9).
+    higher precision, for hardware without FP8 (GPUs before compute capability 8.9); default:
+    the ``NBACCEL_FP8_EMULATE`` environment variable (which the launchers' FP8 check reads too).
     """
 
     config: Any = None
@@ -52,13 +53,18 @@ class AORecipeKwargs(KwargsHandler):
 
         from torchao.float8 import Float8LinearConfig
 
+        from nbaccel.distributed.host_info import fp8_emulation_requested
+
         config = self.config or Float8LinearConfig(pad_inner_dim=True)
+        emulate = self.emulate
+        if emulate is None and self.config is None and fp8_emulation_requested():
+            emulate = True  # NBACCEL_FP8_EMULATE=1, as the launch check read it
         changes = {
             k: v
             for k, v in (
                 ("pad_inner_dim", self.pad_inner_dim),
                 ("enable_fsdp_float8_all_gather", self.enable_fsdp_float8_all_gather),
-                ("emulate", self.emulate),
+                ("emulate", emulate),
             )
             if v is not None
         }
