@@ -16,12 +16,10 @@ weights and speed against fp32. Writes ``benchmarks/results/lowbit.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -211,11 +209,10 @@ def main() -> None:
             rows[variant]["decode_time_vs_backend_direct_best"] = round(
                 seconds[variant][1] / peer[1], 3
             )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     import bitsandbytes
     import torchao
     import transformers
+    from provenance import stamp
 
     result = {
         "benchmark": f"Llama-shaped model on the CPU, greedy decode of {args.new_tokens} tokens "
@@ -226,9 +223,7 @@ def main() -> None:
             "vocab": 32000,
             "params": fp32 // 4,
         },  # fmt: skip
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "provenance": stamp(),  # the date, commit and machine of this run
         "versions": {
             "bitsandbytes": bitsandbytes.__version__,
             "torchao": torchao.__version__,

@@ -9,13 +9,10 @@ check (4-bit <= 0.3x and 8-bit <= 0.4x of the fp32 weight bytes, bitwise equalit
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import logging
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -120,6 +117,9 @@ def check_mode(name, options, limit, empty, folder, want, fp32_bytes, failures) 
 def main() -> int:
     import transformers
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from provenance import stamp
+
     from nbaccel.bigmodel import init_empty_weights
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -147,12 +147,8 @@ def main() -> int:
         row = check_mode(name, options, limit, empty, folder, want, fp32_bytes, failures)
         results["modes"][name] = row
         print(name, json.dumps(row), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     results.update({
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "provenance": stamp(),  # the date, commit and machine of this run
         "prompts": list(PROMPTS.shape),
         "failures": failures,
     })  # fmt: skip

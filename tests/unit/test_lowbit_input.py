@@ -1,16 +1,11 @@
 """Bad low-bit input is refused before anything is loaded, naming the fix: 8-bit and 4-bit at
-once, an unknown quant type, bitsandbytes missing or too old (a real older distribution first
-on the path, in a child interpreter), 4-bit weights sent to disk, disk without a folder, torchao
-int4 without mslk, FP8 where there is no FP8 matmul; and neither bitsandbytes nor torchao is
-imported by nbaccel unless a model is quantized or trained in FP8."""
+once, an unknown quant type, bitsandbytes missing, 4-bit weights sent to disk, disk without a
+folder, torchao int4 without mslk, FP8 where there is no FP8 matmul. (bitsandbytes too old and
+the lazy imports are checked in child interpreters: tests/ranks/test_lowbit_imports.py.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +17,6 @@ from nbaccel.bigmodel.quantization import (
     TorchAoConfig,
     load_and_quantize_model,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class Net(nn.Module):
@@ -96,32 +89,6 @@ def test_bitsandbytes_missing_names_the_extra(checkpoint, monkeypatch) -> None:
     assert model.body[0].weight.device.type == "meta"
 
 
-def test_bitsandbytes_too_old_names_the_version(tmp_path, checkpoint) -> None:
-    old = tmp_path / "old"
-    (old / "bitsandbytes").mkdir(parents=True)
-    (old / "bitsandbytes" / "__init__.py").write_text("__version__ = '0.42.0'\n")
-    dist = old / "bitsandbytes-0.42.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bitsandbytes\nVersion: 0.42.0\n")
-    script = textwrap.dedent(f"""
-        import torch
-        from torch import nn
-        from nbaccel.bigmodel import init_empty_weights
-        from nbaccel.bigmodel.quantization import BnbQuantizationConfig, load_and_quantize_model
-        with init_empty_weights():
-            model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 8))
-        try:
-            load_and_quantize_model(model, BnbQuantizationConfig(load_in_4bit=True), {checkpoint!r})
-        except ImportError as err:
-            print("REFUSED", err)
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(old), str(ROOT)])}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert "REFUSED" in out.stdout, out.stderr
-    assert "0.42.0 is installed" in out.stdout and "nbaccel[bnb]" in out.stdout
-    assert "bitsandbytes>=0.46.0" in out.stdout
-
-
 def test_torchao_int4_on_cpu_names_mslk(checkpoint) -> None:
     pytest.importorskip("torchao")
     import importlib.util
@@ -138,22 +105,3 @@ def test_fp8_hardware_check() -> None:
     assert fp8_hardware_problem("cpu") is None  # torch >= 2.13 has an FP8 matmul on the CPU
     assert fp8_hardware_problem("xla", emulate=True) is None
     assert "AORecipeKwargs(emulate=True)" in fp8_hardware_problem("xla")
-
-
-def test_nothing_of_bitsandbytes_or_torchao_is_imported_unless_used() -> None:
-    script = textwrap.dedent("""
-        import sys
-        import nbaccel
-        from nbaccel import Accelerator
-        from nbaccel.utils import (BnbQuantizationConfig, load_and_quantize_model,
-            AORecipeKwargs, convert_model_to_fp8_ao, is_bnb_available, is_torchao_available)
-        from nbaccel.utils.bnb import get_keys_to_not_convert
-        BnbQuantizationConfig(load_in_4bit=True)
-        assert is_bnb_available() and is_torchao_available()
-        Accelerator(cpu=True, mixed_precision="bf16")
-        print(sorted(m for m in sys.modules if m.split(".")[0] in
-                     ("bitsandbytes", "torchao", "transformer_engine")))
-    """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "[]", out.stderr
