@@ -153,17 +153,31 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int
     return time.perf_counter() - start
 
 
+def prefill_seconds(model: torch.nn.Module, batch: torch.Tensor) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(batch)
+    return time.perf_counter() - start
+
+
 def measure_decoding(folder: Path, rounds: int, new_tokens: int) -> dict:
-    """variant -> (median, best) seconds of a greedy decode, variants timed round-robin."""
+    """variant -> (median, best) seconds of a greedy decode and of a prefill forward (4 x 128
+    tokens: the compute-bound case), variants timed round-robin."""
     models = {v: load(v, folder) for v in VARIANTS}
     prompt = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(5))
     for model in models.values():
         decode_seconds(model, prompt, 2)  # warm up (bitsandbytes repacks 4-bit weights once)
+    batch = torch.randint(0, 32000, (4, 128), generator=torch.Generator().manual_seed(6))
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    prefill: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for variant, model in models.items():
             times[variant].append(decode_seconds(model, prompt, new_tokens))
-    return {v: (statistics.median(t), min(t)) for v, t in times.items()}
+            prefill[variant].append(prefill_seconds(model, batch))
+    return {
+        v: (statistics.median(t), min(t), statistics.median(prefill[v]), min(prefill[v]))
+        for v, t in times.items()
+    }
 
 
 def main() -> None:
@@ -202,12 +216,17 @@ def main() -> None:
             "decode_tokens_per_s": round(args.new_tokens / seconds[variant][0], 2),
             "decode_tokens_per_s_best": round(args.new_tokens / seconds[variant][1], 2),
             "decode_time_vs_fp32": round(seconds[variant][0] / seconds["fp32"][0], 2),
+            "prefill_tokens_per_s": round(512 / seconds[variant][2], 1),
+            "prefill_time_vs_fp32": round(seconds[variant][2] / seconds["fp32"][2], 2),
         }
         if variant in PEERS:  # median and best round: the machine is shared, rounds vary
             peer = seconds[PEERS[variant]]
             rows[variant]["decode_time_vs_backend_direct"] = round(seconds[variant][0] / peer[0], 3)
             rows[variant]["decode_time_vs_backend_direct_best"] = round(
                 seconds[variant][1] / peer[1], 3
+            )
+            rows[variant]["prefill_time_vs_backend_direct"] = round(
+                seconds[variant][2] / peer[2], 3
             )
     import bitsandbytes
     import torchao
@@ -216,7 +235,8 @@ def main() -> None:
 
     result = {
         "benchmark": f"Llama-shaped model on the CPU, greedy decode of {args.new_tokens} tokens "
-        "after a 16-token prompt, batch 1; loads each in a fresh process",
+        "after a 16-token prompt, batch 1, and a prefill forward of 4 x 128 tokens; loads each "
+        "in a fresh process",
         "model": {
             "hidden": args.hidden,
             "layers": args.layers,
@@ -236,7 +256,7 @@ def main() -> None:
     path = ROOT / "benchmarks" / "results" / "lowbit.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"{'variant':24} {'weights':>9} {'vs fp32':>8} {'peak RSS':>9} {'load s':>7} "
-          f"{'tok/s':>7} {'vs direct (median/best)':>24}")  # fmt: skip
+          f"{'tok/s':>7} {'prefill':>8} {'vs direct (median/best)':>24}")  # fmt: skip
     for variant, row in rows.items():
         direct = (
             f"{row['decode_time_vs_backend_direct']} / {row['decode_time_vs_backend_direct_best']}"
@@ -245,7 +265,7 @@ def main() -> None:
         )
         print(f"{variant:24} {row['weight_bytes'] / 2**20:8.0f}M {row['weights_vs_fp32']:8.3f} "
               f"{row['peak_rss_mb']:8d}M {row['load_s']:7.2f} {row['decode_tokens_per_s']:7.2f} "
-              f"{direct:>24}")  # fmt: skip
+              f"{row['prefill_tokens_per_s']:8.1f} {direct:>24}")  # fmt: skip
     print(f"wrote {path}")
 
 
