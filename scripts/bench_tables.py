@@ -119,6 +119,21 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "The same Llama under DDP, FSDP2, HSDP, TP, TP + FSDP2, pipeline and Megatron tp x pp, "
         "with Accelerate's DDP as the peer: per-rank model state, peak RSS growth, step time.",
     ),
+    "lowbit.json": (
+        "Low-bit inference on the CPU: fp32, bf16, int8, nf4",
+        "python benchmarks/bench_lowbit.py",
+        "Weights, peak RSS (load and one forward), load time and greedy decode tokens/s of a "
+        "Llama-shaped model, loaded by nbaccel (bitsandbytes, torchao) and by transformers' "
+        "BitsAndBytesConfig path and torchao used directly, in one run; nbaccel's decode time "
+        "over the same backend's used directly (median and best round).",
+    ),
+    "lowbit_1b.json": (
+        "Quantized loading of a 1B-parameter Llama on the CPU",
+        "scripts/test-lowbit",
+        "load_and_quantize_model in 8-bit and nf4: weight bytes against fp32, bitwise equality "
+        "with transformers' BitsAndBytesConfig path, agreement with fp32 (logit cosine, top-1), "
+        "8-bit over cpu + disk against in memory.",
+    ),
     "hosts.json": (
         "Many hosts",
         "sudo bash scripts/hosts/up 2 && python benchmarks/bench_hosts.py",

@@ -37,7 +37,13 @@ def dtype_byte_size(dtype: torch.dtype) -> int | float:
     Accelerate, so sizes of models with boolean masks are the same numbers."""
     if dtype == torch.bool:
         return 1 / 8
+    packed = _PACKED_BYTES.get(str(getattr(dtype, "value", dtype)))
+    if packed is not None:  # quantized formats below a byte (CustomDtype or its name)
+        return packed
     return torch.empty((), dtype=dtype).element_size()
+
+
+_PACKED_BYTES = {"int4": 0.5, "int2": 0.25, "fp8": 1}
 
 
 def named_module_tensors(

@@ -52,6 +52,9 @@ def _new_param(old: nn.Parameter | None, value: torch.Tensor) -> nn.Parameter:
         new = nn.Parameter(value, requires_grad=requires_grad)
     if old is not None:
         new.__dict__.update(old.__dict__)
+    rebind = new.__dict__.get("_nbaccel_rebind")  # a quantized placeholder completes its data
+    if rebind is not None:
+        rebind(new)
     return new
 
 

@@ -57,10 +57,10 @@ _DATACLASSES = (
     "nbaccel.training.trackers:LoggerType",
     "nbaccel.training.run_options",
     "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin",
-    "nbaccel.training.unsupported_stacks:DeepSpeedSequenceParallelConfig,"
-    "FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs,"
-    "BnbQuantizationConfig,FP8BackendType,"
+    "nbaccel.training.unsupported_stacks:DeepSpeedSequenceParallelConfig,FP8BackendType,"
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
+    "nbaccel.training.fp8.recipes:FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs",
+    "nbaccel.bigmodel.quantization.config:BnbQuantizationConfig,TorchAoConfig",
     "nbaccel.training.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
     "nbaccel.training.strategies.tensor_parallel:TorchTensorParallelPlugin",
     "nbaccel.training.strategies.megatron:MegatronLMPlugin",
@@ -128,14 +128,20 @@ _MEGATRON = (
     "initialize,model_provider_func,prepare_model_optimizer_scheduler,prepare_optimizer,"
     "prepare_scheduler,prepare_data_loader=megatron_prepare_data_loader",
 )
+_AO = (
+    "nbaccel.training.fp8.ao_conversion:convert_model_to_fp8_ao,filter_linear_layers,"
+    "filter_first_and_last_linear_layers,find_first_last_linear_layers,has_ao_layers",
+)
 _FP8 = (
-    _UNSUPPORTED + ":apply_fp8_autowrap,contextual_fp8_autocast,convert_model,"
-    "convert_model_to_fp8_ao,filter_first_and_last_linear_layers,filter_linear_layers,"
-    "find_first_last_linear_layers,has_ao_layers,has_transformer_engine_layers",
+    "nbaccel.training.fp8.te_conversion:apply_fp8_autowrap,contextual_fp8_autocast,convert_model",
+    *_AO,
+    _UNSUPPORTED + ":has_transformer_engine_layers",
 )
 _BNB = (
-    _UNSUPPORTED + ":load_and_quantize_model,replace_with_bnb_layers,quantize_and_offload_8bit,"
-    "get_keys_to_not_convert,get_quantized_model_device_map,has_4bit_bnb_layers",
+    "nbaccel.bigmodel.quantization:load_and_quantize_model,replace_with_bnb_layers,"
+    "quantize_and_offload_8bit,get_keys_to_not_convert,get_quantized_model_device_map,"
+    "BnbQuantizationConfig,TorchAoConfig",
+    _UNSUPPORTED + ":has_4bit_bnb_layers",
 )
 _FSDP = (
     "nbaccel.training.strategies.fsdp_checkpoint",
@@ -227,7 +233,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.training.precision_contexts:get_grad_scaler,get_mixed_precision_context_manager",
         "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
         "save_fsdp_model,save_fsdp_optimizer",
-        _UNSUPPORTED + ":apply_fp8_autowrap,convert_model,convert_model_to_fp8_ao",
+        "nbaccel.training.fp8.te_conversion:apply_fp8_autowrap,convert_model",
+        "nbaccel.training.fp8.ao_conversion:convert_model_to_fp8_ao",
         "nbaccel.training.compile_regions:compile_regions_deepspeed",
         "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
         "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
@@ -290,10 +297,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     ),
     "nbaccel.parallelism_config": ("nbaccel.training.parallelism_config",),
     "nbaccel.utils": _UTILS,
-    "nbaccel.utils.ao": (
-        _UNSUPPORTED + ":convert_model_to_fp8_ao,filter_linear_layers,"
-        "filter_first_and_last_linear_layers,find_first_last_linear_layers,has_ao_layers",
-    ),
+    "nbaccel.utils.ao": _AO,
     "nbaccel.utils.bnb": _BNB,
     "nbaccel.utils.constants": _CONSTANTS,
     "nbaccel.utils.dataclasses": _DATACLASSES,

@@ -20,6 +20,9 @@ __all__ = [
     "CPUInformation",
     "are_libraries_initialized",
     "check_cuda_fp8_capability",
+    "check_fp8_launch",
+    "fp8_emulation_requested",
+    "fp8_hardware_problem",
     "check_cuda_p2p_ib_support",
     "check_os_kernel",
     "get_cpu_distributed_information",
@@ -112,6 +115,60 @@ def check_cuda_fp8_capability() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_hardware_problem(device_type: str = "cpu", emulate: bool = False) -> str | None:
+    """Why FP8 matmuls cannot run on ``device_type`` here (None when they can): CUDA needs
+    compute capability 8.9+ (Ada, Hopper, Blackwell); the CPU needs torch's FP8 ``_scaled_mm``
+    kernel (torch >= 2.13). ``emulate`` (torchao's emulation) runs anywhere."""
+    import torch
+
+    if emulate:
+        return None
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) >= (8, 9):
+            return None
+        name = torch.cuda.get_device_name()
+        return (
+            f"FP8 training needs an NVIDIA GPU of compute capability 8.9 or higher (L4, L40, "
+            f"RTX 40xx, H100, B200); this one is {name} (sm_{major}{minor}). Pass "
+            "AORecipeKwargs(emulate=True) (or set NBACCEL_FP8_EMULATE=1 before launching) to "
+            "emulate FP8 (slower, for testing), or train in bf16."
+        )
+    if device_type == "cpu":
+        try:
+            one = torch.ones((16, 16)).to(torch.float8_e4m3fn)
+            scale = torch.tensor(1.0)
+            torch._scaled_mm(one, one.t(), scale, scale, out_dtype=torch.bfloat16)
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            return (
+                f"This torch ({torch.__version__}) has no FP8 matmul on the CPU (torch >= 2.13 "
+                "has one). Upgrade torch, or pass AORecipeKwargs(emulate=True)."
+            )
+        return None
+    return (
+        f"FP8 training is not available on {device_type!r} devices: use a CUDA GPU of compute "
+        "capability 8.9+ or the CPU, or pass AORecipeKwargs(emulate=True)."
+    )
+
+
+def fp8_emulation_requested() -> bool:
+    """Whether ``NBACCEL_FP8_EMULATE`` asks torchao to emulate FP8 (the launch check and
+    ``AORecipeKwargs``'s default both read it)."""
+    return os.environ.get("NBACCEL_FP8_EMULATE", "").lower() in ("1", "true", "yes", "on")
+
+
+def check_fp8_launch(mixed_precision: str, cpu: bool) -> None:
+    """Before any rank starts: refuse ``mixed_precision="fp8"`` on GPU ranks whose GPU has no
+    FP8 matmul (compute capability below 8.9), unless emulation is asked for."""
+    if str(mixed_precision).lower() != "fp8" or cpu:
+        return
+    problem = fp8_hardware_problem("cuda", fp8_emulation_requested())
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def check_os_kernel() -> None:

@@ -1,9 +1,10 @@
 """Is X available here? Package probes (``importlib.util.find_spec``: nothing heavy is imported),
 device probes (torch's own ``is_available``), and version comparisons.
 
-Stacks nbaccel does not drive (Megatron-LM, Transformer Engine, MS-AMP, torchao FP8,
-bitsandbytes quantisation, PiPPy) report ``False`` even when their package is installed, so code
-that branches on them takes its plain-PyTorch path instead of reaching a NotImplementedError.
+Stacks nbaccel does not drive (Megatron-LM, MS-AMP, PiPPy) report ``False`` even when their
+package is installed, so code that branches on them takes its plain-PyTorch path instead of
+reaching a NotImplementedError. bitsandbytes, torchao and FP8 report what is installed (quantized
+loading and FP8 training use them).
 """
 
 from __future__ import annotations
@@ -127,11 +128,6 @@ is_megatron_lm_available = _never(_NOT_DRIVEN)
 is_msamp_available = _never(_NOT_DRIVEN)
 is_transformer_engine_available = _never(_NOT_DRIVEN)
 is_transformer_engine_mxfp8_available = _never(_NOT_DRIVEN)
-is_torchao_available = _never(_NOT_DRIVEN)
-is_fp8_available = _never("nbaccel has no FP8 training path")
-is_4bit_bnb_available = _never(_NOT_DRIVEN)
-is_8bit_bnb_available = _never(_NOT_DRIVEN)
-is_bitsandbytes_multi_backend_available = _never(_NOT_DRIVEN)
 is_habana_gaudi1 = _never("Gaudi is not a device nbaccel drives")
 
 
@@ -143,8 +139,37 @@ def is_pippy_available() -> bool:
 
 
 def is_bnb_available(min_version: str | None = None) -> bool:
-    """Always False: nbaccel does not quantise with bitsandbytes."""
-    return False
+    """True when bitsandbytes (>= ``min_version`` when given) is installed (not imported)."""
+    found = _version_of("bitsandbytes") if _installed("bitsandbytes") else None
+    return found is not None and (min_version is None or found >= parse(min_version))
+
+
+def is_8bit_bnb_available() -> bool:
+    """True when bitsandbytes can load 8-bit layers here (>= 0.46: CPU and CUDA backends)."""
+    return is_bnb_available("0.46.0")
+
+
+def is_4bit_bnb_available() -> bool:
+    """True when bitsandbytes can load 4-bit layers here (>= 0.46: CPU and CUDA backends)."""
+    return is_bnb_available("0.46.0")
+
+
+def is_bitsandbytes_multi_backend_available() -> bool:
+    """True when bitsandbytes has backends beyond CUDA (its CPU backend, >= 0.46)."""
+    return is_bnb_available("0.46.0")
+
+
+def is_torchao_available() -> bool:
+    """True when torchao (>= 0.10, Float8 training and weight-only quantization) is installed."""
+    found = _version_of("torchao") if _installed("torchao") else None
+    return found is not None and found >= parse("0.10.0")
+
+
+def is_fp8_available() -> bool:
+    """True when FP8 training can run here: torchao or Transformer Engine is installed (FP8
+    matmuls run on CPUs with torch >= 2.13's kernels, GPUs of compute capability >= 8.9, or
+    emulated)."""
+    return is_torchao_available() or _installed("transformer_engine")
 
 
 def is_numpy_available(min_version: str = "1.25.0") -> bool:
@@ -268,6 +293,18 @@ def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-torchao_required = _refuse_stack("torchao")
+def torchao_required(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: ``func`` raises ImportError naming the extra when torchao is not installed."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not is_torchao_available():
+            raise ImportError(
+                f"{func.__name__} needs torchao >= 0.10: pip install 'nbaccel[torchao]'."
+            )
+        return func(*args, **kwargs)
+
+    return wrapper
+
 
 __all__ += sorted(n for n in dir() if n.startswith("is_") and n.endswith(("available", "gaudi1")))

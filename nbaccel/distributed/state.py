@@ -34,7 +34,7 @@ __all__ = [
     "PartialState",
 ]
 
-MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
+MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 
 
 class DistributedType(str, Enum):

@@ -116,7 +116,7 @@ _DEVICE_MARKERS: dict[str, tuple[Callable[[], bool], str]] = {
     "require_multi_gpu_or_xpu": (lambda: torch.cuda.device_count() > 1 or _multi("xpu"), "test requires several CUDA GPUs or XPUs"),
     "require_fp16": (lambda: torch_device != "cpu" or probes.is_torch_version(">=", "2.3"), "test requires fp16 support"),
     "require_bf16": (probes.is_bf16_available, "test requires bf16 support"),
-    "require_fp8": (probes.is_fp8_available, "test requires FP8 (not driven by nbaccel)"),
+    "require_fp8": (probes.is_fp8_available, "test requires FP8 (torchao or Transformer Engine)"),
     "require_fsdp2": (lambda: probes.is_torch_version(">=", "2.6.0"), "test requires torch >= 2.6 (FSDP2)"),
     "require_fsdp": (lambda: probes.is_torch_version(">=", "2.1.0"), "test requires FSDP"),
     "require_tp": (lambda: False, "test requires tensor parallelism (not driven by nbaccel)"),

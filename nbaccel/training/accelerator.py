@@ -34,10 +34,10 @@ from nbaccel.training.configuration import (
     accumulation_plugin,
 )
 from nbaccel.training.delegate import Delegate, DelegatedAttribute
+from nbaccel.training.fp8.recipes import AORecipeKwargs, TERecipeKwargs
 from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
-    GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     ProfileKwargs,
@@ -45,14 +45,13 @@ from nbaccel.training.kwargs_handlers import (
 )
 from nbaccel.training.model_files import save_model_files, save_object
 from nbaccel.training.optimizer import AcceleratedOptimizer
-from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.precision_select import select_precision
 from nbaccel.training.preparation import (
     check_parallelism,
     dynamo_options,
     has_device_map,
     mark_prepared,
     refuse_offloaded_quantized,
-    unsupported,
 )
 from nbaccel.training.process_control import ProcessControl
 from nbaccel.training.scheduler import AcceleratedScheduler
@@ -98,9 +97,7 @@ class Accelerator(AcceleratorNamesMixin):
     ) -> None:
         deepspeed_plugin = requested_plugins(deepspeed_plugin, deepspeed_plugins, fsdp_plugin)
         mixed_precision = str(getattr(mixed_precision, "value", mixed_precision) or "") or None
-        if (mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION", "")).lower() == "fp8":
-            raise unsupported("mixed_precision='fp8'")
-        self.handlers = sort_handlers(kwargs_handlers or [])
+        self.handlers = sort_handlers(kwargs_handlers or [], (AORecipeKwargs, TERecipeKwargs))
         group = self.handlers.get(InitProcessGroupKwargs)
         group_options = {} if group is None else group.to_kwargs()
         group_options.pop("init_method", None)
@@ -129,11 +126,8 @@ class Accelerator(AcceleratorNamesMixin):
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
         self.dynamo_backend = dynamo_backend or os.environ.get("NBACCEL_DYNAMO_BACKEND")
         self.dynamo_plugin = dynamo_plugin
-        self.precision = PrecisionPolicy(
-            self.state.mixed_precision,
-            self.device.type,
-            self.handlers.get(AutocastKwargs),
-            self.handlers.get(GradScalerKwargs),
+        self.precision = select_precision(
+            self.state.mixed_precision, self.device.type, self.handlers
         )
         self.strategy = select_strategy(
             self.state,

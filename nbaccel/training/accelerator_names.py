@@ -1,5 +1,5 @@
 """The descriptive attributes of Accelerate's ``Accelerator`` that scripts read: the kwargs
-handlers by role, FP8/LOMO/DeepSpeed flags (off: nbaccel refuses those stacks at construction),
+handlers by role, the FP8 recipe and backend, LOMO/DeepSpeed flags (off: refused at construction),
 the parallel ranks, the device mesh. Mixed into :class:`nbaccel.Accelerator`, which keeps its
 handlers in ``self.handlers`` (type -> handler).
 """
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from nbaccel.distributed.state import DistributedType
+from nbaccel.training.fp8.recipes import AORecipeKwargs, TERecipeKwargs
 from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -51,15 +52,30 @@ class AcceleratorNamesMixin:
     scaler_handler = _handler(GradScalerKwargs)
     init_handler = _handler(InitProcessGroupKwargs)
     autocast_handler = _handler(AutocastKwargs)
-    # FP8 recipes and LOMO are refused when asked for, so they are never set here
-    fp8_recipe_handler = _off(doc="FP8 recipe handler (FP8 is refused: always None).")
-    te_recipe_handler = _off(doc="Transformer Engine recipe handler (always None).")
-    ao_recipe_handler = _off(doc="torchao recipe handler (always None).")
-    msamp_recipe_handler = _off(doc="MS-AMP recipe handler (always None).")
-    has_fp8_handler = _off(False, "Whether an FP8 recipe handler was passed (never).")
-    fp8_enabled = _off(False, "Whether FP8 training is on (never).")
-    delayed_fp8_autocast = _off(False, "Delayed FP8 autocast (never).")
-    fp8_backend = _off(None, "The FP8 backend (None: FP8 is not trained by nbaccel).")
+    # FP8: the recipe the precision policy trains with; MS-AMP, LOMO and DeepSpeed are refused
+    fp8_recipe_handler = property(
+        lambda self: getattr(self.precision, "recipe", None), doc="The FP8 recipe in use."
+    )
+    te_recipe_handler = _handler(TERecipeKwargs)
+    ao_recipe_handler = _handler(AORecipeKwargs)
+    msamp_recipe_handler = _off(doc="MS-AMP recipe handler (MS-AMP is refused: always None).")
+    has_fp8_handler = property(
+        lambda self: any(k in self.handlers for k in (AORecipeKwargs, TERecipeKwargs)),
+        doc="Whether an FP8 recipe handler was passed.",
+    )
+    fp8_enabled = property(
+        lambda self: self.state.mixed_precision == "fp8", doc="Whether FP8 training is on."
+    )
+    delayed_fp8_autocast = _off(False, "Delayed FP8 autocast (not used: FP8 is set up in prepare).")
+
+    @property
+    def fp8_backend(self) -> Any:
+        """The FP8 backend (``FP8BackendType.AO`` or ``.TE``; None without FP8)."""
+        from nbaccel.training.unsupported_stacks import FP8BackendType
+
+        backend = getattr(self.precision, "backend", None) if self.fp8_enabled else None
+        return FP8BackendType(backend) if backend else None
+
     has_lomo_optimizer = _off(False, "Whether a LOMO optimizer was prepared (never).")
     deepspeed_plugin = property(
         lambda self: self.state.deepspeed_plugin,

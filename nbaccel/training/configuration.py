@@ -24,11 +24,12 @@ __all__ = [
 
 
 class PrecisionType(str, Enum):
-    """Mixed-precision modes nbaccel supports (``fp8`` is refused by ``Accelerator``)."""
+    """Mixed-precision modes nbaccel supports (``fp8``: torchao or Transformer Engine layers)."""
 
     NO = "no"
     FP16 = "fp16"
     BF16 = "bf16"
+    FP8 = "fp8"
 
 
 class RNGType(str, Enum):

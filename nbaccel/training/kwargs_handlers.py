@@ -194,15 +194,19 @@ _HANDLERS = (
 )
 
 
-def sort_handlers(handlers: list[KwargsHandler]) -> dict[type, KwargsHandler]:
-    """``kwargs_handlers`` by kind, refusing an unknown kind or two of one kind."""
+def sort_handlers(
+    handlers: list[KwargsHandler], extra_kinds: tuple[type, ...] = ()
+) -> dict[type, KwargsHandler]:
+    """``kwargs_handlers`` by kind (these and ``extra_kinds``, e.g. the FP8 recipes), refusing
+    an unknown kind or two of one kind."""
     found: dict[type, KwargsHandler] = {}
+    kinds = (*_HANDLERS, *extra_kinds)
     for handler in handlers:
-        kind = next((k for k in _HANDLERS if isinstance(handler, k)), None)
+        kind = next((k for k in kinds if isinstance(handler, k)), None)
         if kind is None:
             raise TypeError(
                 f"Unsupported kwargs handler {type(handler).__name__}; nbaccel takes "
-                f"{[k.__name__ for k in _HANDLERS]}."
+                f"{[k.__name__ for k in kinds]}."
             )
         if kind in found:
             raise ValueError(f"Only one {kind.__name__} may be passed in kwargs_handlers.")

@@ -29,7 +29,7 @@ def unsupported(what: str) -> NotImplementedError:
         "DeepSpeedPlugin(...)), tensor/hybrid/context parallel "
         "(parallelism_config=ParallelismConfig(...)), tensor + pipeline parallel "
         "(megatron_lm_plugin=MegatronLMPlugin(...)), torch-xla, and mixed precision "
-        "'no', 'fp16' or 'bf16'."
+        "'no', 'fp16', 'bf16' or 'fp8'."
     )
 
 

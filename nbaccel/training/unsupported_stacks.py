@@ -1,9 +1,10 @@
 """Names of the stacks nbaccel does not drive, so code that mentions them still imports.
 
-DeepSpeed Ulysses sequence parallelism, Megatron-LM, FP8 recipes (Transformer Engine, MS-AMP,
-torchao) and bitsandbytes quantisation: their classes exist (user code lists them in
-``isinstance`` checks and conditions), their probes say "not available", and constructing or
-calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
+DeepSpeed Ulysses sequence parallelism and Megatron-LM: their classes exist (user code lists
+them in ``isinstance`` checks and conditions), their probes say "not available", and
+constructing or calling one raises ``NotImplementedError`` naming what nbaccel offers instead.
+(FP8 training lives in :mod:`nbaccel.training.fp8`, quantized loading in
+:mod:`nbaccel.bigmodel.quantization`.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ __all__ = [
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
     "FP8BackendType",
     "has_4bit_bnb_layers",
-    "has_ao_layers",
     "has_transformer_engine_layers",
 ]
 
@@ -27,8 +27,7 @@ _INSTEAD = {
     "Megatron-LM": "nbaccel trains with Accelerator(megatron_lm_plugin=MegatronLMPlugin("
     "tp_degree=..., pp_degree=..., num_micro_batches=...)) on torch's engines, with a torch "
     "optimizer and scheduler and the model's causal LM loss (no Megatron-LM install)",
-    "FP8": "use mixed_precision='bf16' or 'fp16'",
-    "bitsandbytes": "load the model in bf16/fp16, or quantise it with your own library first",
+    "FP8": "pass mixed_precision='fp8' (and AORecipeKwargs or TERecipeKwargs) to Accelerator",
     "torch-xla setup": "install torch-xla yourself; nbaccel detects it",
 }
 
@@ -76,19 +75,13 @@ _CLASSES = {
     "AbstractTrainStep "
     "BertTrainStep GPTTrainStep T5TrainStep MegatronEngine MegatronLMOptimizerWrapper "
     "MegatronLMSchedulerWrapper",
-    "FP8": "FP8RecipeKwargs TERecipeKwargs AORecipeKwargs MSAMPRecipeKwargs",
-    "bitsandbytes": "BnbQuantizationConfig",
 }
 _FUNCTIONS = {
     "Megatron-LM": "add_model_config_to_megatron_parser avg_losses_across_data_parallel_group "
     "gather_across_data_parallel_groups finish_mpu_init initialize model_provider_func "
     "prepare_model_optimizer_scheduler prepare_optimizer prepare_scheduler prepare_data_loader "
     "parse_bert_config parse_gpt2_config parse_t5_config parse_llama_config parse_glm4_moe_config",
-    "FP8": "apply_fp8_autowrap contextual_fp8_autocast convert_model convert_model_to_fp8_ao "
-    "filter_first_and_last_linear_layers filter_linear_layers find_first_last_linear_layers "
-    "setup_fp8_env",
-    "bitsandbytes": "load_and_quantize_model replace_with_bnb_layers quantize_and_offload_8bit "
-    "get_keys_to_not_convert get_quantized_model_device_map",
+    "FP8": "setup_fp8_env",
     "torch-xla setup": "install_xla",
 }
 
@@ -107,7 +100,7 @@ MODEL_CONFIGS_TO_MEGATRON_PARSERS: dict[str, Any] = {}
 
 
 class FP8BackendType(str, Enum):
-    """FP8 backends Accelerate knows (names only: nbaccel trains in bf16/fp16)."""
+    """FP8 backends Accelerate knows (nbaccel trains with AO and TE; MS-AMP is refused)."""
 
     NO = "NO"
     TE = "TE"
@@ -122,11 +115,6 @@ def _has_layers_from(model: nn.Module, package: str) -> bool:
 def has_transformer_engine_layers(model: nn.Module) -> bool:
     """True when a Transformer Engine layer is in ``model``."""
     return _has_layers_from(model, "transformer_engine")
-
-
-def has_ao_layers(model: nn.Module) -> bool:
-    """True when a torchao float8 layer is in ``model``."""
-    return any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
 def has_4bit_bnb_layers(model: nn.Module) -> bool:

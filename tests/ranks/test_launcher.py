@@ -164,8 +164,8 @@ def test_bad_input_refused_before_start():
         notebook_launcher(print, (1, {"lock": lock}), num_processes=2, renderer=Recorder())
     with pytest.raises(ValueError, match="num_processes must be a positive integer"):
         notebook_launcher(print, num_processes=0)
-    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp8'.*no, fp16, bf16"):
-        notebook_launcher(print, num_processes=2, mixed_precision="fp8")
+    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp4'.*no, fp16, bf16, fp8"):
+        notebook_launcher(print, num_processes=2, mixed_precision="fp4")
     with pytest.raises(TypeError, match="needs a callable"):
         notebook_launcher("train", num_processes=2)
     with pytest.raises(ValueError, match=r"rdzv_conf=\{'timeout': 5\} is not supported.*use_port"):

@@ -269,8 +269,10 @@ def test_accelerator_state_mixed_precision(single: PartialState) -> None:
     with pytest.raises(ValueError, match="already set up with mixed_precision='bf16'"):
         AcceleratorState(mixed_precision="fp16")
     AcceleratorState._reset_state()
-    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp8'"):
-        AcceleratorState(mixed_precision="fp8")
+    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp4'"):
+        AcceleratorState(mixed_precision="fp4")
+    assert AcceleratorState(mixed_precision="fp8").mixed_precision == "fp8"  # torchao / TE
+    AcceleratorState._reset_state()
 
 
 def test_accelerator_state_reads_mixed_precision_env(

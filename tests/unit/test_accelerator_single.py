@@ -15,14 +15,17 @@ from nbaccel import (
     find_executable_batch_size,
 )
 from nbaccel.storage.weights import load_model_weights
+from nbaccel.training.fp8.recipes import FP8RecipeKwargs
 from nbaccel.values.sizes import parse_size
 
 
 def test_unsupported_backends_are_refused_clearly():
     with pytest.raises(TypeError, match="DeepSpeedPlugin objects"):
         Accelerator(deepspeed_plugin=object())
-    with pytest.raises(NotImplementedError, match="fp8.*'no', 'fp16' or 'bf16'"):
-        Accelerator(mixed_precision="fp8")
+    with pytest.raises(ValueError, match="MS-AMP is not supported"):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="msamp")])
+    with pytest.raises(ValueError, match="Unknown mixed_precision 'fp4'"):
+        Accelerator(mixed_precision="fp4")
 
 
 def test_bad_configuration_is_refused_clearly():

@@ -11,7 +11,7 @@ from nbaccel.commands.parser import command_parser
 
 __all__ = ["default_command_parser", "default_config_command", "write_basic_config"]
 
-_PRECISIONS = ("no", "fp16", "bf16")  # fp8 is refused by nbaccel's Accelerator
+_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
 
 def write_basic_config(
@@ -34,8 +34,7 @@ def write_basic_config(
     precision = str(mixed_precision).lower()
     if precision not in _PRECISIONS:
         raise ValueError(
-            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, not {mixed_precision!r} "
-            "(nbaccel does not run fp8)."
+            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, not {mixed_precision!r}."
         )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     config = ClusterConfig(

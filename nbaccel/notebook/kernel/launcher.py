@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
+from nbaccel.distributed.host_info import check_fp8_launch
 from nbaccel.launch.driver.child_failed import as_child_failed
 from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.plan import LaunchPlan, check_call
@@ -107,6 +108,7 @@ def launch_request(
     worker hooks (tqdm bridge, memory sampler) and the modules the fork server preloads.
     """
     __tracebackhide__ = True
+    check_fp8_launch(request.mixed_precision, request.cpu)  # before any rank starts
     if not callable(function):
         raise TypeError(
             f"notebook_launcher needs a callable to run on each rank, got "

@@ -66,6 +66,45 @@ def _resolve_map(
     return dict(get_device_map(model, device_map, max_memory, no_split, dtype=dtype))
 
 
+_QUANTIZED_LABELS = {"Int8Params": "int8", "Int8Tensor": "int8 (torchao)"}
+
+
+def _dtype_label(tensor: Any) -> str:
+    """What a tensor holds: ``nf4``/``fp4`` (bitsandbytes 4-bit), ``int8``, or its dtype."""
+    kind = type(tensor).__name__
+    if kind == "Params4bit":
+        return f"4-bit {getattr(tensor, 'quant_type', '')}".strip()
+    if kind in _QUANTIZED_LABELS:
+        return _QUANTIZED_LABELS[kind]
+    if "Int4" in kind:
+        return "int4 (torchao)"
+    return str(tensor.dtype).replace("torch.", "")
+
+
+def _stored_bytes(tensor: Any) -> int:
+    parts = getattr(tensor, "__tensor_flatten__", None)
+    if parts is not None and type(tensor).__module__.startswith("torchao"):
+        names = parts()[0]
+        return sum(getattr(tensor, n).numel() * getattr(tensor, n).element_size() for n in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def _dtype_bytes(model: nn.Module, device_map: Mapping[str, Any]) -> dict[Any, dict[str, int]]:
+    """device -> {what its tensors hold: bytes}, quantized formats named (nf4, int8, ...)."""
+    from nbaccel.bigmodel.device_map import _lookup
+
+    out: dict[Any, dict[str, int]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        try:
+            device = _lookup(name, device_map)
+        except KeyError:
+            continue
+        per = out.setdefault(device, {})
+        label = _dtype_label(tensor)
+        per[label] = per.get(label, 0) + _stored_bytes(tensor)
+    return out
+
+
 def _capacities(devices: list[Any], budgets: Mapping[Any, int]) -> dict[Any, int | None]:
     return {d: budgets.get(d) if d != "disk" or "disk" in budgets else None for d in devices}
 
@@ -92,7 +131,14 @@ class DeviceMapView:
             self.entries.setdefault(device, []).append((name, self.sizes.get(name, 0)))
         self.devices = sorted(self.entries, key=_device_order)
         self.capacity = _capacities(self.devices, budgets)
+        self.quantized = bool(getattr(model, "is_quantized", False))
+        self.dtypes = _dtype_bytes(model, self.device_map) if self.quantized else {}
         self._skip_display = False
+
+    def dtype_text(self, device: Any) -> str:
+        """``int8 12.0 MB, float32 3.2 MB``: what a quantized model keeps on ``device``."""
+        per = sorted(self.dtypes.get(device, {}).items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{label} {human_bytes(size)}" for label, size in per)
 
     # ------------------------------------------------------------------ numbers
     def used(self, device: Any) -> int:
@@ -121,6 +167,8 @@ class DeviceMapView:
             bar = "#" * min(width, filled) + "." * max(0, width - filled)
             of = f" / {human_bytes(cap)}" if cap else ""
             lines.append(f"  {_label(device):>7} [{bar}] {human_bytes(used)}{of}")
+            if self.dtypes.get(device):
+                lines.append(f"{'':12}holds: {self.dtype_text(device)}")
             for name, size in self.entries[device]:
                 if size or len(self.entries[device]) == 1:
                     lines.append(f"{'':12}{name or '(whole model)'}: {human_bytes(size)}")
@@ -147,6 +195,12 @@ class DeviceMapView:
             '<div class="nbaccel-device-bar" style="flex:1;display:flex;height:16px;'
             f'background:#eee;border-radius:3px;overflow:hidden">{segments}</div>'
             f'<div style="width:16em;padding-left:8px">{human_bytes(used)}{of}</div></div>'
+            + (
+                f'<div class="nbaccel-device-dtypes" style="margin-left:5.5em;color:#555">'
+                f"holds: {html.escape(self.dtype_text(device))}</div>"
+                if self.dtypes.get(device)
+                else ""
+            )
         )
 
     def _tree_html(self) -> str:
