@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from nbaccel.data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from nbaccel.distributed.state import AcceleratorState, GradientState
-from nbaccel.training.accelerator_names import AcceleratorNamesMixin
+from nbaccel.training.accelerator_attributes import AcceleratorAttributes
 from nbaccel.training.batch_size import release_memory
 from nbaccel.training.checkpoint import Checkpointables
 from nbaccel.training.checkpointing import Checkpointing
@@ -63,7 +63,7 @@ from nbaccel.training.trackers import TrackerSet
 __all__ = ["Accelerator"]
 
 
-class Accelerator(AcceleratorNamesMixin):
+class Accelerator(AcceleratorAttributes):
     """Distributed training, mixed precision and checkpointing with Accelerate's public API.
 
     Create one per training run (every process runs the same code), ``prepare`` the model(s),
@@ -175,6 +175,7 @@ class Accelerator(AcceleratorNamesMixin):
     end_training = Delegate("_control", ProcessControl.end_training)
     profile = Delegate("_control", ProcessControl.profile)
     flag_tensor = DelegatedAttribute("_control", "flag_tensor")
+    log_with = property(lambda self: list(self._trackers.wanted), doc="The trackers asked for.")
     register_for_checkpointing = Delegate("_checkpoints", Checkpointing.register_for_checkpointing)
     register_save_state_pre_hook = Delegate("_checkpoints", Checkpointing.register_save_hook)
     register_load_state_pre_hook = Delegate("_checkpoints", Checkpointing.register_load_hook)

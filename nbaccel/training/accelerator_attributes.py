@@ -1,7 +1,8 @@
 """The descriptive attributes of Accelerate's ``Accelerator`` that scripts read: the kwargs
-handlers by role, the FP8 recipe and backend, LOMO/DeepSpeed flags (off: refused at construction),
-the parallel ranks, the device mesh. Mixed into :class:`nbaccel.Accelerator`, which keeps its
-handlers in ``self.handlers`` (type -> handler).
+handlers by role, the FP8 recipe and backend, DeepSpeed's plugin and engine, the parallel ranks,
+the device mesh. Each is read-only and derived from the Accelerator's public parts (``handlers``,
+``state``, ``strategy``, ``precision``, ``parallelism_config``, ``dataloader_config``): the base
+class :class:`AcceleratorAttributes` holds no state of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nbaccel.training.kwargs_handlers import (
     InitProcessGroupKwargs,
 )
 
-__all__ = ["AcceleratorNamesMixin"]
+__all__ = ["AcceleratorAttributes"]
 
 
 def _handler(kind: type) -> property:
@@ -42,11 +43,9 @@ def _mesh_rank(enabled: str, axis: str, what: str) -> property:
     return property(rank, doc=f"This process's rank along the {axis!r} axis (0 when off).")
 
 
-class AcceleratorNamesMixin:
-    """Accelerate's descriptive ``Accelerator`` attributes over nbaccel's own state."""
-
-    handlers: dict[type, Any]
-    parallelism_config: Any
+class AcceleratorAttributes:
+    """Accelerate's descriptive ``Accelerator`` attributes, computed from the public parts the
+    :class:`~nbaccel.Accelerator` builds in its constructor."""
 
     ddp_handler = _handler(DistributedDataParallelKwargs)
     scaler_handler = _handler(GradScalerKwargs)
@@ -104,11 +103,6 @@ class AcceleratorNamesMixin:
     def native_amp(self) -> bool:
         """Whether torch.amp mixed precision (fp16/bf16) is on."""
         return str(self.state.mixed_precision) in ("fp16", "bf16")
-
-    @property
-    def log_with(self) -> list[Any]:
-        """The trackers asked for (``log_with``, the available ones)."""
-        return list(self._trackers.wanted)
 
     @property
     def multi_device(self) -> bool:
