@@ -22,6 +22,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
+from nbaccel.distributed.host_info import check_fp8_launch
 from nbaccel.launch.launchers.forkserver import warm_up
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, add_to_message
@@ -169,6 +170,7 @@ class DistributedMagics(Magics):
                 "%%distributed is a cell magic: put it (with two %) on the first line of a cell."
             )
         args, request, names = options
+        check_fp8_launch(request.mixed_precision, request.cpu)  # before a pool starts or runs
         push = self._notebook_values(names)
         filename = self._register_source(line, cell)
         self._check_syntax(cell, filename)
