@@ -19,24 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from faults import FIRST_LAUNCH_CELLS, FIRST_LAUNCH_NAMED
 from kernel import cell_text, run_notebook
-
-_FUNCTION = """
-def exits_while_peer_waits():
-    import os
-    import torch.distributed as dist
-    from nbaccel import PartialState
-    if PartialState().process_index == 1:
-        os._exit(3)
-    dist.barrier()
-"""
-_LAUNCH = """
-try:
-    notebook_launcher(exits_while_peer_waits, num_processes=2)
-except Exception as exc:
-    print("RAISED", type(exc).__name__, exc)
-"""
-EXPECTED = "RAISED RankCrashed rank 1 exited with code 3 before returning a result"
 
 
 def main() -> int:
@@ -46,9 +30,9 @@ def main() -> int:
     named = 0
     for index in range(args.kernels):
         started = time.monotonic()
-        nb = run_notebook(["from nbaccel import notebook_launcher", _FUNCTION, _LAUNCH])
+        nb = run_notebook(FIRST_LAUNCH_CELLS)
         raised = [line for line in cell_text(nb.cells[2]).splitlines() if "RAISED" in line]
-        ok = raised == [EXPECTED]
+        ok = raised == [FIRST_LAUNCH_NAMED]
         named += ok
         shown = raised[0][:120] if raised else "(nothing raised)"
         print(f"kernel {index + 1:3d}: {time.monotonic() - started:5.1f} s  {shown}", flush=True)

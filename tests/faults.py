@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-__all__ = ["FAULTS", "succeed"]
+__all__ = ["FAULTS", "FIRST_LAUNCH_CELLS", "FIRST_LAUNCH_NAMED", "succeed"]
 
 
 def _rank() -> int:
@@ -97,3 +97,29 @@ FAULTS = {
     ),
     "hangs (timeout=1)": (hangs, "LaunchTimeout", "exceeded timeout=1"),
 }
+
+
+#: Notebook cells of a fresh kernel's first launch whose rank 1 exits with code 3 while rank 0
+#: waits in a barrier (rank 0 sees its peer vanish before rank 1's exit status reaches the
+#: notebook); the last cell prints ``RAISED <type> <message>``. Used by
+#: tests/kernel/test_first_launch.py and benchmarks/first_launch_stress.py.
+FIRST_LAUNCH_CELLS = [
+    "from nbaccel import notebook_launcher",
+    """
+def exits_while_peer_waits():
+    import os
+    import torch.distributed as dist
+    from nbaccel import PartialState
+    if PartialState().process_index == 1:
+        os._exit(3)
+    dist.barrier()
+""",
+    """
+try:
+    notebook_launcher(exits_while_peer_waits, num_processes=2)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, exc)
+""",
+]
+#: what the last of FIRST_LAUNCH_CELLS prints when the rank that exited is named
+FIRST_LAUNCH_NAMED = "RAISED RankCrashed rank 1 exited with code 3 before returning a result"

@@ -3,24 +3,8 @@ notebook's NumPy random state could not be restored (real kernels, real ranks)."
 
 from __future__ import annotations
 
+from faults import FIRST_LAUNCH_CELLS, FIRST_LAUNCH_NAMED
 from kernel import cell_text, run_notebook
-
-_EXITS_WHILE_PEER_WAITS = """
-def exits_while_peer_waits():
-    import os
-    import torch.distributed as dist
-    from nbaccel import PartialState
-    if PartialState().process_index == 1:
-        os._exit(3)
-    dist.barrier()
-"""
-
-_LAUNCH = """
-try:
-    notebook_launcher(exits_while_peer_waits, num_processes=2)
-except Exception as exc:
-    print("RAISED", type(exc).__name__, exc)
-"""
 
 
 def test_a_fresh_kernels_first_launch_names_the_rank_that_exited():
@@ -28,14 +12,9 @@ def test_a_fresh_kernels_first_launch_names_the_rank_that_exited():
     # by peer") before the exited rank's status reaches the notebook: its echo must not be
     # taken for the cause. Each kernel is fresh: its first launch is the one that raced.
     for attempt in range(4):
-        nb = run_notebook(
-            ["from nbaccel import notebook_launcher", _EXITS_WHILE_PEER_WAITS, _LAUNCH],
-            timeout=120,
-        )
+        nb = run_notebook(FIRST_LAUNCH_CELLS, timeout=120)
         raised = [line for line in cell_text(nb.cells[2]).splitlines() if "RAISED" in line]
-        assert raised == [
-            "RAISED RankCrashed rank 1 exited with code 3 before returning a result"
-        ], (
+        assert raised == [FIRST_LAUNCH_NAMED], (
             attempt,
             cell_text(nb.cells[2]),
         )
