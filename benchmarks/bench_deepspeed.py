@@ -95,7 +95,7 @@ def _prepared(variant: str, model, optimizer, data):
             optimizer.zero_grad()
 
         return model, optimizer, loader, step, dist.get_rank()
-    from nbaccel.training.strategies.deepspeed_runtime import import_deepspeed
+    from nbaccel.training.strategies.deepspeed.runtime import import_deepspeed
 
     import_deepspeed("cpu")  # the same DeepSpeed set-up for both paths (no shm op build)
     if kind == "nbaccel":

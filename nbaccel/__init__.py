@@ -40,23 +40,23 @@ from nbaccel.launch.wire.unpicklable import UnpicklableError
 from nbaccel.notebook import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
-from nbaccel.training.accelerator import Accelerator
-from nbaccel.training.batch_size import find_executable_batch_size
-from nbaccel.training.configuration import (
+from nbaccel.training.accelerator.core import Accelerator
+from nbaccel.training.config.configuration import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
 )
-from nbaccel.training.kwargs_handlers import (
+from nbaccel.training.config.kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
 )
-from nbaccel.training.local_sgd import LocalSGD
-from nbaccel.training.strategies.deepspeed_plugin import DeepSpeedPlugin
-from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.step.batch_size import find_executable_batch_size
+from nbaccel.training.step.local_sgd import LocalSGD
+from nbaccel.training.strategies.deepspeed.plugin import DeepSpeedPlugin
+from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.training_memory import gather_training_memory, training_memory
 
 __version__ = "0.1.0"

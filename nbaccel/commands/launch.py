@@ -309,7 +309,7 @@ def _launch(args: argparse.Namespace) -> int:
     world = (args.num_processes or 1) > 1 or args.num_machines > 1
     env = prepare_multi_gpu_env(args) if world else prepare_simple_launcher_cmd_env(args)[1]
     if args.use_deepspeed:  # checked here (the config file too), before any rank starts
-        from nbaccel.training.strategies.deepspeed_launch import deepspeed_environment
+        from nbaccel.training.strategies.deepspeed.launch import deepspeed_environment
 
         env.update(deepspeed_environment(args, args.num_processes))
     request = _request(args, per_machine, int(args.master_port) if world else None)

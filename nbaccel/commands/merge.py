@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def merge_command(args: argparse.Namespace) -> str:
     """Merge; return the written file's path."""
-    from nbaccel.training.strategies.fsdp_checkpoint import merge_fsdp_weights
+    from nbaccel.training.strategies.fsdp.checkpoint import merge_fsdp_weights
 
     return merge_fsdp_weights(
         args.checkpoint_directory,

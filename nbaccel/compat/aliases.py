@@ -16,10 +16,10 @@ _OPS = (
     "nbaccel.distributed.collectives",
     "nbaccel.distributed.structures",
     "nbaccel.distributed.operation_checks",
-    "nbaccel.training.precision:convert_outputs_to_fp32,convert_to_fp32",
-    "nbaccel.training.precision_contexts:ConvertOutputsToFp32",
+    "nbaccel.training.precision.policy:convert_outputs_to_fp32,convert_to_fp32",
+    "nbaccel.training.precision.contexts:ConvertOutputsToFp32",
     "nbaccel.bigmodel.placement:find_device",
-    "nbaccel.training.strategies.deepspeed_wrappers:GatheredParameters",
+    "nbaccel.training.strategies.deepspeed.wrappers:GatheredParameters",
 )
 _MODELING = (
     "nbaccel.bigmodel.align_devices_hook:align_module_device,has_offloaded_params",
@@ -35,11 +35,11 @@ _MODELING = (
     "load_state_dict",
     "nbaccel.bigmodel.layerwise_casting:SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "nbaccel.storage.serialization:id_tensor_storage",
-    "nbaccel.training.run_options:CustomDtype",
-    "nbaccel.training.precision_contexts:get_grad_scaler,get_mixed_precision_context_manager",
-    "nbaccel.training.unsupported_stacks:has_4bit_bnb_layers",
+    "nbaccel.training.config.run_options:CustomDtype",
+    "nbaccel.training.precision.contexts:get_grad_scaler,get_mixed_precision_context_manager",
+    "nbaccel.training.config.unsupported_stacks:has_4bit_bnb_layers",
     "nbaccel.distributed.device_cache",
-    "nbaccel.training.model_inspection:is_peft_model",
+    "nbaccel.training.strategies.model_inspection:is_peft_model",
     "nbaccel.bigmodel.weight_files:load_offloaded_weight,offload_weight",
     "nbaccel.bigmodel.offload:load_offloaded_weights,save_offload_index",
     "nbaccel.storage.weights:SAFE_WEIGHTS_NAME,WEIGHTS_INDEX_NAME,WEIGHTS_NAME",
@@ -51,21 +51,21 @@ _OFFLOAD = (
 )
 _DATACLASSES = (
     _STATE + ":DistributedType",
-    "nbaccel.training.configuration",
-    "nbaccel.training.kwargs_handlers",
-    "nbaccel.training.strategies.fsdp_plugin:FullyShardedDataParallelPlugin",
-    "nbaccel.training.trackers:LoggerType",
-    "nbaccel.training.run_options",
-    "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin",
-    "nbaccel.training.unsupported_stacks:DeepSpeedSequenceParallelConfig,FP8BackendType,"
+    "nbaccel.training.config.configuration",
+    "nbaccel.training.config.kwargs_handlers",
+    "nbaccel.training.strategies.fsdp.plugin:FullyShardedDataParallelPlugin",
+    "nbaccel.training.tracking.trackers:LoggerType",
+    "nbaccel.training.config.run_options",
+    "nbaccel.training.strategies.deepspeed.plugin:DeepSpeedPlugin",
+    "nbaccel.training.config.unsupported_stacks:DeepSpeedSequenceParallelConfig,FP8BackendType,"
     "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
-    "nbaccel.training.fp8.recipes:FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs",
+    "nbaccel.training.precision.fp8.recipes:FP8RecipeKwargs,TERecipeKwargs,AORecipeKwargs,MSAMPRecipeKwargs",
     "nbaccel.bigmodel.quantization.config:BnbQuantizationConfig,TorchAoConfig",
-    "nbaccel.training.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
-    "nbaccel.training.strategies.tensor_parallel:TorchTensorParallelPlugin",
-    "nbaccel.training.strategies.megatron:MegatronLMPlugin",
+    "nbaccel.training.config.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
+    "nbaccel.training.strategies.model_parallel.tensor_parallel:TorchTensorParallelPlugin",
+    "nbaccel.training.strategies.model_parallel.megatron:MegatronLMPlugin",
     "nbaccel.distributed.structures:TensorInformation",
-    "nbaccel.training.model_inspection:get_module_class_from_name",
+    "nbaccel.training.strategies.model_inspection:get_module_class_from_name",
 )
 _ENVIRONMENT = (
     "nbaccel.distributed.environment_patch",
@@ -75,17 +75,17 @@ _ENVIRONMENT = (
 _IMPORTS = ("nbaccel.distributed.probes", "nbaccel.distributed.environment:is_torch_xla_available")
 _OTHER = (
     "nbaccel.storage.serialization",
-    "nbaccel.training.compile_regions",
+    "nbaccel.training.step.compile_regions",
     "nbaccel.training.strategies.ddp:extract_model_from_parallel",
-    "nbaccel.training.strategies.fsdp_checkpoint:merge_fsdp_weights",
+    "nbaccel.training.strategies.fsdp.checkpoint:merge_fsdp_weights",
     "nbaccel.distributed.operation_checks:wait_for_everyone",
     "nbaccel.distributed.host_info:check_os_kernel",
     "nbaccel.distributed.environment_patch:convert_dict_to_env_variables",
     "nbaccel.training.constants:FSDP_PYTORCH_VERSION",
-    "nbaccel.training.compile_regions:compile_regions_deepspeed",
+    "nbaccel.training.step.compile_regions:compile_regions_deepspeed",
     "nbaccel.launch.host.ports:get_free_port=free_port,is_port_in_use",
-    "nbaccel.training.model_inspection:convert_bytes,recursive_getattr",
-    "nbaccel.training.run_options:get_pretty_name,merge_dicts",
+    "nbaccel.training.strategies.model_inspection:convert_bytes,recursive_getattr",
+    "nbaccel.training.config.run_options:get_pretty_name,merge_dicts",
     "nbaccel.commands.config.default:write_basic_config",
     "nbaccel.distributed.probes:is_torch_version,is_weights_only_available,is_deepspeed_available",
 )
@@ -95,14 +95,14 @@ _RANDOM = (
     "nbaccel.distributed.probes:is_xpu_available,is_npu_available,is_mlu_available,"
     "is_musa_available,is_sdaa_available,is_hpu_available,is_neuron_available",
     "nbaccel.distributed.random",
-    "nbaccel.training.configuration:RNGType",
+    "nbaccel.training.config.configuration:RNGType",
     "nbaccel.training.constants:CUDA_DISTRIBUTED_TYPES",
 )
 _MEMORY = (
     "nbaccel.distributed.probes:is_cuda_available,is_mps_available,is_xpu_available,"
     "is_npu_available,is_mlu_available,is_musa_available,is_sdaa_available,is_hpu_available,"
     "is_neuron_available",
-    "nbaccel.training.batch_size",
+    "nbaccel.training.step.batch_size",
     "nbaccel.distributed.device_cache",
 )
 _VERSIONS = ("nbaccel.distributed.probes:compare_versions,is_torch_version,STR_OPERATION_TO_FUNC",)
@@ -112,13 +112,13 @@ _CONSTANTS = (
     "nbaccel.distributed.probes:STR_OPERATION_TO_FUNC",
     "nbaccel.bigmodel.layerwise_casting:SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
 )
-_UNSUPPORTED = "nbaccel.training.unsupported_stacks"
+_UNSUPPORTED = "nbaccel.training.config.unsupported_stacks"
 _DEEPSPEED = (
-    "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
+    "nbaccel.training.strategies.deepspeed.wrappers:DeepSpeedEngineWrapper,"
     "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
     "map_pytorch_optim_to_deepspeed",
-    "nbaccel.training.strategies.deepspeed_config:HfDeepSpeedConfig",
-    "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
+    "nbaccel.training.strategies.deepspeed.config:HfDeepSpeedConfig",
+    "nbaccel.training.strategies.deepspeed.plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
 )
 _MEGATRON = (
     _UNSUPPORTED + ":MegatronEngine,MegatronLMOptimizerWrapper,MegatronLMSchedulerWrapper,"
@@ -129,11 +129,11 @@ _MEGATRON = (
     "prepare_scheduler,prepare_data_loader=megatron_prepare_data_loader",
 )
 _AO = (
-    "nbaccel.training.fp8.ao_conversion:convert_model_to_fp8_ao,filter_linear_layers,"
+    "nbaccel.training.precision.fp8.ao_conversion:convert_model_to_fp8_ao,filter_linear_layers,"
     "filter_first_and_last_linear_layers,find_first_last_linear_layers,has_ao_layers",
 )
 _FP8 = (
-    "nbaccel.training.fp8.te_conversion:apply_fp8_autowrap,contextual_fp8_autocast,convert_model",
+    "nbaccel.training.precision.fp8.te_conversion:apply_fp8_autowrap,contextual_fp8_autocast,convert_model",
     *_AO,
     _UNSUPPORTED + ":has_transformer_engine_layers",
 )
@@ -144,12 +144,12 @@ _BNB = (
     _UNSUPPORTED + ":has_4bit_bnb_layers",
 )
 _FSDP = (
-    "nbaccel.training.strategies.fsdp_checkpoint",
-    "nbaccel.training.model_inspection:get_module_class_from_name,is_peft_model",
+    "nbaccel.training.strategies.fsdp.checkpoint",
+    "nbaccel.training.strategies.model_inspection:get_module_class_from_name,is_peft_model",
     "nbaccel.bigmodel.planning_helpers:get_non_persistent_buffers",
-    "nbaccel.training.compile_regions:get_module_children_bottom_up",
-    "nbaccel.training.strategies.fsdp_plugin",
-    "nbaccel.training.compile_regions:is_compiled_module,compile_regions_fsdp2",
+    "nbaccel.training.step.compile_regions:get_module_children_bottom_up",
+    "nbaccel.training.strategies.fsdp.plugin",
+    "nbaccel.training.step.compile_regions:is_compiled_module,compile_regions_fsdp2",
 )
 
 # accelerate.utils re-exports (almost) every name of its submodules.
@@ -157,35 +157,35 @@ _UTILS = (
     *_MODELING, *_OFFLOAD, *_OPS, *_DATACLASSES, *_ENVIRONMENT, *_IMPORTS, *_OTHER, *_RANDOM,
     *_MEMORY, *_VERSIONS, *_CONSTANTS, *_DEEPSPEED, *_FP8, *_BNB,
     "nbaccel.storage.weights:SAFE_WEIGHTS_INDEX_NAME,SAFE_WEIGHTS_NAME,WEIGHTS_INDEX_NAME,WEIGHTS_NAME",
-    "nbaccel.training.strategies.fsdp_checkpoint:merge_fsdp_weights",
-    "nbaccel.training.strategies.fsdp_plugin",
-    "nbaccel.training.parallelism_config:ParallelismConfig",
+    "nbaccel.training.strategies.fsdp.checkpoint:merge_fsdp_weights",
+    "nbaccel.training.strategies.fsdp.plugin",
+    "nbaccel.training.config.parallelism_config:ParallelismConfig",
     "nbaccel.launch.prepare_for_launch:PrepareForLaunch",
     "nbaccel.launch.command_env:prepare_multi_gpu_env,prepare_simple_launcher_cmd_env,prepare_tpu",
-    "nbaccel.training.trackers:GeneralTracker,LoggerType",
+    "nbaccel.training.tracking.trackers:GeneralTracker,LoggerType",
     "nbaccel.distributed.progress",
-    "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
+    "nbaccel.training.strategies.fsdp.checkpoint:load_fsdp_model,load_fsdp_optimizer,"
     "save_fsdp_model,save_fsdp_optimizer",
-    "nbaccel.training.strategies.deepspeed_launch:prepare_deepspeed_cmd_env",
-    "nbaccel.training.strategies.deepspeed_config:HfDeepSpeedConfig",
-    "nbaccel.training.strategies.deepspeed_plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
-    "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
+    "nbaccel.training.strategies.deepspeed.launch:prepare_deepspeed_cmd_env",
+    "nbaccel.training.strategies.deepspeed.config:HfDeepSpeedConfig",
+    "nbaccel.training.strategies.deepspeed.plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
+    "nbaccel.training.strategies.deepspeed.wrappers:DeepSpeedEngineWrapper,"
     "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
     "map_pytorch_optim_to_deepspeed",
-    "nbaccel.training.unsupported_stacks:install_xla,setup_fp8_env,"
+    "nbaccel.training.config.unsupported_stacks:install_xla,setup_fp8_env,"
     "MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
     "BertTrainStep,GPTTrainStep,T5TrainStep,add_model_config_to_megatron_parser,"
     "avg_losses_across_data_parallel_group",
-    "nbaccel.training.strategies.deepspeed_wrappers:GatheredParameters",
+    "nbaccel.training.strategies.deepspeed.wrappers:GatheredParameters",
     _STATE + ":DistributedType",
 )  # fmt: skip
 
 _TRACKING = (
     _STATE + ":PartialState",
     "nbaccel.distributed.logging:get_logger",
-    "nbaccel.training.tracker_registry",
-    "nbaccel.training.trackers",
-    "nbaccel.training.tracker_backends",
+    "nbaccel.training.tracking.registry",
+    "nbaccel.training.tracking.trackers",
+    "nbaccel.training.tracking.backends",
 )
 _TEST_UTILS_TESTING = (
     _STATE + ":AcceleratorState,GradientState",
@@ -204,10 +204,10 @@ _TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
         "nbaccel.bigmodel.pipeline:prepare_pippy",
-        "nbaccel.training.parallelism_config:ParallelismConfig",
+        "nbaccel.training.config.parallelism_config:ParallelismConfig",
         "nbaccel.distributed.probes:is_rich_available",
         "nbaccel.distributed.random:synchronize_rng_states",
-        "nbaccel.training.run_options:TorchDynamoPlugin",
+        "nbaccel.training.config.run_options:TorchDynamoPlugin",
     ),
     "nbaccel.state": (
         "nbaccel.distributed.probes",
@@ -224,24 +224,24 @@ ALIASES: dict[str, tuple[str, ...]] = {
         _STATE,
         "nbaccel.distributed.logging:get_logger",
         "nbaccel.data:DataLoaderDispatcher,prepare_data_loader,skip_first_batches",
-        "nbaccel.training.optimizer:AcceleratedOptimizer",
-        "nbaccel.training.scheduler:AcceleratedScheduler",
-        "nbaccel.training.trackers:GeneralTracker,filter_trackers",
-        "nbaccel.training.batch_size:release_memory",
+        "nbaccel.training.step.optimizer:AcceleratedOptimizer",
+        "nbaccel.training.step.scheduler:AcceleratedScheduler",
+        "nbaccel.training.tracking.trackers:GeneralTracker,filter_trackers",
+        "nbaccel.training.step.batch_size:release_memory",
         "nbaccel.bigmodel.align_devices_hook:has_offloaded_params",
         "nbaccel.bigmodel.weight_files:get_state_dict_offloaded_model",
-        "nbaccel.training.precision_contexts:get_grad_scaler,get_mixed_precision_context_manager",
-        "nbaccel.training.strategies.fsdp_checkpoint:load_fsdp_model,load_fsdp_optimizer,"
+        "nbaccel.training.precision.contexts:get_grad_scaler,get_mixed_precision_context_manager",
+        "nbaccel.training.strategies.fsdp.checkpoint:load_fsdp_model,load_fsdp_optimizer,"
         "save_fsdp_model,save_fsdp_optimizer",
-        "nbaccel.training.fp8.te_conversion:apply_fp8_autowrap,convert_model",
-        "nbaccel.training.fp8.ao_conversion:convert_model_to_fp8_ao",
-        "nbaccel.training.compile_regions:compile_regions_deepspeed",
-        "nbaccel.training.strategies.deepspeed_wrappers:DeepSpeedEngineWrapper,"
+        "nbaccel.training.precision.fp8.te_conversion:apply_fp8_autowrap,convert_model",
+        "nbaccel.training.precision.fp8.ao_conversion:convert_model_to_fp8_ao",
+        "nbaccel.training.step.compile_regions:compile_regions_deepspeed",
+        "nbaccel.training.strategies.deepspeed.wrappers:DeepSpeedEngineWrapper,"
         "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
         "map_pytorch_optim_to_deepspeed",
-        "nbaccel.training.accelerator:Accelerator",
-        "nbaccel.training.parallelism_config:ParallelismConfig",
-        "nbaccel.training.trackers:LOGGER_TYPE_TO_CLASS",
+        "nbaccel.training.accelerator.core:Accelerator",
+        "nbaccel.training.config.parallelism_config:ParallelismConfig",
+        "nbaccel.training.tracking.trackers:LOGGER_TYPE_TO_CLASS",
         "nbaccel.training.constants",
         "nbaccel.distributed.probes",
         *_DATACLASSES,
@@ -268,7 +268,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     ),
     "nbaccel.data_loader": (
         _STATE + ":DistributedType,GradientState,PartialState",
-        "nbaccel.training.configuration:RNGType",
+        "nbaccel.training.config.configuration:RNGType",
         "nbaccel.distributed.collectives",
         "nbaccel.distributed.structures:get_data_structure,initialize_tensors,slice_tensors",
         "nbaccel.distributed.random:synchronize_rng_states",
@@ -278,24 +278,24 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel.tracking": _TRACKING,
     "nbaccel.optimizer": (
         _STATE + ":AcceleratorState,DistributedType,GradientState",
-        "nbaccel.training.optimizer:AcceleratedOptimizer",
+        "nbaccel.training.step.optimizer:AcceleratedOptimizer",
     ),
     "nbaccel.scheduler": (
         _STATE + ":AcceleratorState,GradientState",
-        "nbaccel.training.scheduler:AcceleratedScheduler",
+        "nbaccel.training.step.scheduler:AcceleratedScheduler",
     ),
     "nbaccel.checkpointing": (
         "nbaccel.storage.serialization:load,save",
         "nbaccel.training.constants:MODEL_NAME,OPTIMIZER_NAME,RNG_STATE_NAME,SAFE_MODEL_NAME,"
         "SAMPLER_NAME,SCALER_NAME,SCHEDULER_NAME,SAFE_WEIGHTS_NAME,WEIGHTS_NAME",
     ),
-    "nbaccel.local_sgd": ("nbaccel.training.local_sgd:LocalSGD",),
+    "nbaccel.local_sgd": ("nbaccel.training.step.local_sgd:LocalSGD",),
     "nbaccel.launchers": ("nbaccel.notebook.kernel.launcher:debug_launcher,notebook_launcher",),
     "nbaccel.inference": ("nbaccel.bigmodel.pipeline",),
     "nbaccel.memory_utils": (
-        "nbaccel.training.batch_size:find_executable_batch_size,release_memory",
+        "nbaccel.training.step.batch_size:find_executable_batch_size,release_memory",
     ),
-    "nbaccel.parallelism_config": ("nbaccel.training.parallelism_config",),
+    "nbaccel.parallelism_config": ("nbaccel.training.config.parallelism_config",),
     "nbaccel.utils": _UTILS,
     "nbaccel.utils.ao": _AO,
     "nbaccel.utils.bnb": _BNB,

@@ -9,7 +9,7 @@ from nbaccel.storage.weights import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
 )
-from nbaccel.training.strategies.fsdp_plugin import AUTO_WRAP_POLICIES, STATE_DICT_TYPES
+from nbaccel.training.strategies.fsdp.plugin import AUTO_WRAP_POLICIES, STATE_DICT_TYPES
 
 __all__ = [
     "BETA_CP_AVAILABLE_PYTORCH_VERSION",
@@ -52,7 +52,7 @@ __all__ = [
     "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION",
 ]
 
-# Checkpoint files (nbaccel.training.checkpoint writes these stems).
+# Checkpoint files (nbaccel.training.checkpointing.state writes these stems).
 MODEL_NAME = "pytorch_model"
 SAFE_MODEL_NAME = "model"
 OPTIMIZER_NAME = "optimizer"

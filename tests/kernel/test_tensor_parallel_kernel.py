@@ -35,7 +35,7 @@ CELLS = [
         "loss = model(**batch).loss\n"
         "accelerator.backward(loss)\n"
         "optimizer.step()\n"
-        "from nbaccel.training.strategies.tensor_parallel import tp_layout\n"
+        "from nbaccel.training.strategies.model_parallel.tensor_parallel import tp_layout\n"
         "down = tp_layout(model)['model.layers.1.mlp.down_proj.weight']\n"
         "print('loss', round(loss.item(), 5), 'down_proj', down)"
     ),

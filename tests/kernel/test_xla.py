@@ -245,7 +245,7 @@ def _train(model, optimizer, loader, accelerator=None, clip=False):
 
 def test_accelerator_trains_on_the_xla_device():
     from nbaccel.distributed.state import DistributedType
-    from nbaccel.training.accelerator import Accelerator
+    from nbaccel.training.accelerator.core import Accelerator
     from nbaccel.training.strategies.xla import XLADeviceLoader
 
     accelerator = Accelerator()
@@ -268,7 +268,7 @@ def test_accelerator_trains_on_the_xla_device():
 
 
 def test_bf16_autocast_on_xla():
-    from nbaccel.training.accelerator import Accelerator
+    from nbaccel.training.accelerator.core import Accelerator
     from nbaccel.training.strategies.xla import autocast, configure_bf16
 
     accelerator = Accelerator(mixed_precision="bf16")

@@ -7,7 +7,7 @@ import torch
 
 from nbaccel.distributed.environment_patch import patch_environment
 from nbaccel.testing import run_on_ranks
-from nbaccel.training.parallelism_config import (
+from nbaccel.training.config.parallelism_config import (
     ParallelismConfig,
     TorchContextParallelConfig,
     TorchTensorParallelConfig,

@@ -57,8 +57,8 @@ def _params(model):
 
 def _roundtrip(tmp):
     from nbaccel import Accelerator, AcceleratorState, GradientState, ProjectConfiguration
-    from nbaccel.training.checkpoint import CheckpointError
-    from nbaccel.training.configuration import DataLoaderConfiguration
+    from nbaccel.training.checkpointing.state import CheckpointError
+    from nbaccel.training.config.configuration import DataLoaderConfiguration
 
     config = ProjectConfiguration(tmp, automatic_checkpoint_naming=True, total_limit=2)
     acc = Accelerator(project_config=config)

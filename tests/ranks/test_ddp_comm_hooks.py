@@ -52,7 +52,7 @@ def _train(comm_hook, comm_wrapper, state_option):
     ],
 )
 def test_comm_hook_is_registered_and_training_agrees(comm_hook, comm_wrapper, expected):
-    from nbaccel.training.kwargs_handlers import DDPCommunicationHookType
+    from nbaccel.training.config.kwargs_handlers import DDPCommunicationHookType
 
     hook = DDPCommunicationHookType(comm_hook)  # Accelerate's enum works as well as strings
     options = {"matrix_approximation_rank": 2} if "power" in comm_hook else {}

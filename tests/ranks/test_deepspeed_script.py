@@ -56,7 +56,7 @@ def _direct(script: str, cases: list) -> dict:
     from torch.utils.data import DataLoader
 
     from nbaccel.distributed.state import PartialState
-    from nbaccel.training.strategies.deepspeed_runtime import import_deepspeed
+    from nbaccel.training.strategies.deepspeed.runtime import import_deepspeed
 
     # DeepSpeed's CPU backend would JIT-build its shared-memory op (minutes; it serves inference
     # all-reduce only): leave it out here as nbaccel does, unless NBACCEL_DEEPSPEED_SHM=1

@@ -18,8 +18,8 @@ def _train(mixed_precision: str, emulate, fsdp: bool) -> dict:
 
     from nbaccel import Accelerator
     from nbaccel.distributed.state import AcceleratorState
-    from nbaccel.training.fp8.recipes import AORecipeKwargs
-    from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+    from nbaccel.training.precision.fp8.recipes import AORecipeKwargs
+    from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 
     AcceleratorState._reset_state(True)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ def _training_checks():
     import torch.distributed as dist
 
     from nbaccel.distributed.state import PartialState
-    from nbaccel.training.strategies.fsdp import (
+    from nbaccel.training.strategies.fsdp.strategy import (
         FullyShardedDataParallelPlugin,
         get_fsdp_state_dict,
         rebind_optimizer,
@@ -110,7 +110,10 @@ def test_fsdp_training_matches_one_process_and_shards():
 def test_plugin_validation():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from nbaccel.training.strategies.fsdp import FullyShardedDataParallelPlugin, _blocks_to_wrap
+    from nbaccel.training.strategies.fsdp.strategy import (
+        FullyShardedDataParallelPlugin,
+        _blocks_to_wrap,
+    )
 
     with pytest.raises(NotImplementedError, match="only FSDP2"):
         FullyShardedDataParallelPlugin(fsdp_version=1)

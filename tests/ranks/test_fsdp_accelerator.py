@@ -48,8 +48,8 @@ def _accelerator_checks(root: str):
     from safetensors.torch import load_file
 
     from nbaccel.distributed.state import DistributedType
-    from nbaccel.training.accelerator import Accelerator
-    from nbaccel.training.strategies.fsdp import (
+    from nbaccel.training.accelerator.core import Accelerator
+    from nbaccel.training.strategies.fsdp.strategy import (
         FullyShardedDataParallelPlugin,
         merge_fsdp_weights,
         sharded_fraction,

@@ -11,7 +11,7 @@ from nbaccel.testing import run_on_ranks
 
 def _roundtrip(root: str, state_dict_type: str):
     from nbaccel.distributed.state import PartialState
-    from nbaccel.training.strategies.fsdp import (
+    from nbaccel.training.strategies.fsdp.strategy import (
         FullyShardedDataParallelPlugin,
         get_fsdp_state_dict,
         load_fsdp_model,
@@ -59,7 +59,7 @@ def _checkpoint_checks(root: str):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from nbaccel.training.strategies.fsdp import merge_fsdp_weights
+    from nbaccel.training.strategies.fsdp.strategy import merge_fsdp_weights
 
     sharded = _roundtrip(os.path.join(root, "sharded"), "SHARDED_STATE_DICT")
     full = _roundtrip(os.path.join(root, "full"), "FULL_STATE_DICT")
@@ -103,7 +103,7 @@ def test_sharded_and_full_checkpoints_round_trip(tmp_path):
 def _loading_and_precision_checks():
 
     from nbaccel.distributed.state import PartialState
-    from nbaccel.training.strategies.fsdp import (
+    from nbaccel.training.strategies.fsdp.strategy import (
         FullyShardedDataParallelPlugin,
         get_fsdp_state_dict,
         shard_model,
@@ -156,7 +156,7 @@ def test_rank0_loading_mixed_precision_and_offload():
 def test_merge_rejects_non_dcp_directory(tmp_path):
     import pytest
 
-    from nbaccel.training.strategies.fsdp import merge_fsdp_weights
+    from nbaccel.training.strategies.fsdp.strategy import merge_fsdp_weights
 
     with pytest.raises(FileNotFoundError, match="not a torch.distributed.checkpoint"):
         merge_fsdp_weights(tmp_path, tmp_path / "out")

@@ -205,7 +205,10 @@ def _fsdp_bf16():
     from torch import nn
 
     from nbaccel import Accelerator
-    from nbaccel.training.strategies.fsdp import FullyShardedDataParallelPlugin, sharded_fraction
+    from nbaccel.training.strategies.fsdp.strategy import (
+        FullyShardedDataParallelPlugin,
+        sharded_fraction,
+    )
 
     plugin = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"])
     acc = Accelerator(mixed_precision="bf16", fsdp_plugin=plugin)

@@ -20,7 +20,7 @@ def _train(sizes: dict, root: str | None, clip: float | None = None, sharded: bo
     """Train the tiny Llama under ``sizes``; with ``root``, save after 2 steps, then resume a
     fresh model from it and check it ends where the uninterrupted run ended."""
     from nbaccel import Accelerator
-    from nbaccel.training.parallelism_config import ParallelismConfig
+    from nbaccel.training.config.parallelism_config import ParallelismConfig
 
     def run(resume_from: str | None = None, save_at: int | None = None):
         from nbaccel.utils import FullyShardedDataParallelPlugin

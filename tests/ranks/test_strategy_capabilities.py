@@ -12,8 +12,11 @@ from nbaccel.testing import run_on_ranks
 
 def _checks():
     from nbaccel.distributed.state import DistributedType
-    from nbaccel.training.accelerator import Accelerator
-    from nbaccel.training.strategies.fsdp import FullyShardedDataParallelPlugin, sharded_fraction
+    from nbaccel.training.accelerator.core import Accelerator
+    from nbaccel.training.strategies.fsdp.strategy import (
+        FullyShardedDataParallelPlugin,
+        sharded_fraction,
+    )
 
     out = {}
     # 1. the first Accelerator of the process: DDP over gloo
@@ -77,7 +80,7 @@ def test_second_accelerator_and_fsdp_mixed_precision_policy():
 
 
 def test_mixed_precision_no_sets_no_policy_and_a_given_policy_is_kept():
-    from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+    from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()
     plugin.set_mixed_precision("no")
@@ -92,8 +95,8 @@ def test_mixed_precision_no_sets_no_policy_and_a_given_policy_is_kept():
 
 
 def _policy_under_launch():
-    from nbaccel.training.accelerator import Accelerator
-    from nbaccel.training.strategies.fsdp import FullyShardedDataParallelPlugin
+    from nbaccel.training.accelerator.core import Accelerator
+    from nbaccel.training.strategies.fsdp.strategy import FullyShardedDataParallelPlugin
 
     accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
     policy = accelerator.state.fsdp_plugin.mixed_precision_policy

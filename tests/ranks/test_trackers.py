@@ -22,7 +22,7 @@ LIBRARIES = {
 
 def _custom_tracker_run():
     from nbaccel import Accelerator
-    from nbaccel.training.trackers import GeneralTracker
+    from nbaccel.training.tracking.trackers import GeneralTracker
 
     class Recorder(GeneralTracker):  # written as for Accelerate: state opened in start()
         name = "recorder"
@@ -72,7 +72,7 @@ def test_tensorboard_tracker_writes_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from nbaccel import Accelerator
-    from nbaccel.training.trackers import LoggerType
+    from nbaccel.training.tracking.trackers import LoggerType
 
     accelerator = Accelerator(log_with=LoggerType.TENSORBOARD, project_dir=tmp_path)
     accelerator.init_trackers("tb_run", config={"lr": 0.5, "epochs": 3})

@@ -67,7 +67,7 @@ def test_facade_objects_are_nbaccels_own():
     from nbaccel.utils import ProjectConfiguration
 
     blob = pickle.dumps(ProjectConfiguration(project_dir="x"))
-    assert b"nbaccel.training.configuration" in blob and b"nbaccel.utils" not in blob
+    assert b"nbaccel.training.config.configuration" in blob and b"nbaccel.utils" not in blob
 
 
 def test_alias_table_is_data_only():

@@ -15,7 +15,7 @@ from nbaccel import (
     find_executable_batch_size,
 )
 from nbaccel.storage.weights import load_model_weights
-from nbaccel.training.fp8.recipes import FP8RecipeKwargs
+from nbaccel.training.precision.fp8.recipes import FP8RecipeKwargs
 from nbaccel.values.sizes import parse_size
 
 

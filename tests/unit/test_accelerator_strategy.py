@@ -15,10 +15,10 @@ from nbaccel.storage.weights import (
     tied_twins,
 )
 from nbaccel.training.strategies.ddp import DDPStrategy
-from nbaccel.training.strategies.fsdp import FSDPStrategy
+from nbaccel.training.strategies.fsdp.strategy import FSDPStrategy
 from nbaccel.training.strategies.registry import STRATEGIES, select_strategy
 from nbaccel.training.strategies.xla import XLAStrategy
-from nbaccel.training.trackers import (
+from nbaccel.training.tracking.trackers import (
     LOGGER_TYPE_TO_CLASS,
     GeneralTracker,
     available_trackers,

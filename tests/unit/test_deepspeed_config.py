@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel import Accelerator, DeepSpeedPlugin
-from nbaccel.training.strategies.deepspeed_config import HfDeepSpeedConfig, check_config
+from nbaccel.training.strategies.deepspeed.config import HfDeepSpeedConfig, check_config
 from nbaccel.utils import DummyOptim
 
 
@@ -113,7 +113,7 @@ def test_deepspeed_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an environment without it sees
     with pytest.raises(ImportError, match=r"pip install nbaccel\[deepspeed\]"):
         Accelerator(deepspeed_plugin=DeepSpeedPlugin())
-    from nbaccel.training.strategies.deepspeed_runtime import import_deepspeed
+    from nbaccel.training.strategies.deepspeed.runtime import import_deepspeed
 
     with pytest.raises(ImportError, match=r"pip install nbaccel\[deepspeed\]"):
         import_deepspeed("cpu")
@@ -155,7 +155,7 @@ def test_config_command_writes_accelerate_deepspeed_keys_that_launch_reads(tmp_p
     from nbaccel.commands._launch_parser import launch_command_parser
     from nbaccel.commands.config.config import get_user_input
     from nbaccel.commands.launch import _validate_launch_command
-    from nbaccel.training.strategies.deepspeed_launch import deepspeed_environment
+    from nbaccel.training.strategies.deepspeed.launch import deepspeed_environment
 
     answers = iter(["deepspeed", "1", "2", "bf16", "", "3", "cpu", "none", "yes", "2"])
     config = get_user_input(reader=lambda prompt: next(answers))

@@ -84,7 +84,7 @@ def _fp8_losses(emulate):
 
     from nbaccel import Accelerator
     from nbaccel.distributed.state import AcceleratorState
-    from nbaccel.training.fp8.recipes import AORecipeKwargs
+    from nbaccel.training.precision.fp8.recipes import AORecipeKwargs
 
     losses = {}
     for precision in ("bf16", "fp8"):

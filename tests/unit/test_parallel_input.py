@@ -10,7 +10,10 @@ import torch
 from _llama import tiny_llama
 
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.training.strategies.tensor_parallel import check_tensor_parallel, resolve_plan
+from nbaccel.training.strategies.model_parallel.tensor_parallel import (
+    check_tensor_parallel,
+    resolve_plan,
+)
 
 
 def _never_called():

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from nbaccel.training.tracker_backends import SwanLabTracker, TrackioTracker, WandBTracker
+from nbaccel.training.tracking.backends import SwanLabTracker, TrackioTracker, WandBTracker
 
 
 class _Config:

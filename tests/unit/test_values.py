@@ -16,8 +16,8 @@ from nbaccel.distributed.environment_patch import str_to_bool
 from nbaccel.launch.command_env import launch_environment
 from nbaccel.notebook.kernel.rank_output import status_bundle
 from nbaccel.storage.weights import shard_state_dict
-from nbaccel.training.model_inspection import convert_bytes
-from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.model_inspection import convert_bytes
 from nbaccel.values.booleans import FALSE_WORDS, TRUE_WORDS, env_flag, parse_bool
 from nbaccel.values.byte_text import byte_unit, human_bytes
 from nbaccel.values.sizes import parse_size

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.distributed.state import DistributedType
-from nbaccel.training.run_options import ComputeEnvironment, SageMakerDistributedType
+from nbaccel.training.config.run_options import ComputeEnvironment, SageMakerDistributedType
 
 __all__ = [
     "BaseConfig",

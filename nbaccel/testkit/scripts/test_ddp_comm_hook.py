@@ -9,8 +9,8 @@ import torch
 
 from nbaccel.distributed.collectives import gather
 from nbaccel.distributed.state import AcceleratorState, GradientState
-from nbaccel.training.accelerator import Accelerator
-from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.accelerator.core import Accelerator
+from nbaccel.training.config.kwargs_handlers import DistributedDataParallelKwargs
 
 __all__ = ["main"]
 

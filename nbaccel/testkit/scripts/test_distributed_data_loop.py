@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel.distributed.collectives import gather_object
 from nbaccel.distributed.state import AcceleratorState, GradientState
-from nbaccel.training.accelerator import Accelerator
-from nbaccel.training.configuration import DataLoaderConfiguration
+from nbaccel.training.accelerator.core import Accelerator
+from nbaccel.training.config.configuration import DataLoaderConfiguration
 
 __all__ = ["main"]
 

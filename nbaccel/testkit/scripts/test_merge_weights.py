@@ -14,9 +14,9 @@ import torch
 
 from nbaccel.distributed.collectives import broadcast_object_list
 from nbaccel.distributed.state import AcceleratorState, GradientState
-from nbaccel.training.accelerator import Accelerator
-from nbaccel.training.strategies.fsdp_checkpoint import merge_fsdp_weights, save_fsdp_model
-from nbaccel.training.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.accelerator.core import Accelerator
+from nbaccel.training.strategies.fsdp.checkpoint import merge_fsdp_weights, save_fsdp_model
+from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 
 __all__ = ["main"]
 

@@ -15,7 +15,7 @@ from nbaccel.distributed.collectives import gather, gather_object
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, GradientState, PartialState
 from nbaccel.testkit.regression import RegressionDataset, RegressionModel
-from nbaccel.training.accelerator import Accelerator
+from nbaccel.training.accelerator.core import Accelerator
 
 __all__ = ["main"]
 

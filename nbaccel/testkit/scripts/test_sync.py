@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from nbaccel.distributed.collectives import gather
 from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.testkit.regression import RegressionModel
-from nbaccel.training.accelerator import Accelerator
+from nbaccel.training.accelerator.core import Accelerator
 
 __all__ = ["main"]
 

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nbaccel.distributed.state import AcceleratorState
 from nbaccel.storage.weights import load_into_model
-from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
-from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.config.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.precision.policy import PrecisionPolicy
 from nbaccel.training.strategies.repoint import remember_moves, repoint_optimizer
 from nbaccel.training.strategies.wrappers import unwrap_with
 

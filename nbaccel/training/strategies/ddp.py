@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.config.kwargs_handlers import DistributedDataParallelKwargs
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.wrappers import extract_model_from_parallel
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from nbaccel.distributed.state import AcceleratorState, DistributedType
-from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
-from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.config.kwargs_handlers import DistributedDataParallelKwargs
+from nbaccel.training.precision.policy import PrecisionPolicy
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.ddp import DDPStrategy
-from nbaccel.training.strategies.deepspeed import DeepSpeedStrategy
-from nbaccel.training.strategies.fsdp import FSDPStrategy
-from nbaccel.training.strategies.mesh import MeshStrategy, needs_mesh_strategy
+from nbaccel.training.strategies.deepspeed.strategy import DeepSpeedStrategy
+from nbaccel.training.strategies.fsdp.strategy import FSDPStrategy
+from nbaccel.training.strategies.model_parallel.mesh import MeshStrategy, needs_mesh_strategy
 from nbaccel.training.strategies.xla import XLAStrategy
 
 __all__ = ["STRATEGIES", "select_strategy"]
@@ -43,7 +43,7 @@ def select_strategy(
     context parallel or HSDP gets the mesh strategy, a ``megatron_lm_plugin`` the tensor +
     pipeline one."""
     if megatron_lm_plugin is not None:
-        from nbaccel.training.strategies.megatron import MegatronStrategy
+        from nbaccel.training.strategies.model_parallel.megatron import MegatronStrategy
 
         if parallelism_config is not None and parallelism_config.total_size > 1:
             raise ValueError(

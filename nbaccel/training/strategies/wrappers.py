@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nbaccel.training.precision import PrecisionPolicy
+from nbaccel.training.precision.policy import PrecisionPolicy
 
 __all__ = ["extract_model_from_parallel"]
 

@@ -1,0 +1,2 @@
+"""The Accelerator (``core``) and the parts it holds: process control, preparation checks,
+attributes."""

@@ -1,0 +1,2 @@
+"""Mixed precision: the autocast/loss-scaling policy, its free-function contexts, and FP8
+(``fp8/``)."""

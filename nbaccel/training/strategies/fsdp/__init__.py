@@ -1,0 +1,1 @@
+"""FSDP2 behind the strategy interface: the plugin, the strategy, sharded checkpoints."""
