@@ -92,7 +92,7 @@ def test_missing_library_tracker_names_the_pip_package(name, tmp_path):
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
     from nbaccel import Accelerator
-    from nbaccel.training import tracker_backends
+    from nbaccel.training.tracking import backends as tracker_backends
 
     with pytest.raises(ImportError, match=f"pip install {module}"):
         Accelerator(log_with=name, project_dir=tmp_path)
