@@ -24,8 +24,28 @@ def _refuse(what: str):
     return refuse
 
 
+def _build_first_use_caches() -> None:
+    """Build the caches third-party libraries make on first use by starting a process, so that a
+    test touching them passes on a fresh home directory as it does on a used one.
+
+    matplotlib lists the system fonts with ``fc-list`` the first time its font manager loads
+    (then keeps the list in ``MPLCONFIGDIR``, ``~/.cache/matplotlib`` by default): loaded here,
+    before any test's guard is in place, that process is the session's, not a test's.
+    """
+    try:
+        import matplotlib.font_manager  # noqa: F401  (builds the font cache on import)
+    except ImportError:
+        pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _first_use_caches() -> None:
+    """Once per session, before the first test's guard: see :func:`_build_first_use_caches`."""
+    _build_first_use_caches()
+
+
 @pytest.fixture(autouse=True)
-def _no_processes(monkeypatch):
+def _no_processes(monkeypatch, _first_use_caches):
     monkeypatch.setattr(os, "fork", _refuse("os.fork"))
     monkeypatch.setattr(os, "posix_spawn", _refuse("os.posix_spawn"))
     monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse("a subprocess"))
