@@ -50,3 +50,26 @@ def test_a_ray_launch_without_a_cluster_says_how_to_name_one():
     )
     assert done.returncode == 0, done.stderr
     assert "REFUSED launcher='ray' needs a Ray cluster: pass ray_address=" in done.stdout
+
+
+def test_a_cluster_address_where_nothing_listens_is_refused_naming_it():
+    """Refused at once (a probe of the address), not after Ray's minutes of connection
+    retries; Ray is left unconnected."""
+    pytest.importorskip("ray")
+    done = _python(
+        "import socket, ray\n"
+        "from nbaccel import notebook_launcher\n"
+        "with socket.socket() as s:\n"
+        "    s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]\n"
+        "try:\n"
+        "    notebook_launcher(print, num_processes=2, launcher='ray',\n"
+        "                      ray_address=f'127.0.0.1:{port}')\n"
+        "except ConnectionError as exc:\n"
+        "    print('REFUSED', port, exc)\n"
+        "print('CONNECTED', ray.is_initialized())\n"
+    )
+    assert done.returncode == 0, done.stderr
+    refused = done.stdout.split("REFUSED ", 1)[1]
+    port = refused.split()[0]
+    assert f"a Ray cluster's GCS at 127.0.0.1:{port} is not there: nothing listens" in refused
+    assert "CONNECTED False" in done.stdout

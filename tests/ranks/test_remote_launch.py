@@ -395,11 +395,24 @@ def test_ssh_launcher_passes_ssh_args_and_finds_the_route():
     options = remote_options("ssh", 1, ["localhost:1"], ssh_args=["-p", "2222"])
     launcher = SshLauncher(remote=options)
     assert launcher._ssh("host", "cmd") == [
-        "ssh", "-p", "2222", "-T", "-o", "BatchMode=yes", "host", "cmd"
+        "ssh", "-p", "2222", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "host",
+        "cmd",
     ]  # fmt: skip
     assert launcher.channel_address == "127.0.0.1"
     assert launcher.hosts_by_rank == {0: "localhost"}
     assert "over ssh" in launcher.describe() and "127.0.0.1" in launcher.describe()
+
+
+def test_a_channel_address_not_of_this_machine_is_refused_naming_it():
+    """A ``channel_address`` this machine cannot listen on is refused before any agent starts
+    (not after the agents' start timeout), naming the address."""
+    from nbaccel.launch.remote.ssh import SshLauncher
+
+    for address, why in (("192.0.2.77", "is not an address of this machine"),
+                         ("no-such-host.invalid", "does not resolve")):  # fmt: skip
+        options = remote_options("ssh", 1, ["localhost:1"], channel_address=address)
+        with pytest.raises(ValueError, match=rf"channel_address '{address}'.* {why}"):
+            SshLauncher(remote=options)
 
 
 def _cwd():

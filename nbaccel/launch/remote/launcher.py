@@ -28,6 +28,7 @@ from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.messages import Kind
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.remote.process import RemoteProcess
+from nbaccel.launch.remote.reachable import check_local_address
 from nbaccel.launch.remote.warm import AgentHandle, AgentProcess, WarmAgents, warm_agents
 from nbaccel.launch.wire.channel import Address
 from nbaccel.launch.wire.spec import WorkerSpec
@@ -58,6 +59,8 @@ class RemoteLauncher(ProcessLauncher):
             raise ValueError(f"the {self.name} launcher needs the hosts (RemoteOptions).")
         self.options = remote
         self.layout = remote.layout
+        if remote.channel_address:
+            check_local_address(remote.channel_address, "channel_address")
         self.channel_address = remote.channel_address or self.find_channel_address()
         self.fleet: WarmAgents | None = None
         self.lid = secrets.token_hex(6)

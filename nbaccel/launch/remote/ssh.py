@@ -23,7 +23,10 @@ from nbaccel.launch.remote.launcher import AGENT_MODULE, RemoteLauncher, _route_
 from nbaccel.launch.remote.warm import AgentProcess
 from nbaccel.launch.wire.protocol import LaunchKind
 
-__all__ = ["SshLauncher"]
+__all__ = ["SSH_CONNECT_TIMEOUT", "SshLauncher"]
+
+#: seconds ssh waits for a host to answer before it gives up (ssh's ConnectTimeout)
+SSH_CONNECT_TIMEOUT = 10
 
 
 class SshLauncher(RemoteLauncher):
@@ -32,7 +35,18 @@ class SshLauncher(RemoteLauncher):
     name = LaunchKind.SSH
 
     def _ssh(self, *args: str) -> list[str]:
-        return ["ssh", *self.options.ssh_args, "-T", "-o", "BatchMode=yes", *args]
+        # a host that does not answer is named within SSH_CONNECT_TIMEOUT seconds, not after
+        # the system's TCP timeout (minutes); a ConnectTimeout in ssh_args comes first and wins
+        return [
+            "ssh",
+            *self.options.ssh_args,
+            "-T",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"ConnectTimeout={SSH_CONNECT_TIMEOUT}",
+            *args,
+        ]
 
     def find_channel_address(self) -> str:
         """The local address on the route to the first host (as ``ssh -G`` resolves it)."""

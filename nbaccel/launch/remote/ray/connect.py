@@ -2,7 +2,9 @@
 
 The cluster is the one named by ``ray_address``, else ``RAY_ADDRESS``, else the one this
 kernel's ``ray.init`` connected to. A kernel connected to one cluster is not moved to another
-silently: that is an error naming both.
+silently: that is an error naming both. An address is probed before Ray is asked to connect
+(``reachable.py``): one where nothing listens, or nothing answers, is refused within seconds,
+naming it, instead of after Ray's minutes of connection retries.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import os
 import socket
 from types import ModuleType
 
-__all__ = ["cluster_address", "connect", "import_ray"]
+from nbaccel.launch.remote.reachable import probe_grpc, split_address
+
+__all__ = ["cluster_address", "connect", "import_ray", "probe_cluster"]
+
+#: the port of a Ray Client server (``ray://host``) when the address names none
+RAY_CLIENT_PORT = 10001
+#: gRPC methods that only a Ray cluster's GCS, and a Ray Client server, answer (probed)
+GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+RAY_CLIENT_METHOD = "/ray.rpc.RayletDriver/ClusterInfo"
 
 
 def import_ray() -> ModuleType:
@@ -54,6 +64,26 @@ def _same_address(ray: ModuleType, given: str, current: str) -> bool:
     return resolved in ours or (resolved.startswith("127.") and here in ours)
 
 
+def probe_cluster(address: str) -> None:
+    """Refuse, within seconds, a cluster address where no Ray answers (``auto`` and ``local``
+    are Ray's to resolve on this machine: not probed). ConnectionError (``Unreachable``) names
+    the address and what did or did not answer there; ValueError an address not host:port."""
+    if address in ("auto", "local"):
+        return
+    client = address.startswith("ray://")
+    bare = address.removeprefix("ray://")
+    what = "a Ray Client server (ray://)" if client else "a Ray cluster's GCS"
+    try:
+        host, port = split_address(bare, RAY_CLIENT_PORT if client else None)
+    except ValueError:
+        raise ValueError(
+            f"ray_address {address!r} is not a cluster address: write 'head-host:6379' (the "
+            "head's GCS port), 'ray://head-host:10001' (Ray Client) or 'auto' (on a node of "
+            "the cluster)."
+        ) from None
+    probe_grpc(host, port, what, RAY_CLIENT_METHOD if client else GCS_METHOD)
+
+
 def connect(address: str | None) -> ModuleType:
     """Ray, connected to the launch's cluster (connecting now when the kernel is not yet)."""
     ray = import_ray()
@@ -72,6 +102,7 @@ def connect(address: str | None) -> ModuleType:
             "launcher='ray' needs a Ray cluster: pass ray_address='head-host:6379' ('auto' on a "
             "node of the cluster), set RAY_ADDRESS, or call ray.init(...) in the notebook first."
         )
+    probe_cluster(target)
     try:
         # the ranks' output reaches the notebook through nbaccel's own channel: Ray's copy of
         # worker logs would print every line twice

@@ -1,0 +1,133 @@
+"""Whether an address answers, asked before a launch waits on it.
+
+A launch that names a cluster or a host checks it here first, within seconds: a TCP connection
+to the address (refused: nothing listens there; no answer: a firewall, a wrong network, a
+machine that is down; a name that does not resolve), and for a gRPC service (a Ray cluster's
+GCS, a Ray Client server) the HTTP/2 handshake too (something answers, but not gRPC: another
+service's port). Each failure is an :class:`Unreachable` (a ``ConnectionError``) naming the
+address and what did or did not answer, instead of the minutes of retries of the client that
+would otherwise connect.
+"""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = [
+    "PROBE_TIMEOUT",
+    "Unreachable",
+    "check_local_address",
+    "probe_grpc",
+    "probe_tcp",
+    "split_address",
+]
+
+#: seconds each probe waits for an answer
+PROBE_TIMEOUT = 5.0
+
+
+class Unreachable(ConnectionError):
+    """An address that does not answer as it should; the message says what happened."""
+
+
+def split_address(address: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``, a port-less host with ``default_port``) as ``(host,
+    port)``; ValueError naming the address when it has no usable port."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "]" in port:  # no port at all (or a bare IPv6 address)
+        host, port = address, ""
+    host = host.strip("[]")
+    if not port:
+        if default_port is None:
+            raise ValueError(f"the address {address!r} has no port: write it as host:port.")
+        return host, default_port
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the address {address!r} has no valid port (1-65535): write host:port.")
+    return host, int(port)
+
+
+def check_local_address(address: str, what: str) -> None:
+    """Refuse an address this machine cannot listen on (a name that does not resolve, another
+    machine's address): ValueError naming it and ``what`` it is for, before anything waits for
+    connections to it."""
+    try:
+        infos = socket.getaddrinfo(address.strip("[]"), 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"{what} {address!r} does not resolve ({exc.strerror}): pass an address of this "
+            "machine that the hosts can connect to."
+        ) from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as listener:
+        try:
+            listener.bind(sockaddr[:2] if family == socket.AF_INET else sockaddr)
+        except OSError as exc:
+            raise ValueError(
+                f"{what} {address!r} ({sockaddr[0]}) is not an address of this machine: "
+                f"nothing can listen there ({exc.strerror or exc}); pass one of this machine's "
+                "addresses that the hosts can connect to."
+            ) from None
+
+
+def probe_tcp(host: str, port: int, what: str, timeout: float = PROBE_TIMEOUT) -> None:
+    """Open (and close) a TCP connection to ``host:port``, ``what`` listening there (``"a Ray
+    cluster's GCS"``); raises :class:`Unreachable` saying why not."""
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise Unreachable(
+            f"{what} at {where} cannot be reached: the name {host!r} does not resolve "
+            f"({exc.strerror}); check the host name."
+        ) from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(sockaddr)
+        except ConnectionRefusedError:
+            raise Unreachable(
+                f"{what} at {where} is not there: nothing listens on that port ({sockaddr[0]} "
+                "refused the connection); check the host and the port."
+            ) from None
+        except TimeoutError:
+            raise Unreachable(
+                f"{what} at {where} cannot be reached: no answer within {timeout:.0f} s (the "
+                "machine is down, or a firewall or the network drops the connection)."
+            ) from None
+        except OSError as exc:
+            raise Unreachable(
+                f"{what} at {where} cannot be reached: {exc.strerror or exc} ({sockaddr[0]})."
+            ) from None
+
+
+def probe_grpc(
+    host: str, port: int, what: str, method: str, timeout: float = PROBE_TIMEOUT
+) -> None:
+    """:func:`probe_tcp`, then one call of the gRPC ``method`` (``/package.Service/Method``, an
+    empty request) at ``host:port`` (grpc, which Ray brings, imported here): any answer but
+    "unimplemented" is the service; raises :class:`Unreachable` saying what answered instead."""
+    probe_tcp(host, port, what, timeout)
+    import grpc
+
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target) as channel:
+        try:
+            channel.unary_unary(method)(b"", timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                why = (
+                    f"no answer within {timeout:.0f} s"
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED
+                    else "it does not speak gRPC"
+                )
+                raise Unreachable(
+                    f"{what} at {target} is not there: the port accepts a TCP connection, but "
+                    f"{why} (another service listens there?); check the port."
+                ) from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise Unreachable(
+                    f"{what} at {target} is not there: a gRPC or HTTP/2 service answers on that "
+                    f"port, but not as {what} ({method} is unknown to it); check the port."
+                ) from None
