@@ -1,12 +1,15 @@
 """The shape of the code, checked from the source with ``ast``: files stay small, the engine
-keeps no module state assigned through ``global``, and a class in ``launch/`` holds the objects
-that do its parts rather than being assembled from mixins that share its private state."""
+and the notebook layer keep no module state assigned through ``global``, and a class in
+``launch/`` holds the objects that do its parts rather than being assembled from mixins that
+share its private state."""
 
 from __future__ import annotations
 
 import ast
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "nbaccel"
 LAUNCH = ROOT / "launch"
@@ -105,8 +108,11 @@ def test_no_file_over_the_limit():
     assert long == {}, f"split these by composition (objects a class holds): {long}"
 
 
-def test_the_engine_assigns_no_module_state_through_global():
-    found = {name: lines for name, tree in _trees(LAUNCH).items() if (lines := _globals(tree))}
+@pytest.mark.parametrize("folder", ["launch", "notebook"])
+def test_no_module_state_is_assigned_through_global(folder: str):
+    """State lives with its owner (an object the module holds), as in the engine."""
+    trees = _trees(ROOT / folder)
+    found = {name: lines for name, tree in trees.items() if (lines := _globals(tree))}
     assert found == {}
 
 

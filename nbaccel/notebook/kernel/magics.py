@@ -373,18 +373,23 @@ def _help_alone(head: str, rest: list[str]) -> bool:
     )
 
 
-_atexit_registered = False
+class _Extension:
+    """What loading the extension did once per kernel: the pool's stop registered at exit."""
+
+    atexit_registered = False
+
+
+_extension = _Extension()
 
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbaccel``: register the magics and the auto-mode transformer."""
-    global _atexit_registered
     ipython.register_magics(DistributedMagics)
     if auto_mode_transform not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(auto_mode_transform)
-    if not _atexit_registered:
+    if not _extension.atexit_registered:
         atexit.register(pool_module.shutdown_pool)
-        _atexit_registered = True
+        _extension.atexit_registered = True
     try:
         warm_up(POOL_PRELOAD)  # the fork server imports torch while the user types
     except Exception as exc:  # only a head start: the first cell starts the server otherwise

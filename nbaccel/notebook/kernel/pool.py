@@ -363,13 +363,22 @@ class Pool:
         return pool_status.status_rows(self, timeout)
 
 
-_pool: Pool | None = None
-_registry = threading.RLock()  # start_pool / shutdown_pool from several threads
+class _Registry:
+    """The kernel's one pool, and the lock that guards starting and stopping it (start_pool /
+    shutdown_pool from several threads)."""
+
+    def __init__(self) -> None:
+        self.pool: Pool | None = None
+        self.lock = threading.RLock()
+
+
+_registry = _Registry()
 
 
 def get_pool() -> Pool | None:
     """The pool started by ``%%distributed`` or :func:`start_pool`, or None."""
-    return _pool if _pool is not None and _pool.running else None
+    pool = _registry.pool
+    return pool if pool is not None and pool.running else None
 
 
 def start_pool(
@@ -381,12 +390,11 @@ def start_pool(
 
     Without a request, ``options`` are its keywords: ``start_pool(num_processes=2)``.
     """
-    global _pool
     if request is None:
         request = LaunchRequest.create(Front.MAGIC, **options)
     elif options:
         raise TypeError(f"pass either a LaunchRequest or its options, not both: {sorted(options)}")
-    with _registry:
+    with _registry.lock:
         current = get_pool()
         if current is not None and current.serves(request):
             if renderer is not None:
@@ -409,15 +417,14 @@ def start_pool(
             where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
             renderer.start(pool.plan.announcement(where), pool.num_processes)
         pool.start(renderer)
-        _pool = pool
+        _registry.pool = pool
         return pool
 
 
 def shutdown_pool() -> bool:
     """Stop the pool; False when none was running."""
-    global _pool
-    with _registry:
-        pool, _pool = _pool, None
+    with _registry.lock:
+        pool, _registry.pool = _registry.pool, None
         if pool is None or not pool.running:
             return False
         pool.shutdown()

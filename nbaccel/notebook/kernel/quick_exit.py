@@ -17,12 +17,18 @@ import gc
 
 __all__ = ["exit_quickly"]
 
-_registered = False
+
+class _Registration:
+    """Whether this process's exit already freezes the heap."""
+
+    done = False
+
+
+_registration = _Registration()
 
 
 def exit_quickly() -> None:
     """Freeze the heap during this process's exit (once; in a Jupyter kernel)."""
-    global _registered
-    if not _registered:
-        _registered = True
+    if not _registration.done:
+        _registration.done = True
         atexit.register(gc.freeze)

@@ -25,13 +25,22 @@ __all__ = ["DEFAULT_INTERVAL", "sample_memory", "start_memory_sampler"]
 DEFAULT_INTERVAL = 0.5
 _FIRST_SAMPLE = 0.05  # s into a call when its first sample is taken
 _FRESH = 1.0  # s: a call's closing sample equal (to the MiB) to one sent this recently is left out
-_started = False
-_sent: tuple[float, tuple] | None = None  # (time, _reading) of the last sample sent
-_cuda_totals: dict[int, int] = {}
-_process: psutil.Process | None = None
-_statm: tuple[int, int] | None = None  # (pid, descriptor of /proc/self/statm)
-_host_total = 0
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class _Sampler:
+    """This process's sampler: whether it runs, what it sent last, what it read once."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.sent: tuple[float, tuple] | None = None  # (time, _reading) of the last sample sent
+        self.cuda_totals: dict[int, int] = {}
+        self.process: psutil.Process | None = None
+        self.statm: tuple[int, int] | None = None  # (pid, descriptor of /proc/self/statm)
+        self.host_total = 0
+
+
+_sampler = _Sampler()
 
 
 def _physical_memory() -> int:
@@ -46,15 +55,16 @@ def _cuda() -> dict | None:
     if torch is None or not torch.cuda.is_initialized():
         return None
     device = torch.cuda.current_device()
-    if device not in _cuda_totals:
-        _cuda_totals[device] = torch.cuda.get_device_properties(device).total_memory
+    totals = _sampler.cuda_totals
+    if device not in totals:
+        totals[device] = torch.cuda.get_device_properties(device).total_memory
     return {
         "device": device,
         "allocated": torch.cuda.memory_allocated(device),
         "reserved": torch.cuda.memory_reserved(device),
         "peak": torch.cuda.max_memory_allocated(device),
         "peak_reserved": torch.cuda.max_memory_reserved(device),
-        "total": _cuda_totals[device],
+        "total": totals[device],
     }
 
 
@@ -81,22 +91,25 @@ def _host_rss() -> int:
     """This process's resident size: ``/proc/self/statm`` where there is one (a ``pread`` of a
     few bytes on a descriptor kept open: the sampler runs in every rank, and a launch of 8 ranks
     on 2 cores feels every millisecond of it), psutil elsewhere."""
-    global _process, _statm
+    state = _sampler
     try:
-        if _statm is None or _statm[0] != os.getpid():  # /proc/self is the opener's, not a fork's
-            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
-        return int(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE
+        statm = state.statm
+        if statm is None or statm[0] != os.getpid():  # /proc/self is the opener's, not a fork's
+            statm = state.statm = (
+                os.getpid(),
+                os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC),
+            )
+        return int(os.pread(statm[1], 256, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
-        if _process is None or _process.pid != os.getpid():
-            _process = psutil.Process(os.getpid())
-        return _process.memory_info().rss
+        if state.process is None or state.process.pid != os.getpid():
+            state.process = psutil.Process(os.getpid())
+        return state.process.memory_info().rss
 
 
 def sample_memory() -> MemorySample:
     """One reading of this process's memory."""
-    global _host_total
-    if not _host_total:
-        _host_total = _physical_memory()  # fixed: read once
+    if not _sampler.host_total:
+        _sampler.host_total = _physical_memory()  # fixed: read once
     rss = _host_rss()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
@@ -104,7 +117,7 @@ def sample_memory() -> MemorySample:
         time=time.time(),
         rss=rss,
         rss_peak=max(peak, rss),
-        host_total=_host_total,
+        host_total=_sampler.host_total,
         cuda=_cuda(),
         xla=_xla(),
     )
@@ -114,16 +127,15 @@ def _last_sample() -> None:
     """A call's closing sample; left out when one just as fresh went out in the last second
     (cells in quick succession, a call already sampled): 8 ranks on 2 cores feel each one."""
     sample = sample_memory()
-    sent = _sent
+    sent = _sampler.sent
     if sent is not None and sample.time - sent[0] < _FRESH and sent[1] == _reading(sample):
         return
     _send(sample)
 
 
 def _send(sample: MemorySample) -> None:
-    global _sent
     emit(MEMORY, sample)
-    _sent = (sample.time, _reading(sample))
+    _sampler.sent = (sample.time, _reading(sample))
 
 
 def _sample_during_call() -> None:
@@ -140,9 +152,8 @@ def start_memory_sampler(interval: float = DEFAULT_INTERVAL) -> None:
     thread takes the first sample ``_FIRST_SAMPLE`` s into it, then one every ``interval``
     seconds; one more is taken when the call ends, so even a quick call reports every rank's
     peak."""
-    global _started
-    if _started:
+    if _sampler.started:
         return
-    _started = True
+    _sampler.started = True
     rank_watch.every(_sample_during_call, _FIRST_SAMPLE, interval)
     after_each_call(_last_sample)

@@ -36,22 +36,29 @@ __all__ = [
 
 hide_frames_of(__file__)
 
-_module: types.ModuleType | None = None
-_formatter: Any = None
+
+class _Worker:
+    """This worker's cell namespace (the ``__main__`` of its cells) and display formatter,
+    made on first use."""
+
+    module: types.ModuleType | None = None
+    formatter: Any = None
+
+
+_worker = _Worker()
 
 
 _PLACEHOLDER = "<nbaccel-cell>"  # the file name of cached cell code, until it runs (_named)
 
 
 def _format(obj: Any, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    global _formatter
-    if _formatter is None:
+    if _worker.formatter is None:
         from IPython.core.formatters import DisplayFormatter
 
-        _formatter = DisplayFormatter()
-        png = _formatter.formatters["image/png"]
+        _worker.formatter = DisplayFormatter()
+        png = _worker.formatter.formatters["image/png"]
         png.for_type_by_name("matplotlib.figure", "Figure", _figure_png)
-    return _formatter.format(obj, **options)
+    return _worker.formatter.format(obj, **options)
 
 
 def _figure_png(figure: Any) -> str:
@@ -92,16 +99,15 @@ def _install_display() -> None:
 
 
 def _install_namespace() -> None:
-    global _module
-    _module = types.ModuleType("__main__", "the namespace of %%distributed cells")
-    _module.__dict__.update(__builtins__=builtins, display=display)
-    sys.modules["__main__"] = _module
+    module = _worker.module = types.ModuleType("__main__", "the namespace of %%distributed cells")
+    module.__dict__.update(__builtins__=builtins, display=display)
+    sys.modules["__main__"] = module
 
 
 def _ns() -> dict[str, Any]:
-    if _module is None:
+    if _worker.module is None:
         _install_namespace()
-    return _module.__dict__
+    return _worker.module.__dict__
 
 
 def setup_worker(backend: str | None = None) -> None:

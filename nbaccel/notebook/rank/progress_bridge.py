@@ -242,15 +242,20 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return None
 
 
-_installed = False
+class _Bridge:
+    """Whether this process's tqdm bars are routed already."""
+
+    installed = False
+
+
+_bridge = _Bridge()
 
 
 def install_progress_bridge() -> None:
     """Route every tqdm bar of this process to the notebook (idempotent)."""
-    global _installed
-    if _installed:
+    if _bridge.installed:
         return
-    _installed = True
+    _bridge.installed = True
     import tqdm.std  # noqa: F401  (imported: patch the package and its modules now)
 
     for name in _CLASSES:
