@@ -388,6 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
         "nbaccel_stream_bytes_per_s": stream_rate,
         "fraction_of_pinned_bandwidth": stream_rate / bandwidth if bandwidth else None,
     }  # fmt: skip
+    from provenance import stamp  # the date, commit and machine of this run
+
+    result["provenance"] = stamp()
     text = json.dumps(result, indent=1)
     print(text)
     out = args.out

@@ -197,10 +197,12 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def _provenance_line(stamp: dict[str, Any]) -> str:
-    return (
+    line = (
         f"Measured {stamp.get('date', 'on an unrecorded date')} at commit "
         f"`{stamp.get('commit', 'unrecorded')}` on: {stamp.get('machine', 'unrecorded')}."
     )
+    note = stamp.get("note")
+    return f"{line} ({str(note).rstrip('.')}.)" if note else line
 
 
 def _fallback_provenance(path: Path, data: Any) -> str:

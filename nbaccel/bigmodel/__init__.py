@@ -1,4 +1,4 @@
-"""Big-model inference: empty init, device maps, dispatch, CPU/disk offload (issue 8).
+"""Big-model inference: empty init, device maps, dispatch, CPU/disk offload.
 
 Same names and signatures as Accelerate's big-modeling API; see the module docstrings for what
 nbaccel does beyond it (in-place safetensors disk offload, prefetching, linear-time planning,

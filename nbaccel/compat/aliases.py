@@ -321,7 +321,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel.test_utils.training": _TEST_UTILS_TRAINING,
 }
 
-# Accelerate's launch helpers and test scripts (issue 16, commands part). "=module" makes the
+# Accelerate's launch helpers and test scripts. "=module" makes the
 # façade path that very module, so mock.patch("nbaccel.utils.launch.which") reaches its code.
 ALIASES["nbaccel.utils.launch"] = ("=nbaccel.launch.command_env",)
 ALIASES["nbaccel.launchers"] = ALIASES.get("nbaccel.launchers", ()) + (
