@@ -7,6 +7,12 @@
   package that defines it, so a new public name appears without editing this file.
 - ``reference/launch-options.md``: every launch option, from ``LaunchRequest`` (the one place
   options are defined), with its default, help and spelling on each front.
+- ``reference/cli.md``, ``reference/config-file.md``, ``reference/environment.md``: the command
+  line (from its argparse parser), the config file (from the code that reads it) and the
+  ``NBACCEL_*`` variables (from the source): ``scripts/cli_reference.py``,
+  ``config_reference.py``, ``env_reference.py``.
+- ``install.md``'s table of extras, from ``pyproject.toml`` (``extras_reference.py``, put where
+  the page says ``{{ extras }}``).
 - ``examples/*.ipynb``: the notebooks of ``notebooks/``, rendered by mkdocs-jupyter. When
   ``NBACCEL_DOCS_NOTEBOOKS`` names a folder (``scripts/docs`` executes the notebooks there), a
   notebook found in it is used instead of the stored one, so its page shows the outputs.
@@ -28,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_tables  # noqa: E402
+import cli_reference  # noqa: E402
+import config_reference  # noqa: E402
+import env_reference  # noqa: E402
+import extras_reference  # noqa: E402
 
 # (page, title, what the page covers, packages whose names it takes)
 GROUPS = [
@@ -116,6 +126,10 @@ def _reference_pages() -> dict[str, str]:
         "from its docstring. Accelerate's import paths (`nbaccel.utils`, `nbaccel.big_modeling`, "
         "...) re-export the same objects.",
         "",
+        "Beside the Python API: every [launch option](launch-options.md), the "
+        "[command line](cli.md), the [config file](config-file.md) and the "
+        "[environment variables](environment.md), each generated from the code.",
+        "",
     ]
     for page, title, about, _ in GROUPS:
         names = by_page[page]
@@ -181,6 +195,9 @@ def on_files(files: Files, config) -> Files:
     generated = {
         "benchmark-results.md": bench_tables.render(),
         "reference/launch-options.md": _launch_options_page(),
+        "reference/cli.md": cli_reference.render(),
+        "reference/config-file.md": config_reference.render(),
+        "reference/environment.md": env_reference.render(),
         **_reference_pages(),
     }
     for uri, text in generated.items():
@@ -200,6 +217,13 @@ def on_files(files: Files, config) -> Files:
         uri = f"examples/{source.name}"
         files.append(File(uri, str(staging), config["site_dir"], config["use_directory_urls"]))
     return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """``install.md``'s table of extras, from ``pyproject.toml`` (``extras_reference.py``)."""
+    if extras_reference.MARKER in markdown:
+        return markdown.replace(extras_reference.MARKER, extras_reference.render())
+    return markdown
 
 
 def on_post_build(config) -> None:

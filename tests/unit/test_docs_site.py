@@ -75,6 +75,44 @@ def test_results_and_options_pages_come_from_their_sources(site: Path) -> None:
         assert f"<td>{name}</td>" in options, name
 
 
+def test_command_line_config_and_environment_pages_come_from_the_code(site: Path) -> None:
+    """The generated references hold every command and flag of the parser, every key of the
+    config file, every ``NBACCEL_*`` variable of the source and every extra of pyproject."""
+    import argparse
+
+    import env_reference
+    import extras_reference
+
+    from nbaccel.cli import build_parser
+    from nbaccel.commands.config.config_args import ClusterConfig
+
+    cli = _page(site, "reference/cli")
+
+    def check(prefix: str, parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    assert f"{prefix} {name}" in cli, name
+                    check(f"{prefix} {name}", sub)
+            elif not isinstance(action, argparse._HelpAction):
+                for flag in action.option_strings:
+                    assert f"<code>{flag}</code>" in cli, (prefix, flag)
+
+    check("nbaccel", build_parser())
+    assert "<code>--zero_stage</code>" in cli
+    config = _page(site, "reference/config-file")
+    assert "default_config.yaml" in config
+    for key in ClusterConfig.__dataclass_fields__:
+        assert f"<code>{key}</code>" in config, key
+    environment = _page(site, "reference/environment")
+    for name in env_reference.collect():
+        assert name in environment, name
+    install = _page(site, "install")
+    assert "{{ extras }}" not in install
+    for extra in extras_reference.extras():
+        assert f".[{extra}]" in install.replace("&quot;", '"'), extra
+
+
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path) -> None:
     """The site's own validation settings, on a two-page site with one bad link each."""
     validation = yaml.safe_load((ROOT / "mkdocs.yml").read_text().split("hooks:")[0])["validation"]

@@ -100,11 +100,11 @@ def _no_string(value: Any) -> Any:
 class BaseConfig:
     """Fields every config file has."""
 
-    compute_environment: ComputeEnvironment
-    distributed_type: DistributedType | SageMakerDistributedType
-    mixed_precision: str
-    use_cpu: bool
-    debug: bool
+    compute_environment: ComputeEnvironment  # LOCAL_MACHINE or AMAZON_SAGEMAKER
+    distributed_type: DistributedType | SageMakerDistributedType  # NO, MULTI_GPU, FSDP, ...
+    mixed_precision: str  # no, fp16, bf16 or fp8
+    use_cpu: bool  # CPU ranks even where there are GPUs
+    debug: bool  # collectives check their shapes first (NBACCEL_DEBUG_MODE)
 
     def __post_init__(self) -> None:
         if isinstance(self.compute_environment, str):
@@ -181,16 +181,16 @@ class ClusterConfig(BaseConfig):
     """A launch on this machine or on several machines (``compute_environment: LOCAL_MACHINE``)."""
 
     num_processes: int = -1  # -1: the file leaves it to --num_processes
-    machine_rank: int = 0
-    num_machines: int = 1
-    gpu_ids: str | None = None
-    main_process_ip: str | None = None
-    main_process_port: int | None = None
-    rdzv_backend: str | None = "static"
-    same_network: bool | None = False
-    main_training_function: str = "main"
-    enable_cpu_affinity: bool = False
-    downcast_bf16: bool | str = False
+    machine_rank: int = 0  # this machine's position among num_machines
+    num_machines: int = 1  # machines of a multi-machine launch
+    gpu_ids: str | None = None  # "all" or "0,1": the GPUs the ranks use
+    main_process_ip: str | None = None  # machine 0's address (many machines)
+    main_process_port: int | None = None  # machine 0's rendezvous port
+    rdzv_backend: str | None = "static"  # static or c10d
+    same_network: bool | None = False  # the machines share a network
+    main_training_function: str = "main"  # the function a TPU launch calls
+    enable_cpu_affinity: bool = False  # pin each rank to the CPUs near its GPU
+    downcast_bf16: bool | str = False  # TPU: bf16 tensors as float32 / float64
     # Per-paradigm option groups, kept as the mappings the file holds.
     fp8_config: dict = field(default_factory=dict)
     deepspeed_config: dict = field(default_factory=dict)
