@@ -17,13 +17,15 @@ STAMP = re.compile(r"^[0-9a-f]{7,40}(\+changes)?$")
 
 
 def _texts() -> list[Path]:
-    folders = [ROOT / "docs", ROOT / "nbaccel", ROOT / "benchmarks"]
+    """What the site and the package show: docs, code, benchmarks and results, the example
+    notebooks, the README and the changelog (a page of the site)."""
+    folders = [ROOT / "docs", ROOT / "nbaccel", ROOT / "benchmarks", ROOT / "notebooks"]
     return [
         p
         for folder in folders
         for p in sorted(folder.rglob("*"))
         if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".png", ".pyc")
-    ]
+    ] + [ROOT / "README.md", ROOT / "CHANGELOG.md"]
 
 
 def _making(text: str) -> list[str]:
