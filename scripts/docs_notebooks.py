@@ -5,7 +5,8 @@
 
 Each notebook of ``notebooks/`` runs top to bottom in a fresh kernel of this interpreter
 (nbclient, the same runner as ``nbaccel.notebook.kernel.run_headless``): it launches real ranks
-(2 CPU ranks each; about a minute for all of them on 2 cores). The executed copies are written to
+(2 CPU ranks each; the Ray notebook 4, on a local Ray it starts when ``RAY_ADDRESS`` names no
+cluster; a few minutes for all of them on 2 cores). The executed copies are written to
 the folder; ``scripts/docs`` points the site at it (``NBACCEL_DOCS_NOTEBOOKS``), so the pages show
 the outputs. Notebooks that need a lane this machine may not have are not executed here and are
 shown as stored: their pages say which lane runs them.
