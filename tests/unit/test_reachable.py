@@ -77,7 +77,7 @@ def test_another_services_port_is_not_taken_for_grpc(banner_port):
     pytest.importorskip("grpc")
     probe_tcp("127.0.0.1", banner_port, "a GCS", timeout=2)  # TCP alone answers
     with pytest.raises(Unreachable, match=rf"127.0.0.1:{banner_port} is not there: the port "):
-        probe_grpc("127.0.0.1", banner_port, "a GCS", GCS, timeout=2)
+        probe_grpc("127.0.0.1", banner_port, "a GCS", GCS, timeout=2.0)
 
 
 def test_a_ray_address_where_nothing_listens_is_refused_before_ray_connects():

@@ -3,10 +3,10 @@
 A launch that names a cluster or a host checks it here first, within seconds: a TCP connection
 to the address (refused: nothing listens there; no answer: a firewall, a wrong network, a
 machine that is down; a name that does not resolve), and for a gRPC service (a Ray cluster's
-GCS, a Ray Client server) the HTTP/2 handshake too (something answers, but not gRPC: another
-service's port). Each failure is an :class:`Unreachable` (a ``ConnectionError``) naming the
-address and what did or did not answer, instead of the minutes of retries of the client that
-would otherwise connect.
+GCS, a Ray Client server) one call of a method only that service has (something answers, but
+not gRPC, or not that service: another service's port). Each failure is an
+:class:`Unreachable` (a ``ConnectionError``) naming the address and what did or did not answer,
+instead of the minutes of retries of the client that would otherwise connect.
 """
 
 from __future__ import annotations
@@ -102,18 +102,24 @@ def probe_tcp(host: str, port: int, what: str, timeout: float = PROBE_TIMEOUT) -
 
 
 def probe_grpc(
-    host: str, port: int, what: str, method: str, timeout: float = PROBE_TIMEOUT
+    host: str,
+    port: int,
+    what: str,
+    method: str,
+    request: bytes = b"",
+    timeout: float = PROBE_TIMEOUT,
 ) -> None:
-    """:func:`probe_tcp`, then one call of the gRPC ``method`` (``/package.Service/Method``, an
-    empty request) at ``host:port`` (grpc, which Ray brings, imported here): any answer but
-    "unimplemented" is the service; raises :class:`Unreachable` saying what answered instead."""
+    """:func:`probe_tcp`, then one call of the gRPC ``method`` (``/package.Service/Method``,
+    with the serialized ``request``) at ``host:port`` (grpc, which Ray brings, imported here):
+    any answer but "unimplemented" is the service (an error of its own, such as a refused
+    authentication, included); raises :class:`Unreachable` saying what answered instead."""
     probe_tcp(host, port, what, timeout)
     import grpc
 
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     with grpc.insecure_channel(target) as channel:
         try:
-            channel.unary_unary(method)(b"", timeout=timeout)
+            channel.unary_unary(method)(request, timeout=timeout)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -23,6 +23,8 @@ RAY_CLIENT_PORT = 10001
 #: gRPC methods that only a Ray cluster's GCS, and a Ray Client server, answer (probed)
 GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 RAY_CLIENT_METHOD = "/ray.rpc.RayletDriver/ClusterInfo"
+#: ``ClusterInfoRequest(type=PING)`` serialized: what Ray's own client sends first
+RAY_CLIENT_PING = b"\x08\x06"
 
 
 def import_ray() -> ModuleType:
@@ -81,7 +83,10 @@ def probe_cluster(address: str) -> None:
             "head's GCS port), 'ray://head-host:10001' (Ray Client) or 'auto' (on a node of "
             "the cluster)."
         ) from None
-    probe_grpc(host, port, what, RAY_CLIENT_METHOD if client else GCS_METHOD)
+    if client:
+        probe_grpc(host, port, what, RAY_CLIENT_METHOD, RAY_CLIENT_PING)
+    else:
+        probe_grpc(host, port, what, GCS_METHOD)
 
 
 def connect(address: str | None) -> ModuleType:
