@@ -403,6 +403,33 @@ def test_ssh_launcher_passes_ssh_args_and_finds_the_route():
     assert "over ssh" in launcher.describe() and "127.0.0.1" in launcher.describe()
 
 
+def _fake_squeue(folder, script: str, monkeypatch) -> None:
+    """A ``squeue`` on PATH that runs ``script`` (sh)."""
+    import os
+
+    squeue = folder / "squeue"
+    squeue.write_text("#!/bin/sh\n" + script + "\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_slurm_allocation_that_ended_or_a_silent_controller_is_refused(tmp_path, monkeypatch):
+    """Before anything starts, ``squeue`` is asked about the allocation: one that ended, or a
+    controller that does not answer, is refused naming the job and what SLURM said."""
+    from nbaccel.launch.remote.reachable import Unreachable, check_slurm_allocation
+
+    invalid = 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1'
+    _fake_squeue(tmp_path, invalid, monkeypatch)
+    said = r"allocation 42 \(SLURM_JOB_ID\) is not running: squeue says 'slurm_load_jobs error"
+    with pytest.raises(Unreachable, match=said):
+        slurm_layout(2, environ={"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1"})
+    _fake_squeue(tmp_path, "sleep 30", monkeypatch)
+    with pytest.raises(Unreachable, match=r"SLURM controller did not answer within 1 s"):
+        check_slurm_allocation("42", timeout=1.0)
+    _fake_squeue(tmp_path, "echo RUNNING", monkeypatch)
+    check_slurm_allocation("42")
+
+
 def test_a_channel_address_not_of_this_machine_is_refused_naming_it():
     """A ``channel_address`` this machine cannot listen on is refused before any agent starts
     (not after the agents' start timeout), naming the address."""

@@ -14,6 +14,8 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nbaccel.launch.remote.reachable import check_slurm_allocation
+
 __all__ = ["Host", "HostLayout", "parse_hosts", "slurm_layout"]
 
 _HOST = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<name>[A-Za-z0-9._-]+)(?::(?P<slots>.*))?$")
@@ -146,6 +148,8 @@ def slurm_layout(num_processes: int | None, environ: dict[str, str] | None = Non
     """The nodes of the SLURM allocation this kernel runs in, with an even share of ranks.
 
     ``num_processes`` defaults to the allocation's tasks (``SLURM_NTASKS``), else one per node.
+    An allocation that is not running, or a controller that does not answer, is refused first
+    (``reachable.check_slurm_allocation``).
     """
     env = os.environ if environ is None else environ
     if not env.get("SLURM_JOB_ID"):
@@ -153,6 +157,7 @@ def slurm_layout(num_processes: int | None, environ: dict[str, str] | None = Non
             "launcher='slurm' runs inside a SLURM allocation, and SLURM_JOB_ID is not set: start "
             "Jupyter (or this kernel) under salloc or sbatch, or use hosts=[...] over ssh."
         )
+    check_slurm_allocation(env["SLURM_JOB_ID"])
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     nodes = _expand_nodelist(nodelist) if nodelist else []
     if not nodes:

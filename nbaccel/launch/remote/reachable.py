@@ -6,17 +6,21 @@ machine that is down; a name that does not resolve), and for a gRPC service (a R
 GCS, a Ray Client server) one call of a method only that service has (something answers, but
 not gRPC, or not that service: another service's port). Each failure is an
 :class:`Unreachable` (a ``ConnectionError``) naming the address and what did or did not answer,
-instead of the minutes of retries of the client that would otherwise connect.
+instead of the minutes of retries of the client that would otherwise connect. A SLURM launch
+asks the controller whether its allocation still runs (:func:`check_slurm_allocation`), and a
+``channel_address`` must be one this machine can listen on (:func:`check_local_address`).
 """
 
 from __future__ import annotations
 
 import socket
+import subprocess
 
 __all__ = [
     "PROBE_TIMEOUT",
     "Unreachable",
     "check_local_address",
+    "check_slurm_allocation",
     "probe_grpc",
     "probe_tcp",
     "split_address",
@@ -24,6 +28,8 @@ __all__ = [
 
 #: seconds each probe waits for an answer
 PROBE_TIMEOUT = 5.0
+#: the states of a SLURM job whose nodes can run a step now
+_SLURM_LIVE = ("RUNNING", "CONFIGURING")
 
 
 class Unreachable(ConnectionError):
@@ -137,3 +143,33 @@ def probe_grpc(
                     f"{what} at {target} is not there: a gRPC or HTTP/2 service answers on that "
                     f"port, but not as {what} ({method} is unknown to it); check the port."
                 ) from None
+
+
+def check_slurm_allocation(job: str, timeout: float = 2 * PROBE_TIMEOUT) -> None:
+    """Ask the SLURM controller (``squeue -j JOB``) whether allocation ``job`` is running, so a
+    launch into an allocation that ended, or past a controller that does not answer, is refused
+    within ``timeout`` s instead of waiting on ``srun``. Without ``squeue`` on this machine
+    nothing is checked (``srun`` will say). Raises :class:`Unreachable` naming the job and what
+    SLURM answered."""
+    try:
+        done = subprocess.run(
+            ["squeue", "--noheader", "--jobs", job, "--format", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except FileNotFoundError:
+        return
+    except subprocess.TimeoutExpired:
+        raise Unreachable(
+            f"the SLURM controller did not answer within {timeout:.0f} s (squeue --jobs {job}): "
+            "srun could not start the agents either; check that slurmctld is up and reachable "
+            "from this machine (scontrol ping)."
+        ) from None
+    state = done.stdout.strip().splitlines()[0] if done.stdout.strip() else ""
+    if done.returncode != 0 or state not in _SLURM_LIVE:
+        said = state or done.stderr.strip() or "not listed"
+        raise Unreachable(
+            f"the SLURM allocation {job} (SLURM_JOB_ID) is not running: squeue says {said!r}. "
+            "Start a new allocation (salloc or sbatch) and this kernel inside it."
+        )
