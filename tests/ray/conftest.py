@@ -13,6 +13,12 @@ import os
 
 import pytest
 
+# Ray turns token authentication on for `ray start` nodes when ~/.ray/auth_token exists (a local
+# `ray.init()` writes one, the docs build's Ray notebook included), and the lane's clients were
+# then refused ("Authentication token is missing or incorrect"). The lane's clusters are private
+# to this machine: one setting for its nodes, its clients and its kernels keeps them agreeing.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("NBACCEL_RAY_LANE") == "1":
