@@ -91,6 +91,8 @@ def test_a_ray_address_where_nothing_listens_is_refused_before_ray_connects():
         probe_cluster(f"ray://127.0.0.1:{port}")
     with pytest.raises(ValueError, match="ray_address 'head' is not a cluster address"):
         probe_cluster("head")
+    probe_cluster("auto")  # Ray's own to find, as are other schemes: nothing is probed
+    probe_cluster("anyscale://my-cluster")
     assert not ray.is_initialized()
 
 

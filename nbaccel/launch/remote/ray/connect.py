@@ -67,11 +67,12 @@ def _same_address(ray: ModuleType, given: str, current: str) -> bool:
 
 
 def probe_cluster(address: str) -> None:
-    """Refuse, within seconds, a cluster address where no Ray answers (``auto`` and ``local``
-    are Ray's to resolve on this machine: not probed). ConnectionError (``Unreachable``) names
-    the address and what did or did not answer there; ValueError an address not host:port."""
-    if address in ("auto", "local"):
-        return
+    """Refuse, within seconds, a cluster address where no Ray answers (``auto``, ``local`` and
+    schemes other than ``ray://`` are Ray's to resolve: not probed). ConnectionError
+    (``Unreachable``) names the address and what did or did not answer there; ValueError an
+    address that is not host:port."""
+    if address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
+        return  # Ray's to resolve (another scheme: a module Ray hands the address to)
     client = address.startswith("ray://")
     bare = address.removeprefix("ray://")
     what = "a Ray Client server (ray://)" if client else "a Ray cluster's GCS"
