@@ -38,6 +38,7 @@ from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
 from nbaccel.launch.wire.unpicklable import UnpicklableError
 from nbaccel.notebook import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
+from nbaccel.notebook.kernel.detached import Run, attach, runs
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
 from nbaccel.training.accelerator.core import Accelerator
@@ -66,6 +67,9 @@ __getattr__ = _install_compat_paths(__name__)
 
 __all__ = [
     "Accelerator",
+    "Run",
+    "attach",
+    "runs",
     "AcceleratorState",
     "AutocastKwargs",
     "broadcast",

@@ -320,6 +320,11 @@ class LaunchRequest:
     )  # fmt: skip
     memory: bool = option(True, "the per-rank memory monitor", Front.LAUNCHER,
                           check=_flag("memory"))  # fmt: skip
+    detach: bool = option(
+        False, "run under this user's supervisor, outliving the kernel or shell: returns a "
+        "Run handle at once (nbaccel.runs(), nbaccel.attach(id), nbaccel runs ...)",
+        Front.LAUNCHER | Front.CLI, check=_flag("detach"),
+    )  # fmt: skip
     hosts: str | Sequence[str] | None = option(
         None, "run the ranks on these hosts through ssh, one agent per host: node1:4,node2:4",
         _REMOTE, metavar="H:N,...",

@@ -22,11 +22,12 @@ from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.plan import LaunchPlan, check_call
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import launch_xla, run_function
+from nbaccel.notebook.kernel.detached import Run
 from nbaccel.notebook.kernel.renderers import choose_renderer
 from nbaccel.notebook.preload import WORKER_PRELOAD
 from nbaccel.notebook.rank.instrumentation import worker_setup
 
-__all__ = ["debug_launcher", "launch_request", "notebook_launcher"]
+__all__ = ["debug_launcher", "launch_request", "notebook_launcher", "start_detached"]
 
 
 def _tpu_requested() -> bool:
@@ -58,7 +59,7 @@ def notebook_launcher(
     *,
     renderer: Renderer | None = None,
     **options: Any,
-) -> list[Any]:
+) -> list[Any] | Run:
     """Run ``function(*args)`` on ``num_processes`` ranks and return their results by rank.
 
     Output streams into the notebook as whole, rank-labelled lines while the function runs. The
@@ -74,6 +75,9 @@ def notebook_launcher(
     ``hosts=["node1:4", "node2:4"]`` or ``launcher="slurm"``, tuned by ``python``, ``cwd``,
     ``env``, ``ssh_args``, ``srun_args``, ``channel_address``), is defined, with its help and
     checks, in :class:`nbaccel.launch.request.LaunchRequest`.
+
+    ``detach=True`` returns a :class:`~nbaccel.notebook.kernel.detached.Run` at once instead:
+    the ranks run under this user's supervisor and outlive the kernel (see ``nbaccel.attach``).
     """
     __tracebackhide__ = True  # IPython: show the rank's frames, not the launcher's
     request = LaunchRequest.create(
@@ -101,8 +105,9 @@ def launch_request(
     args: tuple,
     request: LaunchRequest,
     renderer: Renderer | None = None,
-) -> list[Any]:
-    """Run ``function(*args)`` as ``request`` says, from the notebook: the ranks' results.
+) -> list[Any] | Run:
+    """Run ``function(*args)`` as ``request`` says, from the notebook: the ranks' results
+    (a :class:`~nbaccel.notebook.kernel.detached.Run` with ``request.detach``).
 
     What the notebook adds to the engine: the renderer (widgets in Jupyter, else text), the
     worker hooks (tqdm bridge, memory sampler) and the modules the fork server preloads.
@@ -122,6 +127,13 @@ def launch_request(
             "and max_restarts=0."
         )
     hooks = worker_setup(memory=request.memory)
+    if request.detach:
+        if xla:
+            raise ValueError(
+                "detach=True is not available for a TPU launch (torch-xla's processes share "
+                "the launching process's runtime): leave detach out on a TPU host."
+            )
+        return start_detached(function, args, request, hooks, WORKER_PRELOAD)
     renderer = renderer or choose_renderer()
     if xla:
         return launch_xla(function, args, request, renderer=renderer, setup=hooks)
@@ -145,6 +157,25 @@ def launch_request(
             failure = as_child_failed(failure, getattr(function, "__name__", repr(function)))
         raise failure  # the rank's own exception, re-raised in the notebook
     return report.values()
+
+
+def start_detached(
+    function: Callable[..., Any],
+    args: tuple,
+    request: LaunchRequest,
+    setup: Any = (),
+    preload: Any = (),
+) -> Run:
+    """Hand ``function(*args)`` to this user's supervisor (``request.detach``): the
+    :class:`~nbaccel.notebook.kernel.detached.Run`, at once. Its ranks outlive this process."""
+    from nbaccel.launch.detached.handle import submit
+
+    folder = submit(function, args, request, setup=setup, preload=preload)
+    run = Run(folder.id)
+    print(f"[nbaccel] detached run {run.id} ({run.info.name}) started: nbaccel.attach("
+          f"{run.id!r}) follows it from any notebook, `nbaccel runs logs {run.id} --follow` "
+          "from a shell.")  # fmt: skip
+    return run
 
 
 def debug_launcher(

@@ -1,0 +1,149 @@
+"""A detached run seen from any process: submit one, follow it, wait for it, stop or resume it.
+
+:func:`submit` writes the work into a new run folder and asks the supervisor to start it; a
+:class:`DetachedRun` is the handle (by id) that any process of the same user can build later.
+Results come back as a launch returns them: :meth:`DetachedRun.report` is the engine's call
+report, which the fronts turn into per-rank values or the rank's exception.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from nbaccel.launch.detached.client import request as supervisor_request
+from nbaccel.launch.detached.folder import ENDED, RunFolder, RunInfo, RunState
+from nbaccel.launch.detached.replay import Replay
+from nbaccel.launch.driver.render import Renderer, TextRenderer
+
+__all__ = ["DetachedRun", "RunStopped", "submit"]
+
+_WAIT_POLL = 0.2
+
+
+class RunStopped(RuntimeError):
+    """The result of a run that was stopped (``run.stop()``, its supervisor ending) before
+    its ranks returned."""
+
+
+def submit(
+    function: Callable[..., Any],
+    args: tuple,
+    request: Any,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    setup: Iterable[Callable[[], None]] = (),
+    preload: Iterable[str] = (),
+    name: str | None = None,
+    root: Path | None = None,
+) -> RunFolder:
+    """Write a run folder for ``function(*args)`` as ``request`` says and have the supervisor
+    start it; its folder. Pickling problems are raised here, before anything starts."""
+    name = name or getattr(function, "__name__", None) or type(function).__name__
+    folder = RunFolder.create(name, root)
+    try:
+        folder.write_pickle("work.pkl", {
+            "function": function, "args": tuple(args), "kwargs": dict(kwargs or {}),
+            "request": request, "setup": tuple(setup), "preload": tuple(preload),
+        })  # fmt: skip
+    except Exception:
+        import shutil
+
+        shutil.rmtree(folder.path, ignore_errors=True)
+        raise
+    folder.write_json("launch.json", {
+        "python": sys.executable, "env": dict(os.environ), "cwd": os.getcwd(),
+        "sys_path": [p for p in sys.path if p],
+    })  # fmt: skip
+    hosts = request.hosts if isinstance(request.hosts, str) else ",".join(request.hosts or [])
+    folder.update(num_processes=request.num_processes,
+                  hosts=hosts or (request.launcher or "localhost"))  # fmt: skip
+    supervisor_request("start", folder.path.parent, run=folder.id)
+    return folder
+
+
+class DetachedRun:
+    """A handle on one detached run, by id (see the module docstring)."""
+
+    def __init__(self, run_id: str, root: Path | None = None) -> None:
+        self.folder = RunFolder.find(run_id, root)
+        self.id = self.folder.id
+
+    @property
+    def info(self) -> RunInfo:
+        """The run's current ``run.json``."""
+        return self.folder.info()
+
+    @property
+    def state(self) -> str:
+        """``starting``, ``running``, ``finished``, ``failed`` or ``stopped``."""
+        return self.info.state
+
+    def done(self) -> bool:
+        """True once the run has ended."""
+        return self.state in ENDED
+
+    def follow(
+        self, renderer: Renderer | None = None, follow: bool = True, stop: Any = None
+    ) -> None:
+        """Replay the run's output into ``renderer`` (default text); with ``follow``, live
+        until the run ends (or ``stop``, a ``threading.Event``, is set)."""
+        Replay(self.folder, renderer or TextRenderer()).run(follow=follow, stop=stop)
+
+    def wait(self, timeout: float | None = None) -> RunInfo:
+        """Wait until the run ends (TimeoutError after ``timeout`` seconds); its info."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            info = self.info
+            if info.state in ENDED:
+                return info
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.id} is still {info.state} after {timeout} s.")
+            time.sleep(_WAIT_POLL)
+
+    def report(self, timeout: float | None = None) -> Any:
+        """Wait for the end; the last attempt's call report (``CallReport``). A run stopped
+        before its ranks returned raises :class:`RunStopped`; a launch that could not run
+        raises its error."""
+        info = self.wait(timeout)
+        try:
+            outcome = self.folder.read_pickle("result.pkl")
+        except FileNotFoundError:
+            raise RunStopped(
+                f"run {self.id} ended ({info.state}: {info.reason or 'no reason recorded'}) "
+                "without a result."
+            ) from None
+        if "stopped" in outcome:
+            raise RunStopped(f"run {self.id} was stopped ({outcome['stopped']}) before its "
+                             f"ranks returned; resume it with run.resume().")  # fmt: skip
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["report"]
+
+    def stop(self, wait: bool = True, timeout: float | None = 60.0) -> RunInfo:
+        """Stop the run as the stop button stops a launch (every rank, no orphans, shared
+        memory freed); with ``wait``, until it has ended."""
+        if not self.done():
+            supervisor_request("stop", self.folder.path.parent, run=self.id)
+        return self.wait(timeout) if wait else self.info
+
+    def resume(self) -> None:
+        """Launch the same function and arguments again on fresh ranks, in the same folder
+        (an Accelerator with automatic checkpoint naming loads the newest checkpoint)."""
+        info = self.info
+        if info.state not in ENDED:
+            raise ValueError(f"run {self.id} is {info.state}: stop it before resuming it.")
+        self.folder.update(state=RunState.STARTING)
+        try:
+            supervisor_request("resume", self.folder.path.parent, run=self.id)
+        except BaseException:
+            self.folder.update(state=info.state)
+            raise
+
+    def __repr__(self) -> str:
+        info = self.info
+        return f"<Run {info.id} {info.name!r}: {info.state}, {info.num_processes} ranks>"
