@@ -15,6 +15,8 @@ is the total over all machines; ``--num_machines``/``--machine_rank``/``--main_p
 runs the script under ``mpirun``. ``--use_deepspeed`` (or a DEEPSPEED config) tells each rank's
 ``Accelerator()`` to run DeepSpeed ZeRO as the DeepSpeed options say, checked before anything
 starts. Megatron-LM and SageMaker configs are refused with a clear error before anything starts.
+``--detach`` hands the run to this user's supervisor and returns at once, printing the run's id
+(follow it with ``nbaccel runs logs ID --follow``; see ``nbaccel runs``).
 """
 
 from __future__ import annotations
@@ -322,7 +324,7 @@ def _launch(args: argparse.Namespace) -> int:
         return launch_request(run_script, call, request)
 
     try:
-        _with_environment(env, start)
+        _with_environment(env, start)  # with --detach: the run is started, its id printed
     except BaseException as exc:  # every failure becomes an exit code
         _report(exc)
         return _exit_code(exc)
