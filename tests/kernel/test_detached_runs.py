@@ -1,0 +1,111 @@
+"""Detached runs from real kernels: a run outlives its kernel (SIGKILLed mid-run), a new kernel
+re-attaches and sees every line in order, the live view and the results; a failing rank's
+exception comes back on attach with its type, naming the rank; nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from detached import leftovers, runs_env, shut_down
+from kernel import cell_errors, cell_text, run_notebook, stream_text
+
+from nbaccel.launch.detached.folder import ENDED, RunFolder, RunState
+
+LINES, SECONDS = 500, 5.0  # per rank: 1,000 lines over about 5 s
+
+_START = f"""
+import os
+from nbaccel import notebook_launcher
+
+def chatty(lines, seconds):
+    import time
+    from tqdm.auto import tqdm
+    rank = int(os.environ["RANK"])
+    for i in tqdm(range(lines), desc="steps"):
+        print(f"line {{i}}", flush=True)
+        time.sleep(seconds / lines)
+    return f"rank {{rank}} printed {{lines}} lines"
+
+run = notebook_launcher(chatty, ({LINES}, {SECONDS}), num_processes=2, cpu=True, detach=True)
+print("RUN", run.id, "PID", os.getpid())
+"""
+
+
+@pytest.fixture
+def runs(tmp_path):
+    # short: the supervisor's socket lives there (a Unix socket path has ~100 bytes)
+    root = Path(tempfile.mkdtemp(prefix="runs-", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="nbaccel-test-", dir="/dev/shm"))
+    yield root, shm, runs_env(root, shm)
+    shut_down(root)
+    left = leftovers(root, shm)
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+    assert left == {"processes": [], "shm": []}, left
+
+
+def test_a_detached_run_outlives_its_killed_kernel_and_a_new_kernel_attaches(runs):
+    root, _, env = runs
+    first = run_notebook([_START], timeout=120, env=env)
+    found = re.search(r"RUN (\S+) PID (\d+)", cell_text(first.cells[0]))
+    assert found, cell_text(first.cells[0])
+    run_id, kernel_pid = found.group(1), int(found.group(2))
+    time.sleep(2.0)
+    os.kill(kernel_pid, signal.SIGKILL)  # the kernel dies mid-run
+    folder = RunFolder(root / run_id)
+    assert folder.info().state in (RunState.STARTING, RunState.RUNNING, RunState.FINISHED)
+
+    attach = f"import nbaccel\nrun = nbaccel.attach({run_id!r})\nprint('RESULT', run.result())"
+    second = run_notebook([attach, "print(nbaccel.runs())"], timeout=180, env=env, shutdown=True)
+    cell = second.cells[0]
+    assert not cell_errors(cell), cell_text(cell)
+    out = stream_text(cell)
+    for rank in (0, 1):
+        seen = [int(n) for n in re.findall(rf"^\[rank {rank}\] line (\d+)$", out, re.M)]
+        assert seen == list(range(LINES)), (rank, seen[:5], len(seen))
+    expected = [f"rank {r} printed {LINES} lines" for r in (0, 1)]
+    assert f"RESULT {expected!r}" in out
+    views = [o for o in cell.outputs if "application/vnd.jupyter.widget-view+json" in
+             o.get("data", {})]  # fmt: skip
+    assert views, "the re-attached cell shows the live view (progress, output by rank)"
+    assert "2 ranks finished" in cell_text(cell)  # the view's summary: final bars
+    assert "steps" in cell_text(cell)
+    assert run_id in cell_text(second.cells[1]) and "finished" in cell_text(second.cells[1])
+    assert folder.info().state == RunState.FINISHED
+
+
+_FAILING = """
+import os, nbaccel
+from nbaccel import notebook_launcher
+
+def fails_on_one():
+    if int(os.environ["RANK"]) == 1:
+        raise ValueError("rank one cannot go on")
+    return "fine"
+
+run = notebook_launcher(fails_on_one, num_processes=2, cpu=True, detach=True)
+"""
+
+
+def test_a_failing_rank_raises_its_exception_on_attach(runs):
+    root, _, env = runs
+    nb = run_notebook(
+        [_FAILING, "again = nbaccel.attach(run.id)\nagain.result()",
+         "print(type(run.result.__self__).__name__, run.state)"],
+        timeout=120, env=env, shutdown=True,
+    )  # fmt: skip
+    (error,) = cell_errors(nb.cells[1])
+    assert error["ename"] == "ValueError", error
+    assert "rank 1" in error["evalue"] and "rank one cannot go on" in error["evalue"]
+    assert "Run failed" in cell_text(nb.cells[2])
+    (info,) = [RunFolder(p).info() for p in root.iterdir() if (p / "run.json").exists()]
+    assert info.state in ENDED and info.state == RunState.FAILED
+    assert "ValueError" in info.reason
