@@ -1,19 +1,24 @@
 """What the tests of detached runs share: a private runs folder per test, and the check that
 nothing of its runs is left (processes, shared memory) once its supervisor is gone.
 
-    from detached import runs_env, leftovers, shut_down   # tests/ is on sys.path
+    from detached import runs_fixture   # tests/ is on sys.path: the fixture ``runs``
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from nbaccel.launch.detached.client import request
 from nbaccel.launch.detached.paths import RUNS_DIR_VAR
 
-__all__ = ["leftovers", "runs_env", "shut_down"]
+__all__ = ["leftovers", "runs_env", "runs_fixture", "shut_down"]
 
 
 def runs_env(root: Path, shm: Path) -> dict[str, str]:
@@ -61,3 +66,21 @@ def leftovers(root: Path, shm: Path) -> dict[str, list]:
         "processes": _processes_with(f"{RUNS_DIR_VAR}={root}"),
         "shm": sorted(os.listdir(shm)) if shm.is_dir() else [],
     }
+
+
+@pytest.fixture(name="runs")
+def runs_fixture() -> Iterator[tuple[Path, Path, dict[str, str]]]:
+    """A test's runs folder, shm folder and the environment naming them; afterwards its
+    supervisor is shut down and nothing of its runs may be left."""
+    # short: the supervisor's socket lives there (a Unix socket path has ~100 bytes)
+    root = Path(tempfile.mkdtemp(prefix="runs-", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="nbaccel-test-", dir="/dev/shm"))
+    try:
+        yield root, shm, runs_env(root, shm)
+        shut_down(root)
+        left = leftovers(root, shm)
+        assert left == {"processes": [], "shm": []}, left
+    finally:
+        shut_down(root, timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)

@@ -7,12 +7,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tempfile
 import time
-from pathlib import Path
 
-import pytest
-from detached import leftovers, runs_env, shut_down
+from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 from kernel import cell_errors, cell_text, run_notebook, stream_text
 
 from nbaccel.launch.detached.folder import ENDED, RunFolder, RunState
@@ -35,21 +32,6 @@ def chatty(lines, seconds):
 run = notebook_launcher(chatty, ({LINES}, {SECONDS}), num_processes=2, cpu=True, detach=True)
 print("RUN", run.id, "PID", os.getpid())
 """
-
-
-@pytest.fixture
-def runs(tmp_path):
-    # short: the supervisor's socket lives there (a Unix socket path has ~100 bytes)
-    root = Path(tempfile.mkdtemp(prefix="runs-", dir="/tmp"))
-    shm = Path(tempfile.mkdtemp(prefix="nbaccel-test-", dir="/dev/shm"))
-    yield root, shm, runs_env(root, shm)
-    shut_down(root)
-    left = leftovers(root, shm)
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(shm, ignore_errors=True)
-    assert left == {"processes": [], "shm": []}, left
 
 
 def test_a_detached_run_outlives_its_killed_kernel_and_a_new_kernel_attaches(runs):

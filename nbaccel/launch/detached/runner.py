@@ -7,11 +7,12 @@ directory (``launch.json``). It runs the folder's work through the normal launch
 ``result.pkl`` and the final state to ``run.json``. Its stdin is a pipe from the supervisor:
 when the supervisor goes, the pipe closes and the run is stopped as the stop button stops a
 launch (SIGINT), marked as stopped because its supervisor ended. SIGINT is the stop request,
-SIGTERM too.
+SIGTERM too; SIGUSR2 writes every thread's stack to ``runner.log``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     folder = RunFolder(argv[0])
     stop = _Stop()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # runner.log: where it is stuck
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=_watch_supervisor, args=(stop,), daemon=True).start()

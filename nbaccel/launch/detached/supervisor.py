@@ -169,9 +169,17 @@ class Supervisor:
 
     # ------------------------------------------------------------------ runners
     def _start(self, run_id: str) -> None:
-        if run_id in self.runners:
-            raise ValueError(f"run {run_id} is already running")
         folder = RunFolder(self.root / run_id)
+        runner = self.runners.get(run_id)
+        leaving = folder.info().state != RunState.RUNNING  # its runner wrote the end: exiting
+        if runner is not None and runner.stopping_since is None and leaving:
+            try:
+                runner.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            self._reap()
+        if run_id in self.runners:
+            raise ValueError(f"run {run_id} is still running: stop it first")
         launch = folder.read_json("launch.json")
         folder.update(state=RunState.STARTING, reason="", ended=None)
         log = os.open(folder.file("runner.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
