@@ -144,6 +144,12 @@ class DetachedRun:
             self.folder.update(state=info.state)
             raise
 
+    def remove(self) -> None:
+        """Remove the ended run's folder (its output, result and work): ``nbaccel runs rm``."""
+        from nbaccel.launch.detached.folder import remove_runs
+
+        remove_runs([self.id], root=self.folder.path.parent)
+
     def __repr__(self) -> str:
         info = self.info
         return f"<Run {info.id} {info.name!r}: {info.state}, {info.num_processes} ranks>"
