@@ -50,11 +50,15 @@ def submit(
             "function": function, "args": tuple(args), "kwargs": dict(kwargs or {}),
             "request": request, "setup": tuple(setup), "preload": tuple(preload),
         })  # fmt: skip
-    except Exception:
+    except Exception as exc:  # named as a launch names it: the path inside args, the fix
         import shutil
 
+        from nbaccel.launch.wire.unpicklable import unpicklable_refused
+
         shutil.rmtree(folder.path, ignore_errors=True)
-        raise
+        work = (function, tuple(args), dict(kwargs or {}))
+        names = ("function", "args", "kwargs")
+        raise unpicklable_refused(exc, work, "work", names, "ranks") from exc
     folder.write_json("launch.json", {
         "python": sys.executable, "env": dict(os.environ), "cwd": os.getcwd(),
         "sys_path": [p for p in sys.path if p],
