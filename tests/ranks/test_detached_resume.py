@@ -97,3 +97,23 @@ def test_a_killed_run_resumes_from_its_newest_checkpoint(runs, tmp_path, monkeyp
 
     run.follow(Lines(), follow=False)
     assert "resumed at epoch 2" in lines
+
+
+def test_max_restarts_resumes_a_detached_run_by_itself(runs, tmp_path, monkeypatch):
+    _, _, env = runs
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = notebook_launcher(
+        train, (str(tmp_path / "project"), str(tmp_path / "killed-once")), num_processes=2,
+        cpu=True, detach=True, max_restarts=1,
+    )  # fmt: skip
+    results = run.result(timeout=300)
+    assert [r["started_at"] for r in results] == [2, 2]  # relaunched from checkpoint_1
+    lines = []
+
+    class Notices(Renderer):
+        def notice(self, text):
+            lines.append(text)
+
+    run.follow(Notices(), follow=False)
+    assert any("restart 1 of 1" in text for text in lines), lines
