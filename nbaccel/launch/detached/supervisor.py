@@ -35,7 +35,7 @@ from nbaccel.launch.detached.paths import private_dir, socket_path
 __all__ = ["IDLE_VAR", "Supervisor", "main", "peer_uid"]
 
 IDLE_VAR = "NBACCEL_SUPERVISOR_IDLE"
-_STOP_STEPS = (("SIGTERM", 20.0), ("SIGKILL", 10.0))  # after SIGINT: next signal, after s
+_STOP_STEPS = (("SIGTERM", 20.0), ("SIGKILL", 30.0))  # seconds after the SIGINT
 _REQUEST_TIMEOUT = 5.0
 
 
