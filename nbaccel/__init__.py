@@ -33,6 +33,7 @@ from nbaccel.distributed.collectives import (
 from nbaccel.distributed.environment import detect_launch_environment, detect_platform
 from nbaccel.distributed.random import set_seed
 from nbaccel.distributed.state import AcceleratorState, DistributedType, GradientState, PartialState
+from nbaccel.launch.detached.handle import RunStopped
 from nbaccel.launch.host.log_store import keep_logs
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, RankCrashed, RankError, ResultNotLoadable
@@ -68,6 +69,7 @@ __getattr__ = _install_compat_paths(__name__)
 __all__ = [
     "Accelerator",
     "Run",
+    "RunStopped",
     "attach",
     "runs",
     "AcceleratorState",
