@@ -80,3 +80,17 @@ def test_unpicklable_work_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(UnpicklableError, match=r"args\[0\] \(lock\)"):
         submit(print, (threading.Lock(),), request, root=root)
     assert list(root.iterdir()) == []  # no folder, no supervisor
+
+
+def test_the_supervisor_prunes_runs_past_the_age_limit(tmp_path, monkeypatch):
+    from nbaccel.launch.detached.supervisor import MAX_AGE_VAR, Supervisor
+
+    root = private_dir(tmp_path / "runs")
+    old, going = RunFolder.create("old", root), RunFolder.create("going", root)
+    old.update(state=RunState.FAILED, ended=1.0)
+    going.update(state=RunState.RUNNING)
+    Supervisor(root)._prune()  # no limit set: nothing removed
+    assert len(list_runs(root)) == 2
+    monkeypatch.setenv(MAX_AGE_VAR, "7")
+    Supervisor(root)._prune()
+    assert [i.id for i in list_runs(root)] == [going.id]

@@ -60,7 +60,7 @@ def submit(
         names = ("function", "args", "kwargs")
         raise unpicklable_refused(exc, work, "work", names, "ranks") from exc
     folder.write_json("launch.json", {
-        "python": sys.executable, "env": dict(os.environ), "cwd": os.getcwd(),
+        "python": sys.executable, "env": _environment(request), "cwd": os.getcwd(),
         "sys_path": [p for p in sys.path if p],
     })  # fmt: skip
     hosts = request.hosts if isinstance(request.hosts, str) else ",".join(request.hosts or [])
@@ -68,6 +68,20 @@ def submit(
                   hosts=hosts or (request.launcher or "localhost"))  # fmt: skip
     supervisor_request("start", folder.path.parent, run=folder.id)
     return folder
+
+
+def _environment(request: Any) -> dict[str, str]:
+    """The run's environment: this process's, plus the Ray cluster this process's ``ray.init``
+    connected to when the launch goes to Ray without naming one (the runner is another
+    process: it could not find the cluster otherwise)."""
+    env = dict(os.environ)
+    ray = sys.modules.get("ray")
+    wants_ray = request.launcher == "ray" and not request.ray_address
+    if wants_ray and "RAY_ADDRESS" not in env and ray is not None and ray.is_initialized():
+        from nbaccel.launch.remote.ray.connect import cluster_address
+
+        env["RAY_ADDRESS"] = cluster_address(ray)
+    return env
 
 
 class DetachedRun:

@@ -10,7 +10,8 @@ It starts one runner process per run attempt (:mod:`nbaccel.launch.detached.runn
 stop requests on as SIGINT (then SIGTERM, then SIGKILL of the runner's process group), and marks
 a run whose runner vanished. On SIGTERM/SIGINT/SIGHUP it stops its runs cleanly and marks them;
 killed outright, its runners see their pipe close and stop themselves. With no run going for
-``NBACCEL_SUPERVISOR_IDLE`` seconds (default 600) it exits.
+``NBACCEL_SUPERVISOR_IDLE`` seconds (default 600) it exits. With ``NBACCEL_RUNS_MAX_AGE_DAYS``
+set, it removes the folders of runs that ended longer ago than that, at start and hourly.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from nbaccel.launch.detached.folder import RunFolder, RunState
+from nbaccel.launch.detached.folder import RunFolder, RunState, remove_runs
 from nbaccel.launch.detached.paths import private_dir, socket_path
 
-__all__ = ["IDLE_VAR", "Supervisor", "main", "peer_uid"]
+__all__ = ["IDLE_VAR", "MAX_AGE_VAR", "Supervisor", "main", "peer_uid"]
 
 IDLE_VAR = "NBACCEL_SUPERVISOR_IDLE"
+MAX_AGE_VAR = "NBACCEL_RUNS_MAX_AGE_DAYS"
+_PRUNE_EVERY = 3600.0
 _STOP_STEPS = (("SIGTERM", 20.0), ("SIGKILL", 30.0))  # seconds after the SIGINT
 _REQUEST_TIMEOUT = 5.0
 
@@ -67,6 +70,7 @@ class Supervisor:
         self.last_busy = time.monotonic()
         self.closing = False
         self.listener: socket.socket | None = None
+        self.pruned_at = -_PRUNE_EVERY
 
     # ------------------------------------------------------------------ lifetime
     def listen(self) -> None:
@@ -96,6 +100,7 @@ class Supervisor:
                 for _key, _ in selector.select(timeout=0.25):
                     self._accept()
                 self._reap()
+                self._prune()
                 if self.closing:
                     self._stop_all()
                     return
@@ -110,6 +115,18 @@ class Supervisor:
                 self.path.unlink()
             except OSError:
                 pass
+
+    def _prune(self) -> None:
+        """Remove the folders of runs ended more than ``NBACCEL_RUNS_MAX_AGE_DAYS`` ago."""
+        text = os.environ.get(MAX_AGE_VAR, "")
+        now = time.monotonic()
+        if not text or now - self.pruned_at < _PRUNE_EVERY:
+            return
+        self.pruned_at = now
+        try:
+            remove_runs(older_than_days=float(text), root=self.root)
+        except (ValueError, OSError) as exc:  # a bad value or a folder in use: say it, go on
+            print(f"nbaccel supervisor: pruning old runs failed: {exc}", file=sys.stderr)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.closing = True
