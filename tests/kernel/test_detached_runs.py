@@ -1,6 +1,7 @@
 """Detached runs from real kernels: a run outlives its kernel (SIGKILLed mid-run), a new kernel
 re-attaches and sees every line in order, the live view and the results; a failing rank's
-exception comes back on attach with its type, naming the rank; nothing is left behind."""
+exception comes back on attach with its type, naming the rank; the stop button detaches from a
+run, ``run.stop()`` stops it; nothing is left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 from kernel import cell_errors, cell_text, run_notebook, stream_text
 
-from nbaccel.launch.detached.folder import ENDED, RunFolder, RunState
+from nbaccel.launch.detached.folder import RunFolder, RunState
 
 LINES, SECONDS = 500, 5.0  # per rank: 1,000 lines over about 5 s
 
@@ -64,30 +65,48 @@ def test_a_detached_run_outlives_its_killed_kernel_and_a_new_kernel_attaches(run
     assert folder.info().state == RunState.FINISHED
 
 
-_FAILING = """
+_SLEEPER = """
 import os, nbaccel
 from nbaccel import notebook_launcher
+
+def ticks():
+    import time
+    for i in range(600):
+        print(f"tick {i}", flush=True)
+        time.sleep(0.1)
 
 def fails_on_one():
     if int(os.environ["RANK"]) == 1:
         raise ValueError("rank one cannot go on")
     return "fine"
 
-run = notebook_launcher(fails_on_one, num_processes=2, cpu=True, detach=True)
+long = notebook_launcher(ticks, num_processes=2, cpu=True, detach=True)
 """
 
 
-def test_a_failing_rank_raises_its_exception_on_attach(runs):
+def test_the_stop_button_detaches_stop_stops_and_a_failing_rank_raises_on_attach(runs):
     root, _, env = runs
     nb = run_notebook(
-        [_FAILING, "again = nbaccel.attach(run.id)\nagain.result()",
-         "print(type(run.result.__self__).__name__, run.state)"],
-        timeout=120, env=env, shutdown=True,
+        [
+            _SLEEPER,
+            "import time\nwhile not long.info.last_line:\n    time.sleep(0.2)",
+            "nbaccel.attach(long.id)",  # the stop button, below: detaches, the run goes on
+            "print('STATE', long.state)",
+            "print('STOPPED', long.stop().state, long.info.reason)",
+            "run = notebook_launcher(fails_on_one, num_processes=2, cpu=True, detach=True)",
+            "nbaccel.attach(run.id).result()",
+        ],
+        timeout=120, env=env, shutdown=True, interrupt_after={2: 4.0},
     )  # fmt: skip
-    (error,) = cell_errors(nb.cells[1])
+    attached = cell_text(nb.cells[2])
+    assert "[rank 0] tick 0" in attached and "[rank 1] tick 0" in attached, attached
+    assert "detached from run" in attached, attached
+    assert "STATE running" in cell_text(nb.cells[3])
+    assert "STOPPED stopped stopped" in cell_text(nb.cells[4])
+    (error,) = cell_errors(nb.cells[6])
     assert error["ename"] == "ValueError", error
     assert "rank 1" in error["evalue"] and "rank one cannot go on" in error["evalue"]
-    assert "Run failed" in cell_text(nb.cells[2])
-    (info,) = [RunFolder(p).info() for p in root.iterdir() if (p / "run.json").exists()]
-    assert info.state in ENDED and info.state == RunState.FAILED
-    assert "ValueError" in info.reason
+    states = {i.name: i for i in (RunFolder(p).info() for p in root.iterdir() if p.is_dir())}
+    assert states["ticks"].state == RunState.STOPPED
+    assert states["fails_on_one"].state == RunState.FAILED
+    assert "ValueError" in states["fails_on_one"].reason

@@ -23,7 +23,7 @@ __all__ = ["request", "start_supervisor", "supervisor_pid"]
 _CONNECT_TRIES = 50
 
 
-def _send(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+def _send(path: Path, message: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
         conn.connect(str(path))
