@@ -45,7 +45,7 @@ def test_launch_detach_then_runs_logs_result_and_rm(runs, tmp_path):
 
     (info,) = list_runs(root)  # what `nbaccel runs` prints (its table is RunInfo.row())
     assert info.id == run_id and info.state == "finished" and "done" in info.last_line, info
-    result = _nbaccel("runs", "result", run_id[:17], env=env, cwd=tmp_path)
+    result = _nbaccel("runs", "result", run_id[:17], env=env, cwd=tmp_path)  # a unique start
     assert result.returncode == 0 and "[rank 1] None" in result.stdout, result
     removed = _nbaccel("runs", "rm", run_id, env=env, cwd=tmp_path)
     assert removed.returncode == 0 and not (root / run_id).exists(), removed.stderr
