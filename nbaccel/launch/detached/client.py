@@ -39,22 +39,30 @@ def _send(path: Path, message: dict[str, Any], timeout: float = 60.0) -> dict[st
     return json.loads(data)
 
 
+# The supervisor needs the standard library and this package's detached modules only: it is
+# started without running nbaccel's own __init__ (which imports torch and the whole API), so it
+# starts in a fraction of a second and stays small while it waits.
+_ENTRY = """
+import sys, types
+package = types.ModuleType("nbaccel")
+package.__path__ = [sys.argv[1]]
+sys.modules["nbaccel"] = package
+from nbaccel.launch.detached.supervisor import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def start_supervisor(root: Path) -> None:
     """Start the supervisor of ``root`` (it detaches itself; this returns once it listens, or
     once another one already serves ``root``)."""
-    package_parent = str(Path(__file__).resolve().parents[3])  # where nbaccel is
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [package_parent, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    )
+    package = str(Path(__file__).resolve().parents[2])  # the nbaccel package's folder
     log = os.open(root / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         subprocess.run(
-            [sys.executable, "-m", "nbaccel.launch.detached.supervisor", str(root)],
+            [sys.executable, "-c", _ENTRY, package, str(root)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
-            env=env,
             cwd=str(root),
             start_new_session=True,
             check=True,
