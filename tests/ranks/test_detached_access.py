@@ -61,6 +61,12 @@ print(json.dumps(out))
 """
 
 
+def _story(run) -> str:
+    """What to show when the run is not where the test expects it."""
+    log = run.folder.file("runner.log")
+    return f"{run.info}\n{log.read_text() if log.exists() else ''}"
+
+
 def _as_nobody(root, run_id) -> dict:
     done = subprocess.run(
         ["runuser", "-u", "nobody", "--", _SYSTEM_PYTHON, "-c", textwrap.dedent(_AS_OTHER),
@@ -93,9 +99,9 @@ def test_another_user_cannot_list_read_or_stop_a_run(runs, monkeypatch):
             os.chmod(sock, 0o600)
         status, answer = seen["stop"]
         assert status == "ok" and "another user" in json.loads(answer)["error"], seen
-        assert run.state in (RunState.STARTING, RunState.RUNNING)
+        assert run.state in (RunState.STARTING, RunState.RUNNING), _story(run)
     finally:
         info = run.stop()  # the stop button's guarantees: every rank ends (checked by `runs`)
-    assert info.state == RunState.STOPPED, info
+    assert info.state == RunState.STOPPED, _story(run)
     with pytest.raises(RunStopped, match="stopped"):
         run.result()
