@@ -119,9 +119,29 @@ class DetachedRun:
             info = self.info
             if info.state in ENDED:
                 return info
+            if self._lost(info):
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.id} is still {info.state} after {timeout} s.")
             time.sleep(_WAIT_POLL)
+
+    def _lost(self, info: RunInfo) -> bool:
+        """A run whose runner process is gone without saying how it ended (it and its
+        supervisor were killed together): mark it failed; whether it was."""
+        from nbaccel.launch.host.processes import pid_alive
+
+        if info.state != RunState.RUNNING or info.runner_pid is None:
+            return False
+        if pid_alive(info.runner_pid):
+            return False
+        time.sleep(_WAIT_POLL)  # it may have written its end just now
+        info = self.info
+        if info.state != RunState.RUNNING or info.runner_pid is None:
+            return False
+        self.folder.update(state=RunState.FAILED, ended=time.time(), runner_pid=None,
+                           reason="its runner process vanished (killed along with its "
+                           "supervisor?): resume it")  # fmt: skip
+        return True
 
     def report(self, timeout: float | None = None) -> Any:
         """Wait for the end; the last attempt's call report (``CallReport``). A run stopped

@@ -133,8 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=_watch_supervisor, args=(stop,), daemon=True).start()
-    _prepare(folder)
-    run_attempt(folder, stop)
+    try:
+        _prepare(folder)
+        run_attempt(folder, stop)
+    except KeyboardInterrupt:  # stopped before the attempt began: say so, nobody else may
+        import time
+
+        if not folder.info().ended_:
+            folder.update(state=RunState.STOPPED, reason=stop.reason, ended=time.time(),
+                          runner_pid=None)  # fmt: skip
     return 0
 
 

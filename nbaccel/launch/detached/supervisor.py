@@ -149,12 +149,12 @@ class Supervisor:
         with conn:
             conn.settimeout(_REQUEST_TIMEOUT)
             uid = peer_uid(conn)
-            if uid is not None and uid != os.getuid():
-                self._answer(conn, {"ok": False, "error": "this supervisor serves another user"})
-                return
             try:
-                request = json.loads(_read_line(conn))
-                answer = self._handle(request)
+                line = _read_line(conn)  # read first: a refusal sent early meets a broken pipe
+                if uid is not None and uid != os.getuid():
+                    answer = {"ok": False, "error": "this supervisor serves another user"}
+                else:
+                    answer = self._handle(json.loads(line))
             except Exception as exc:  # a bad request gets its error, the supervisor goes on
                 answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             self._answer(conn, answer)
