@@ -94,3 +94,12 @@ def test_the_supervisor_prunes_runs_past_the_age_limit(tmp_path, monkeypatch):
     monkeypatch.setenv(MAX_AGE_VAR, "7")
     Supervisor(root)._prune()
     assert [i.id for i in list_runs(root)] == [going.id]
+
+
+def test_a_detached_launch_is_planned_and_refused_in_the_notebook(tmp_path, monkeypatch):
+    from nbaccel import notebook_launcher
+
+    monkeypatch.setenv("NBACCEL_RUNS_DIR", str(tmp_path / "runs"))
+    with pytest.raises(ValueError, match="not an address of this machine"):
+        notebook_launcher(print, num_processes=2, cpu=True, master_addr="192.0.2.77", detach=True)
+    assert not (tmp_path / "runs").exists()  # no folder, no supervisor

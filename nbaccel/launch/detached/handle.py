@@ -38,12 +38,13 @@ def submit(
     kwargs: dict[str, Any] | None = None,
     setup: Iterable[Callable[[], None]] = (),
     preload: Iterable[str] = (),
-    name: str | None = None,
     root: Path | None = None,
+    num_processes: int | None = None,
 ) -> RunFolder:
     """Write a run folder for ``function(*args)`` as ``request`` says and have the supervisor
-    start it; its folder. Pickling problems are raised here, before anything starts."""
-    name = name or getattr(function, "__name__", None) or type(function).__name__
+    start it; its folder. Pickling problems are raised here, before anything starts.
+    ``num_processes``: the ranks as planned, for the listing (default: the request's)."""
+    name = getattr(function, "__name__", None) or type(function).__name__
     folder = RunFolder.create(name, root)
     try:
         folder.write_pickle("work.pkl", {
@@ -64,7 +65,7 @@ def submit(
         "sys_path": [p for p in sys.path if p],
     })  # fmt: skip
     hosts = request.hosts if isinstance(request.hosts, str) else ",".join(request.hosts or [])
-    folder.update(num_processes=request.num_processes,
+    folder.update(num_processes=num_processes or request.num_processes,
                   hosts=hosts or (request.launcher or "localhost"))  # fmt: skip
     supervisor_request("start", folder.path.parent, run=folder.id)
     return folder

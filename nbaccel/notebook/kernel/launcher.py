@@ -133,7 +133,9 @@ def launch_request(
                 "detach=True is not available for a TPU launch (torch-xla's processes share "
                 "the launching process's runtime): leave detach out on a TPU host."
             )
-        return start_detached(function, args, request, hooks, WORKER_PRELOAD)
+        # checked here, before anything starts (the run's own process plans it again)
+        plan = LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment())
+        return start_detached(function, args, request, hooks, WORKER_PRELOAD, plan.num_processes)
     renderer = renderer or choose_renderer()
     if xla:
         return launch_xla(function, args, request, renderer=renderer, setup=hooks)
@@ -165,12 +167,15 @@ def start_detached(
     request: LaunchRequest,
     setup: Any = (),
     preload: Any = (),
+    num_processes: int | None = None,
 ) -> Run:
     """Hand ``function(*args)`` to this user's supervisor (``request.detach``): the
     :class:`~nbaccel.notebook.kernel.detached.Run`, at once. Its ranks outlive this process."""
     from nbaccel.launch.detached.handle import submit
 
-    folder = submit(function, args, request, setup=setup, preload=preload)
+    folder = submit(
+        function, args, request, setup=setup, preload=preload, num_processes=num_processes
+    )
     run = Run(folder.id)
     print(f"[nbaccel] detached run {run.id} ({run.info.name}) started: nbaccel.attach("
           f"{run.id!r}) follows it from any notebook, `nbaccel runs logs {run.id} --follow` "
