@@ -59,12 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def runs_command(args: argparse.Namespace) -> int:
     """Do what ``args`` asks; the exit code."""
-    from nbaccel.launch.detached.folder import list_runs, remove_runs
-    from nbaccel.launch.detached.handle import DetachedRun, RunStopped
+    from nbaccel.launch.detached.folder import remove_runs
+    from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
 
     action = getattr(args, "action", None)
     if action is None:
-        _print_table([info.row() for info in list_runs()])
+        _print_table([info.row() for info in current_runs()])
         return 0
     if action == "rm":
         if not args.run_ids and args.older_than is None:

@@ -103,3 +103,17 @@ def test_a_detached_launch_is_planned_and_refused_in_the_notebook(tmp_path, monk
     with pytest.raises(ValueError, match="not an address of this machine"):
         notebook_launcher(print, num_processes=2, cpu=True, master_addr="192.0.2.77", detach=True)
     assert not (tmp_path / "runs").exists()  # no folder, no supervisor
+
+
+def test_a_run_whose_process_vanished_is_marked_failed(tmp_path):
+    from pathlib import Path
+
+    from nbaccel.launch.detached.handle import DetachedRun, current_runs
+
+    root = private_dir(tmp_path / "runs")
+    never = int(Path("/proc/sys/kernel/pid_max").read_text())  # pids stay below it
+    folder = RunFolder.create("train", root)
+    folder.update(state=RunState.RUNNING, runner_pid=never)
+    (info,) = current_runs(root)
+    assert info.state == RunState.FAILED and "vanished" in info.reason
+    assert DetachedRun(folder.id, root).wait(timeout=1).state == RunState.FAILED

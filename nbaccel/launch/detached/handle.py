@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.launch.detached.client import request as supervisor_request
-from nbaccel.launch.detached.folder import ENDED, RunFolder, RunInfo, RunState
+from nbaccel.launch.detached.folder import ENDED, RunFolder, RunInfo, RunState, list_runs
 from nbaccel.launch.detached.replay import Replay
 from nbaccel.launch.driver.render import Renderer, TextRenderer
 
-__all__ = ["DetachedRun", "RunStopped", "submit"]
+__all__ = ["DetachedRun", "RunStopped", "current_runs", "submit"]
 
 _WAIT_POLL = 0.2
 
@@ -100,7 +100,8 @@ class DetachedRun:
     @property
     def state(self) -> str:
         """``starting``, ``running``, ``finished``, ``failed`` or ``stopped``."""
-        return self.info.state
+        info = self.info
+        return self.info.state if self._lost(info) else info.state
 
     def done(self) -> bool:
         """True once the run has ended."""
@@ -192,3 +193,14 @@ class DetachedRun:
     def __repr__(self) -> str:
         info = self.info
         return f"<Run {info.id} {info.name!r}: {info.state}, {info.num_processes} ranks>"
+
+
+def current_runs(root: Path | None = None) -> list[RunInfo]:
+    """Every run under ``root`` (default: this user's), oldest first, a run whose process
+    vanished without saying how it ended marked failed first."""
+    found = list_runs(root)
+    for index, info in enumerate(found):
+        run = DetachedRun(info.id, root)
+        if run._lost(info):
+            found[index] = run.info
+    return found

@@ -14,8 +14,7 @@ import html
 import threading
 from typing import Any
 
-from nbaccel.launch.detached.folder import list_runs
-from nbaccel.launch.detached.handle import DetachedRun, RunStopped
+from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
 from nbaccel.launch.driver.child_failed import as_child_failed
 from nbaccel.launch.driver.render import Renderer
 from nbaccel.notebook.kernel.renderers import choose_renderer
@@ -91,14 +90,14 @@ class RunList(list):
 def runs() -> RunList:
     """This user's detached runs, oldest first: id, name, state, ranks, hosts, started, and
     the last line printed."""
-    return RunList(list_runs())
+    return RunList(current_runs())
 
 
 def attach(run_id: str | None = None, follow: bool = True) -> Run:
     """Attach to run ``run_id`` (default: the newest): replay its output into this cell, then
     stream it live until it ends (``follow``); the :class:`Run`, for ``.result()``."""
     if run_id is None:
-        found = list_runs()
+        found = current_runs()
         if not found:
             raise ValueError("there are no detached runs to attach to; start one with "
                              "notebook_launcher(..., detach=True).")  # fmt: skip
