@@ -67,7 +67,12 @@ def submit(
     hosts = request.hosts if isinstance(request.hosts, str) else ",".join(request.hosts or [])
     folder.update(num_processes=num_processes or request.num_processes,
                   hosts=hosts or (request.launcher or "localhost"))  # fmt: skip
-    supervisor_request("start", folder.path.parent, run=folder.id)
+    try:
+        supervisor_request("start", folder.path.parent, run=folder.id)
+    except BaseException as exc:  # nothing started: the folder says why, the caller sees it
+        folder.update(state=RunState.FAILED, ended=time.time(),
+                      reason=f"not started: {type(exc).__name__}: {exc}"[:300])  # fmt: skip
+        raise
     return folder
 
 
