@@ -73,6 +73,7 @@ def run_attempt(folder: RunFolder, stop: _Stop) -> None:
 
     info = folder.info()
     attempt = info.attempts + 1
+    folder.file("result.pkl").unlink(missing_ok=True)  # the last attempt's: not this one's
     folder.update(state=RunState.RUNNING, runner_pid=os.getpid(), attempts=attempt,
                   ended=None, reason="")  # fmt: skip
     renderer = RecordingRenderer(folder)
