@@ -105,6 +105,21 @@ NBACCEL_LOG_BUDGET_MB (setting)
 NBACCEL_KEEP_LOGS (setting)
     `1`: keep the full logs when the kernel exits (removed by default).
 
+NBACCEL_RUNS_DIR (setting)
+    Where detached runs keep their folders and their supervisor's socket (default:
+    `~/.nbaccel/runs`); private to its user (mode 0700).
+
+NBACCEL_RUN_LOG_MB (setting)
+    The most one detached run's journal (its lines and events) may hold on disk, in MB
+    (default 512); past it, later lines are dropped, once announced, and counted.
+
+NBACCEL_SUPERVISOR_IDLE (setting)
+    Seconds the supervisor of detached runs waits without a run before it exits (default 600).
+
+NBACCEL_RUNS_MAX_AGE_DAYS (setting)
+    Set in the environment that starts the supervisor: it removes the folders of detached runs
+    that ended more than this many days ago, at start and hourly (default: never).
+
 NBACCEL_SHM_DIR (setting)
     The folder (on a tmpfs) for tensors shared with the ranks (default: `/dev/shm`).
 
