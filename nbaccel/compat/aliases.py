@@ -120,13 +120,15 @@ _DEEPSPEED = (
     "nbaccel.training.strategies.deepspeed.config:HfDeepSpeedConfig",
     "nbaccel.training.strategies.deepspeed.plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
 )
+_SCHEDULER = "nbaccel.training.strategies.model_parallel.megatron_scheduler:MegatronLMDummyScheduler"
 _MEGATRON = (
     _UNSUPPORTED + ":MegatronEngine,MegatronLMOptimizerWrapper,MegatronLMSchedulerWrapper,"
-    "MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,BertTrainStep,"
+    "MegatronLMDummyDataLoader,AbstractTrainStep,BertTrainStep,"
     "GPTTrainStep,T5TrainStep,add_model_config_to_megatron_parser,"
     "avg_losses_across_data_parallel_group,gather_across_data_parallel_groups,finish_mpu_init,"
     "initialize,model_provider_func,prepare_model_optimizer_scheduler,prepare_optimizer,"
     "prepare_scheduler,prepare_data_loader=megatron_prepare_data_loader",
+    _SCHEDULER,
 )
 _AO = (
     "nbaccel.training.precision.fp8.ao_conversion:convert_model_to_fp8_ao,filter_linear_layers,"
@@ -173,9 +175,10 @@ _UTILS = (
     "DeepSpeedOptimizerWrapper,DeepSpeedSchedulerWrapper,DummyOptim,DummyScheduler,"
     "map_pytorch_optim_to_deepspeed",
     "nbaccel.training.config.unsupported_stacks:install_xla,setup_fp8_env,"
-    "MegatronLMDummyDataLoader,MegatronLMDummyScheduler,AbstractTrainStep,"
+    "MegatronLMDummyDataLoader,AbstractTrainStep,"
     "BertTrainStep,GPTTrainStep,T5TrainStep,add_model_config_to_megatron_parser,"
     "avg_losses_across_data_parallel_group",
+    _SCHEDULER,
     "nbaccel.training.strategies.deepspeed.wrappers:GatheredParameters",
     _STATE + ":DistributedType",
 )  # fmt: skip

@@ -57,6 +57,10 @@ from nbaccel.training.step.optimizer import AcceleratedOptimizer
 from nbaccel.training.step.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.deepspeed.launch import requested_plugins
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.model_parallel.megatron_plugin import megatron_from_environment
+from nbaccel.training.strategies.model_parallel.megatron_scheduler import (
+    MegatronLMDummyScheduler,
+)
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.tracking.trackers import TrackerSet
 
@@ -103,12 +107,15 @@ class Accelerator(AcceleratorAttributes):
         group_options.pop("init_method", None)
         if fsdp_plugin is None and deepspeed_plugin is None:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_environment()  # launch --use_fsdp
+        if megatron_lm_plugin is None and deepspeed_plugin is None and fsdp_plugin is None:
+            megatron_lm_plugin = megatron_from_environment()  # launch --use_megatron_lm
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,
             dynamo_plugin=dynamo_plugin,
             fsdp_plugin=fsdp_plugin,
             deepspeed_plugin=deepspeed_plugin,
+            megatron_lm_plugin=megatron_lm_plugin,
             _from_accelerator=True,
             **group_options,
         )
@@ -243,11 +250,13 @@ class Accelerator(AcceleratorAttributes):
             )
             return result[0] if len(result) == 1 else tuple(result)
         result = list(args)
+        self.strategy.plan_batches([a for a in args if isinstance(a, DataLoader)])
         kinds = (
             (torch.nn.Module, self.prepare_model),
             (torch.optim.Optimizer, self.prepare_optimizer),
             (DataLoader, self.prepare_data_loader),
             (torch.optim.lr_scheduler.LRScheduler, lambda s, p: self.prepare_scheduler(s)),
+            (MegatronLMDummyScheduler, lambda s, p: self.prepare_scheduler(s)),
         )
         for kind, prepare_one in kinds:  # models first: FSDP may replace their parameters
             for i, obj in enumerate(args):
@@ -307,6 +316,7 @@ class Accelerator(AcceleratorAttributes):
                 self._dataloaders.append(data_loader)
             return data_loader
         config = self.dataloader_config
+        data_loader = self.strategy.rebatch(data_loader)
         prepared = prepare_data_loader(
             data_loader,
             self.device,
@@ -328,14 +338,19 @@ class Accelerator(AcceleratorAttributes):
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps with its prepared optimizer(s)."""
+        """Wrap ``scheduler`` so it steps with its prepared optimizer(s); a
+        ``MegatronLMDummyScheduler`` becomes Megatron-LM's schedule (one step per call: it
+        counts global batches itself)."""
+        stand_in = isinstance(scheduler, MegatronLMDummyScheduler)
+        if stand_in:
+            scheduler = self.strategy.make_scheduler(scheduler)
         target = getattr(scheduler, "optimizer", None)
         followed = [o for o in self._optimizers if o is target or o.optimizer is target]
         wrapped = AcceleratedScheduler(
             scheduler,
             followed or [target],
             step_with_optimizer=self.step_scheduler_with_optimizer,
-            split_batches=self.split_batches,
+            split_batches=self.split_batches or stand_in,
         )
         self._schedulers.append(mark_prepared(wrapped))
         return wrapped

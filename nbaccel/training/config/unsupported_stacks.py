@@ -71,7 +71,7 @@ def _placeholder_function(name: str, stack: str) -> Any:
 
 _CLASSES = {
     "DeepSpeed Ulysses": "DeepSpeedSequenceParallelConfig",
-    "Megatron-LM": "MegatronLMDummyDataLoader MegatronLMDummyScheduler "
+    "Megatron-LM": "MegatronLMDummyDataLoader "
     "AbstractTrainStep "
     "BertTrainStep GPTTrainStep T5TrainStep MegatronEngine MegatronLMOptimizerWrapper "
     "MegatronLMSchedulerWrapper",

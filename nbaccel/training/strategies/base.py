@@ -124,6 +124,21 @@ class Strategy:
         """The last step of preparing a (sharded) dataloader (nothing here)."""
         return dataloader
 
+    def plan_batches(self, loaders: list[Any]) -> None:
+        """See the dataloaders one ``prepare`` call gets, before any is prepared (nothing here)."""
+
+    def rebatch(self, loader: Any) -> Any:
+        """The first step of preparing a dataloader: its batches as this strategy runs them."""
+        return loader
+
+    def make_scheduler(self, stand_in: Any) -> Any:
+        """The scheduler a stand-in (``MegatronLMDummyScheduler``) stands for."""
+        raise ValueError(
+            f"{type(stand_in).__name__} stands for Megatron-LM's scheduler, which runs with "
+            "Accelerator(megatron_lm_plugin=MegatronLMPlugin(...)) (or nbaccel launch "
+            "--use_megatron_lm); here pass a torch scheduler (get_scheduler(...))."
+        )
+
     def unwrap_model(
         self,
         model: torch.nn.Module,

@@ -42,6 +42,8 @@ def select_strategy(
     """The strategy for ``state.distributed_type``; a ``parallelism_config`` with tensor or
     context parallel or HSDP gets the mesh strategy, a ``megatron_lm_plugin`` the tensor +
     pipeline one."""
+    if megatron_lm_plugin is None and state.distributed_type == DistributedType.MEGATRON_LM:
+        megatron_lm_plugin = state.megatron_lm_plugin  # the run's plugin (shared state)
     if megatron_lm_plugin is not None:
         from nbaccel.training.strategies.model_parallel.megatron import MegatronStrategy
 

@@ -25,8 +25,30 @@ __all__ = ["DecoderStage", "check_decoder_model", "layer_ranges"]
 _PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
-def check_decoder_model(model: nn.Module) -> nn.Module:
-    """The base model (``model.model``) after checking the parts a stage needs."""
+#: why a model family the Megatron-LM guide lists is not cut into stages here
+_FAMILY_REASONS = {
+    "gpt2": "GPT-2 packs q, k and v in one Conv1D (c_attn) and ties lm_head to wte, which "
+    "would live on the first and the last stage; nbaccel has no split for those yet. Train a "
+    "Llama-family config (LlamaConfig, MistralConfig, Qwen2Config...) here, or GPT-2 with FSDP2 "
+    "(fsdp_plugin) or DeepSpeed",
+    "bert": "BERT is an encoder (Megatron-LM's engine builds its own BERT); pipeline stages here "
+    "cut decoder-only language models. Train BERT with FSDP2 (fsdp_plugin) or DeepSpeed",
+    "megatron-bert": "Megatron-BERT is an encoder; pipeline stages here cut decoder-only language "
+    "models. Train it with FSDP2 (fsdp_plugin) or DeepSpeed",
+    "t5": "T5 is an encoder-decoder (Megatron-LM splits it at pipeline_model_parallel_split_rank); "
+    "pipeline stages here cut decoder-only language models. Train T5 with FSDP2 (fsdp_plugin) "
+    "or DeepSpeed",
+}
+
+
+def check_decoder_model(model: nn.Module, stages: int = 1) -> nn.Module:
+    """The base model (``model.model``) after checking the parts a stage needs; errors name
+    the model family's reason and what trains it instead."""
+    kind = str(getattr(getattr(model, "config", None), "model_type", "")).lower()
+    if kind in _FAMILY_REASONS:
+        raise NotImplementedError(
+            f"MegatronLMPlugin cannot train {type(model).__name__} here: {_FAMILY_REASONS[kind]}."
+        )
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     missing = [p for p in _PARTS if base is None or not hasattr(base, p)]
     if not hasattr(model, "lm_head"):
@@ -37,12 +59,31 @@ def check_decoder_model(model: nn.Module) -> nn.Module:
             f"(base model with {', '.join(_PARTS)}, and lm_head); {type(model).__name__} lacks "
             f"{missing}. Train it with ParallelismConfig (tensor parallel / FSDP2) instead."
         )
+    head, embed = getattr(model.lm_head, "weight", None), getattr(base.embed_tokens, "weight", 0)
+    if stages > 1 and head is embed:
+        raise NotImplementedError(
+            f"{type(model).__name__} ties lm_head to embed_tokens (tie_word_embeddings=True): "
+            f"with pp_degree={stages} they would live on the first and the last stage and "
+            "drift apart. Build the model with tie_word_embeddings=False, or use pp_degree=1."
+        )
     return base
 
 
-def layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
+def layer_ranges(
+    num_layers: int, stages: int, last_stage_layers: int | None = None
+) -> list[tuple[int, int]]:
     """``[first, last)`` decoder layers of each stage, as even as possible (earlier stages get
-    the extra layers)."""
+    the extra layers); ``last_stage_layers`` fixes the last stage's count (Megatron-LM's
+    ``decoder_last_pipeline_num_layers``)."""
+    if last_stage_layers is not None and stages > 1:
+        rest = num_layers - last_stage_layers
+        if last_stage_layers < 1 or rest < stages - 1:
+            raise ValueError(
+                f"decoder_last_pipeline_num_layers={last_stage_layers} leaves {rest} of the "
+                f"{num_layers} decoder layers for {stages - 1} other stages: each stage needs "
+                "one layer or more."
+            )
+        return [*layer_ranges(rest, stages - 1), (rest, num_layers)]
     if num_layers < stages:
         raise ValueError(
             f"The model has {num_layers} decoder layers, fewer than pp_degree={stages} pipeline "
@@ -62,10 +103,15 @@ class DecoderStage(nn.Module):
     in, hidden states or logits (last stage) out. Takes the model's modules (the model is
     consumed)."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int) -> None:
+    def __init__(
+        self, model: nn.Module, index: int, stages: int, last_stage_layers: int | None = None
+    ) -> None:
         super().__init__()
-        base = check_decoder_model(model)
-        first, last = layer_ranges(len(base.layers), stages)[index]
+        base = check_decoder_model(model, stages)
+        first, last = layer_ranges(len(base.layers), stages, last_stage_layers)[index]
+        self.model_class = type(model)
+        #: gathers the full model's state dict (a collective; set by the strategy)
+        self.full_state_dict: Any = None
         self.is_first, self.is_last = index == 0, index == stages - 1
         #: ranks the sequence is split over between blocks (sequence parallelism), else 1
         self.sequence_shards = 1
@@ -102,6 +148,29 @@ class DecoderStage(nn.Module):
         if not self.is_last:
             return hidden
         return self.lm_head(base.norm(hidden))
+
+
+    def save_pretrained(
+        self,
+        save_directory: str,
+        is_main_process: bool = True,
+        state_dict: dict[str, Any] | None = None,
+        save_function: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """The whole model (every stage, TP shards gathered) saved as transformers does; every
+        rank calls it (the gather is a collective), the main process writes."""
+        if state_dict is None:
+            if self.full_state_dict is None:
+                raise RuntimeError("This stage was not prepared by an Accelerator: no gather.")
+            state_dict = self.full_state_dict()
+        if not is_main_process or not state_dict:
+            return
+        with torch.device("meta"):
+            whole = self.model_class(self.config)
+        if save_function is not None:
+            kwargs["save_function"] = save_function
+        whole.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

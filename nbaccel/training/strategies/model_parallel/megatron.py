@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,76 +31,16 @@ import torch.distributed as dist
 from torch import nn
 
 from nbaccel.training.strategies.base import Strategy
-from nbaccel.training.strategies.model_parallel.decoder_stages import DecoderStage, causal_lm_loss
+from nbaccel.training.strategies.model_parallel.decoder_stages import (
+    DecoderStage,
+    causal_lm_loss,
+    check_decoder_model,
+)
+from nbaccel.training.strategies.model_parallel.megatron_plugin import MegatronLMPlugin
 from nbaccel.training.strategies.model_parallel.tensor_parallel import check_tensor_parallel
 from nbaccel.training.strategies.repoint import remember_moves
 
 __all__ = ["MegatronLMPlugin", "MegatronStrategy", "PipelineTrainingModel"]
-
-_MEGATRON_ONLY = (
-    "custom_train_step_class",
-    "custom_model_provider_function",
-    "custom_prepare_model_function",
-    "custom_megatron_datasets_provider_function",
-    "custom_get_batch_function",
-    "megatron_dataset_flag",
-    "use_distributed_optimizer",
-    "num_layers_per_virtual_pipeline_stage",
-)
-
-
-@dataclass
-class MegatronLMPlugin:
-    """Megatron-LM's options that nbaccel runs on torch (Accelerate's ``MegatronLMPlugin``).
-
-    Args:
-        tp_degree: tensor-parallel ranks per stage (the model's own TP plan splits each layer).
-        pp_degree: pipeline stages (decoder layers shared out evenly).
-        num_micro_batches: micro-batches each training step is cut into (a multiple of nothing:
-            the batch must divide by it).
-        sequence_parallelism: keep activations outside attention/MLP split along the sequence
-            over the ``tp`` ranks (:mod:`.sequence_parallel`); no effect when tp_degree is 1.
-        gradient_clipping: clip gradients to this global norm (across stages) before a step.
-        recompute_activations: recompute each decoder layer in backward (activation checkpointing).
-        return_logits: keep the last stage's logits on the output (else only the loss).
-        custom_loss_function: ``fn(logits, labels) -> loss`` in place of the causal LM loss.
-    """
-
-    tp_degree: int | None = None
-    pp_degree: int | None = None
-    num_micro_batches: int | None = None
-    gradient_clipping: float | None = None
-    sequence_parallelism: bool | None = None
-    recompute_activations: bool | None = None
-    use_distributed_optimizer: bool | None = None
-    return_logits: bool = False
-    seq_length: int | None = None
-    custom_loss_function: Any = None
-    custom_train_step_class: Any = None
-    custom_train_step_kwargs: dict[str, Any] | None = None
-    custom_model_provider_function: Any = None
-    custom_prepare_model_function: Any = None
-    custom_megatron_datasets_provider_function: Any = None
-    custom_get_batch_function: Any = None
-    megatron_dataset_flag: bool = False
-    num_layers_per_virtual_pipeline_stage: int | None = None
-    other_megatron_args: dict[str, Any] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.tp_degree = int(self.tp_degree or 1)
-        self.pp_degree = int(self.pp_degree or 1)
-        self.num_micro_batches = int(self.num_micro_batches or 1)
-        for name in ("tp_degree", "pp_degree", "num_micro_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        given = [n for n in _MEGATRON_ONLY if getattr(self, n)]
-        if given:
-            raise NotImplementedError(
-                f"{', '.join(given)} belong to Megatron-LM's own engine, which nbaccel does not "
-                "install: nbaccel trains transformers decoder models with tp_degree/pp_degree/"
-                "num_micro_batches on torch's engines. Leave them unset (a custom loss goes in "
-                "custom_loss_function)."
-            )
 
 
 class PipelineTrainingModel(nn.Module):
@@ -132,6 +71,7 @@ class PipelineTrainingModel(nn.Module):
         if labels is None:
             raise ValueError("Pass labels: the last pipeline stage computes the loss from them.")
         strategy, stage = self._strategy, self.stage_module
+        strategy.check_batch(input_ids)
         train = self.training and torch.is_grad_enabled()
         schedule = self._schedule
         losses: list[torch.Tensor] = []
@@ -143,6 +83,11 @@ class PipelineTrainingModel(nn.Module):
             logits = run(*inputs, target=target, losses=losses)
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
         return _Output(strategy.share_loss(loss), logits if strategy.plugin.return_logits else None)
+
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """The whole model saved as transformers does (see ``DecoderStage.save_pretrained``)."""
+        self.stage_module.save_pretrained(save_directory, **kwargs)
 
 
 class _Output(dict):
@@ -200,10 +145,14 @@ class MegatronStrategy(Strategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         p = self.plugin
+        check_decoder_model(model, p.pp_degree)
+        _check_model_options(model, p)
         resolved = check_tensor_parallel(model, p.tp_degree) if p.tp_degree > 1 else {}
         by_module = {id(model.get_submodule(n)): s for n, s in resolved.items()}
         before = dict(model.named_parameters(remove_duplicate=False))
-        stage = DecoderStage(model, self.pipeline_parallel_rank, p.pp_degree)
+        stage = DecoderStage(
+            model, self.pipeline_parallel_rank, p.pp_degree, p.decoder_last_pipeline_num_layers
+        )
         stage.to(self.device)
         if by_module:
             from torch.distributed.tensor.parallel import parallelize_module
@@ -217,9 +166,10 @@ class MegatronStrategy(Strategy):
                 plan = sequence_parallel_plan(stage, plan)
                 stage.sequence_shards = p.tp_degree
             parallelize_module(stage, self.mesh["tp"], plan)
-        if p.recompute_activations:
-            _checkpoint_layers(stage)
+        if p.recompute:
+            _checkpoint_layers(stage, p)
         self.precision.wrap_forward(stage)
+        stage.full_state_dict = lambda: self.model_state_dict(stage)
         self.stages.append(stage)
         loss_fn = p.custom_loss_function or causal_lm_loss
         pp_rank, group = self.pipeline_parallel_rank, self.mesh["pp"].get_group()
@@ -231,6 +181,43 @@ class MegatronStrategy(Strategy):
         remember_moves(wrapped, before, dict(stage.named_parameters(remove_duplicate=False)))
         return wrapped
 
+    # -- batches ------------------------------------------------------------------------------
+    def plan_batches(self, loaders: list[Any]) -> None:
+        """The micro-batch size from the loaders prepared together (the smallest batch, or the
+        largest with ``is_train_batch_min=False``, as Accelerate), and the global batch."""
+        sizes = [d.batch_size for d in loaders if getattr(d, "batch_size", None)]
+        if sizes:
+            micro = min(sizes) if self.plugin.is_train_batch_min else max(sizes)
+            self.plugin.set_training_args(micro, self.dp)
+
+    def rebatch(self, loader: Any) -> Any:
+        """A loader whose batches hold ``num_micro_batches`` micro-batches (Accelerate's
+        Megatron-LM loaders do the same): each model call is one training step."""
+        if self.plugin.micro_batch_size is None:
+            self.plan_batches([loader])
+        n = self.plugin.num_micro_batches
+        return with_batch_size(loader, self.plugin.micro_batch_size * n)
+
+    def check_batch(self, input_ids: torch.Tensor | None) -> None:
+        """The batch's sequence length against ``seq_length`` (when set)."""
+        want = self.plugin.seq_length
+        if want is not None and input_ids is not None and input_ids.shape[-1] != want:
+            raise ValueError(
+                f"The batch's sequences have {input_ids.shape[-1]} tokens, but MegatronLMPlugin("
+                f"seq_length={want}) was set: pad or cut the sequences to {want} tokens (the "
+                "pipeline's stages exchange activations of that length), or change seq_length."
+            )
+
+    def make_scheduler(self, stand_in: Any) -> Any:
+        """Megatron-LM's scheduler for a ``MegatronLMDummyScheduler``."""
+        from nbaccel.training.strategies.model_parallel.megatron_scheduler import (
+            MegatronLRScheduler,
+        )
+
+        inner = getattr(stand_in.optimizer, "optimizer", stand_in.optimizer)
+        total, warmup = stand_in.total_num_steps, stand_in.warmup_num_steps
+        return MegatronLRScheduler(inner, self.plugin, total, warmup)
+
     def unwrap_parallel(self, model: nn.Module) -> nn.Module:
         return getattr(model, "stage_module", model)
 
@@ -240,9 +227,26 @@ class MegatronStrategy(Strategy):
         if not self.stages:
             return
         mine = {id(p) for stage in self.stages for p in stage.parameters()}
+        if self.plugin.use_distributed_optimizer and self.dp > 1:
+            mine = {id(p) for p in self._owned()}
         inner = getattr(optimizer, "optimizer", optimizer)
         for group in inner.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]
+
+    def _owners(self) -> list[tuple[nn.Parameter, int]]:
+        """Each stage parameter with the data-parallel rank that keeps its optimizer state
+        (``use_distributed_optimizer``): the largest first, each to the least loaded rank."""
+        params = self._params()
+        load, owners = [0] * self.dp, {}
+        for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+            rank = load.index(min(load))
+            load[rank] += params[i].numel()
+            owners[i] = rank
+        return [(p, owners[i]) for i, p in enumerate(params)]
+
+    def _owned(self) -> list[nn.Parameter]:
+        me = self.data_parallel_rank
+        return [p for p, rank in self._owners() if rank == me]
 
     # -- the training step --------------------------------------------------------------------
     def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -292,7 +296,21 @@ class MegatronStrategy(Strategy):
                     local.div_(self.dp)
         if self.plugin.gradient_clipping:
             self._clip(params, self.plugin.gradient_clipping)
-        return super().optimizer_step(optimizer, closure)
+        result = super().optimizer_step(optimizer, closure)
+        if self.plugin.use_distributed_optimizer and self.dp > 1:
+            self._share_updates()
+        return result
+
+    def _share_updates(self) -> None:
+        """Distributed optimizer: each data-parallel rank stepped the parameters it owns; they
+        go to the other ranks, and the gradients of the others are dropped."""
+        group, me = self.mesh["dp"].get_group(), self.data_parallel_rank
+        with torch.no_grad():
+            for param, rank in self._owners():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                dist.broadcast(local.data, src=dist.get_global_rank(group, rank), group=group)
+                if rank != me:
+                    param.grad = None
 
     # -- state dicts --------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
@@ -371,9 +389,68 @@ def _flat_options() -> Any:
 _FLAT = _flat_options()
 
 
-def _checkpoint_layers(stage: DecoderStage) -> None:
+def _checkpoint_layers(stage: DecoderStage, plugin: MegatronLMPlugin) -> None:
+    """Activation recomputation: whole decoder layers (``full``; with ``recompute_method=
+    'block'`` only the first ``recompute_num_layers`` of the stage) or their attention blocks
+    (``selective``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     layers = getattr(stage, stage.prefix).layers
-    for key in list(layers.keys()):
-        layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=True)
+    keys = list(layers.keys())
+    if plugin.recompute_method == "block":
+        keys = keys[: plugin.recompute_num_layers or 1]
+    for key in keys:
+        if plugin.recompute == "selective":
+            layer = layers[key]
+            layer.self_attn = checkpoint_wrapper(layer.self_attn, preserve_rng_state=True)
+        else:
+            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=True)
+
+
+_DROPOUT_NAMES = {
+    "attention_dropout": ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"),
+    "hidden_dropout": ("hidden_dropout", "resid_pdrop", "hidden_dropout_prob"),
+}
+
+
+def _check_model_options(model: nn.Module, plugin: MegatronLMPlugin) -> None:
+    """The plugin's model options against the model as built (nbaccel trains it as it is)."""
+    config = getattr(model, "config", None)
+    for option, names in _DROPOUT_NAMES.items():
+        wanted = getattr(plugin, option)
+        if wanted is None:
+            continue
+        name = next((n for n in names if hasattr(config, n)), None)
+        has = float(getattr(config, name, 0.0) or 0.0) if name else 0.0
+        if abs(has - float(wanted)) > 1e-12:
+            raise ValueError(
+                f"MegatronLMPlugin({option}={wanted}) but the model was built with "
+                f"{name or option}={has}: nbaccel trains the model as built (Megatron-LM builds "
+                f"its own). Set config.{name or option}={wanted} before building the model, or "
+                f"leave {option} unset."
+            )
+
+
+def with_batch_size(loader: Any, batch_size: int) -> Any:
+    """``loader`` rebuilt to yield batches of ``batch_size`` (same dataset, sampler, collate)."""
+    from torch.utils.data import BatchSampler, DataLoader
+
+    if loader.batch_size == batch_size:
+        return loader
+    if loader.batch_size is None:
+        raise ValueError(
+            "MegatronLMPlugin needs DataLoaders built with batch_size (not a batch_sampler): "
+            "it groups num_micro_batches micro-batches per training step."
+        )
+    sampler = BatchSampler(loader.sampler, batch_size, loader.drop_last)
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
