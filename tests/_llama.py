@@ -42,10 +42,20 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def reference_run(steps: int, global_batch: int, lr: float = 1e-2, clip: float | None = None):
-    """One process, the whole global batch per step: (losses, final state dict)."""
+def reference_run(
+    steps: int,
+    global_batch: int,
+    lr: float = 1e-2,
+    clip: float | None = None,
+    lr_factor=None,
+):
+    """One process, the whole global batch per step: (losses, final state dict);
+    ``lr_factor(step)`` scales the learning rate of each step (a LambdaLR)."""
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = None
+    if lr_factor is not None:
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     losses = []
     for i, batch in enumerate(DataLoader(Tokens(), batch_size=global_batch)):
         if i == steps:
@@ -55,6 +65,8 @@ def reference_run(steps: int, global_batch: int, lr: float = 1e-2, clip: float |
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

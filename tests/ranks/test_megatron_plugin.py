@@ -1,12 +1,20 @@
 """MegatronLMPlugin on torch's engines, 4 gloo ranks (tp_degree=2 x pp_degree=2): the training
-loop of Accelerate's Megatron-LM guide, unchanged, trains a tiny transformers Llama to the losses
-and weights of one process; micro-batches run inside the model call (1F1B schedule); gradient
-clipping is by the global norm across stages; save_state/load_state resumes exactly; with
-sequence_parallelism=True the activations between blocks hold half the sequence per rank and the
-losses stay the same; pp 2 x dp 2 averages gradients over the data-parallel ranks. One launch."""
+loop of Accelerate's Megatron-LM guide as written (``MegatronLMPlugin(lr_decay_style=...)``,
+``MegatronLMDummyScheduler(optimizer=..., total_num_steps=..., warmup_num_steps=...)``,
+``accelerator.state.megatron_lm_plugin.global_batch_size``, ``DistributedType.MEGATRON_LM``)
+trains a tiny transformers Llama to the losses and weights of one process running Megatron-LM's
+warm-up + cosine schedule (written out here); the loaders' batches are micro-batches and each
+step runs ``num_micro_batches`` of them (1F1B schedule); gradient clipping is by the global norm
+across stages; save_state/load_state resumes exactly (schedule included); ``save_pretrained`` /
+``save_model`` of the stages write the whole model; with sequence_parallelism=True (and
+activation recomputation) the activations between blocks hold half the sequence per rank and the
+losses stay the same; pp 2 x dp 2 averages gradients over the data-parallel ranks, and with
+``use_distributed_optimizer`` each data-parallel rank keeps the optimizer state of half the
+parameters, with the same losses. One launch."""
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 from _llama import Tokens, max_diff, reference_run, tiny_llama
@@ -14,28 +22,43 @@ from torch.utils.data import DataLoader
 
 from nbaccel.testing import run_on_ranks
 
-STEPS, BATCH, CLIP = 4, 4, 1.0
+STEPS, BATCH, CLIP = 4, 4, 1.0  # BATCH: the global batch (2 micro-batches of 2)
+WARMUP = 1
+
+
+def megatron_cosine(step: int) -> float:
+    """Megatron-LM's lr factor after ``step`` steps: linear warm-up over WARMUP steps, cosine
+    decay to 0 over the run (counted in samples: BATCH per step)."""
+    n, warmup, decay = step * BATCH, WARMUP * BATCH, STEPS * BATCH
+    if n <= warmup:
+        return n / warmup
+    return 0.5 * (math.cos(math.pi * (n - warmup) / (decay - warmup)) + 1.0)
 
 
 def _guide_loop(root: str):
-    from nbaccel import Accelerator
-    from nbaccel.utils import MegatronLMPlugin
+    from nbaccel import Accelerator, DistributedType
+    from nbaccel.utils import MegatronLMDummyScheduler, MegatronLMPlugin
 
     def train(resume: bool):
         plugin = MegatronLMPlugin(
-            tp_degree=2, pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP
-        )
+            tp_degree=2, pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP,
+            lr_decay_style="cosine",
+        )  # fmt: skip
         accelerator = Accelerator(megatron_lm_plugin=plugin)
         model = tiny_llama()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        train_dataloader = DataLoader(Tokens(), batch_size=BATCH)
-        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        train_dataloader = DataLoader(Tokens(), batch_size=BATCH // 2)  # per_device: micro
+        if accelerator.distributed_type == DistributedType.MEGATRON_LM:
+            lr_scheduler = MegatronLMDummyScheduler(
+                optimizer=optimizer, total_num_steps=STEPS, warmup_num_steps=WARMUP
+            )
         model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
             model, optimizer, train_dataloader, lr_scheduler
         )
+        total_batch_size = accelerator.state.megatron_lm_plugin.global_batch_size
         if resume:
             accelerator.load_state(root)
-        losses = []
+        losses, lrs = [], []
         model.train()
         for step, batch in enumerate(train_dataloader):
             if step == STEPS:
@@ -45,6 +68,7 @@ def _guide_loop(root: str):
             outputs = model(**batch)
             loss = outputs.loss
             accelerator.backward(loss)
+            lrs.append(lr_scheduler.get_last_lr()[0])
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
@@ -56,8 +80,16 @@ def _guide_loop(root: str):
             eval_loss = model(**next(iter(train_dataloader))).loss.item()
         state = accelerator.get_state_dict(model)
         stage = accelerator.unwrap_model(model)
+        if not resume:  # the script's save: every rank calls, the main process writes
+            stage.save_pretrained(f"{root}-pretrained", is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save)  # fmt: skip
+            accelerator.save_model(model, f"{root}-model")
         return {
             "losses": losses,
+            "lrs": lrs,
+            "batch": batch["input_ids"].shape[0],
+            "total_batch_size": total_batch_size,
+            "kind": accelerator.distributed_type.value,
             "eval": eval_loss,
             "pp_rank": accelerator.pipeline_parallel_rank,
             "layers": stage.layer_range,
@@ -70,19 +102,22 @@ def _guide_loop(root: str):
             "optimizer_params": sum(len(g["params"]) for g in optimizer.optimizer.param_groups),
         }
 
-    return train(resume=False), train(resume=True), _sequence_parallel(), _data_parallel()
+    return (train(resume=False), train(resume=True), _sequence_parallel(),
+            _data_parallel(False), _data_parallel(True))  # fmt: skip
 
 
-def _data_parallel():
-    """pp 2 with the other 2 ranks as data parallel (dp 2): gradients averaged over dp."""
+def _data_parallel(distributed_optimizer: bool):
+    """pp 2 with the other 2 ranks as data parallel (dp 2): gradients averaged over dp; with
+    the distributed optimizer each dp rank steps (and keeps the state of) its share."""
     from nbaccel import Accelerator
     from nbaccel.utils import MegatronLMPlugin
 
-    plugin = MegatronLMPlugin(pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP)
+    plugin = MegatronLMPlugin(pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP,
+                              use_distributed_optimizer=distributed_optimizer)  # fmt: skip
     accelerator = Accelerator(megatron_lm_plugin=plugin)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = DataLoader(Tokens(), batch_size=BATCH // 2)  # per data-parallel rank
+    loader = DataLoader(Tokens(), batch_size=BATCH // 4)  # micro-batch per data-parallel rank
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
     for step, batch in enumerate(loader):
@@ -94,7 +129,17 @@ def _data_parallel():
         optimizer.zero_grad()
         losses.append(outputs.loss.item())
     state = accelerator.get_state_dict(model)
-    return {"losses": losses, "dp": accelerator.strategy.data_parallel_size, "state": state}
+    stage_params = len(list(accelerator.unwrap_model(model).parameters()))
+    inner = optimizer.optimizer
+    return {
+        "losses": losses,
+        "dp": accelerator.strategy.data_parallel_size,
+        "state": state,
+        "global_batch": plugin.global_batch_size,
+        "stage_params": stage_params,
+        "optimizer_params": sum(len(g["params"]) for g in inner.param_groups),
+        "optimizer_states": len(inner.state),
+    }
 
 
 def _sequence_parallel():
@@ -104,13 +149,15 @@ def _sequence_parallel():
     from nbaccel.utils import MegatronLMPlugin
 
     plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2,
-                              gradient_clipping=CLIP, sequence_parallelism=True)  # fmt: skip
+                              gradient_clipping=CLIP, sequence_parallelism=True,
+                              recompute_activations=True)  # fmt: skip
     accelerator = Accelerator(megatron_lm_plugin=plugin)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = DataLoader(Tokens(), batch_size=BATCH)
+    loader = DataLoader(Tokens(), batch_size=BATCH // 2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     layer = next(iter(accelerator.unwrap_model(model).model.layers.values()))
+    layer = getattr(layer, "_checkpoint_wrapped_module", layer)  # recompute_activations
     shapes = []
     layer.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
     losses = []
@@ -127,8 +174,21 @@ def _sequence_parallel():
 
 def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
     results = run_on_ranks(_guide_loop, 4, args=(str(tmp_path / "ckpt"),), timeout=600)
-    ref_losses, ref_state = reference_run(STEPS, BATCH, clip=CLIP)
+    ref_losses, ref_state = reference_run(STEPS, BATCH, clip=CLIP, lr_factor=megatron_cosine)
+    plain_losses, plain_state = reference_run(STEPS, BATCH, clip=CLIP)
     first = [r[0] for r in results]
+    for r in first:
+        assert r["kind"] == "MEGATRON_LM"
+        assert r["total_batch_size"] == BATCH and r["batch"] == BATCH  # 2 x 2 micro-batches
+        assert r["lrs"] == pytest.approx([1e-2 * megatron_cosine(k) for k in range(STEPS)])
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-3)
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    # the whole model, from every stage: save_pretrained (with its config), save_model (weights)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt-pretrained")
+    assert max_diff(loaded.state_dict(), ref_state) < 1e-4
+    assert max_diff(load_file(tmp_path / "ckpt-model" / "model.safetensors"), ref_state) < 1e-4
     assert [r["pp_rank"] for r in first] == [0, 0, 1, 1]
     assert [r["layers"] for r in first] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert {r["q_proj"] for r in first} == {(32, 64)}  # 64 rows split over tp=2
@@ -146,11 +206,18 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
         assert r["eval"] == pytest.approx(expected_eval, abs=2e-5)
     for r in results:  # sequence parallel: micro-batch of 2, 16 tokens split over tp=2
         assert r[2]["layer_output"] == (2, 8, 64)
-        assert r[2]["losses"] == pytest.approx(ref_losses, abs=2e-5)
+        assert r[2]["losses"] == pytest.approx(plain_losses, abs=2e-5)
     for r in results:  # dp 2 x pp 2: the loss of the global batch on every rank
-        assert r[3]["dp"] == 2
-        assert r[3]["losses"] == pytest.approx(ref_losses, abs=2e-5)
-    assert max_diff(results[0][3]["state"], ref_state) < 1e-4
+        for run in (r[3], r[4]):
+            assert run["dp"] == 2 and run["global_batch"] == BATCH
+            assert run["losses"] == pytest.approx(plain_losses, abs=2e-5)
+        assert r[3]["optimizer_params"] == r[3]["stage_params"]
+        assert 0 < r[4]["optimizer_params"] < r[4]["stage_params"]  # its share only
+        assert r[4]["optimizer_states"] == r[4]["optimizer_params"]
+    for pp in ((0, 1), (2, 3)):  # the two dp ranks of a stage share its parameters out
+        assert sum(results[i][4]["optimizer_params"] for i in pp) == results[pp[0]][4]["stage_params"]
+    assert max_diff(results[0][3]["state"], plain_state) < 1e-4
+    assert max_diff(results[0][4]["state"], plain_state) < 1e-4
     resumed = [r[1] for r in results]
     for r in resumed:
         assert r["losses"] == pytest.approx(ref_losses[2:], abs=2e-5)
