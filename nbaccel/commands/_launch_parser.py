@@ -91,7 +91,8 @@ _PLACED = {
     "Resources": ("mixed_precision", "num_processes", "num_nodes"),
     "Distributed": ("node_rank", "master_addr", "use_port", "rdzv_backend", "rdzv_conf",
                     "max_restarts", "monitor_interval"),
-    "Paradigm": ("use_deepspeed",),
+    "Paradigm": ("use_deepspeed", "use_megatron_lm"),
+    "Megatron-LM": tuple(n for n in LaunchRequest.options(Front.CLI) if n.startswith("megatron_lm_")),
 }  # fmt: skip
 
 
@@ -131,8 +132,7 @@ def _paradigms_and_world(parser: argparse.ArgumentParser) -> None:
     paradigm = parser.add_argument_group("Paradigm", "How the model is spread over the ranks.")
     _option(paradigm, "use_fsdp", action="store_true", help="shard the model with FSDP")
     _launch_option(paradigm, "use_deepspeed")
-    _option(paradigm, "use_megatron_lm", action="store_true",
-            help="Megatron-LM (not run by nbaccel: refused with a clear error)")  # fmt: skip
+    _launch_option(paradigm, "use_megatron_lm")
     _option(paradigm, "use_parallelism_config", action="store_true",
             help="ParallelismConfig from the --parallelism_config_* options (accepted; "
             "the sizes alone turn it on, with or without --use_fsdp)")  # fmt: skip
@@ -169,6 +169,11 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
                 help="accepted for compatibility (nbaccel forms the world itself)")  # fmt: skip
     _option(deepspeed, "gradient_accumulation_steps", type=int, default=None,
             help="gradient accumulation steps of the Accelerator")  # fmt: skip
+    megatron = parser.add_argument_group(
+        "Megatron-LM", "Options of a --use_megatron_lm launch (MegatronLMPlugin's fields)."
+    )
+    for name in _PLACED["Megatron-LM"]:
+        _launch_option(megatron, name)
     fsdp = parser.add_argument_group("FSDP", "Options of a --use_fsdp launch.")
     _option(fsdp, "fsdp_version", choices=["1", "2"], default=None,
             help="2 (nbaccel runs FSDP2 only; convert FSDP1 configs with to-fsdp2)")  # fmt: skip

@@ -14,7 +14,9 @@ is the total over all machines; ``--num_machines``/``--machine_rank``/``--main_p
 ``--main_process_port`` start one node of a multi-node run. A config with ``mpirun_hostfile``
 runs the script under ``mpirun``. ``--use_deepspeed`` (or a DEEPSPEED config) tells each rank's
 ``Accelerator()`` to run DeepSpeed ZeRO as the DeepSpeed options say, checked before anything
-starts. Megatron-LM and SageMaker configs are refused with a clear error before anything starts.
+starts. ``--use_megatron_lm`` (or a MEGATRON_LM config, its ``megatron_lm_config:`` keys) does the
+same for ``MegatronLMPlugin``, on CPU ranks (gloo) or GPUs. SageMaker configs are refused with a
+clear error before anything starts.
 ``--detach`` hands the run to this user's supervisor and returns at once, printing the run's id
 (follow it with ``nbaccel runs logs ID --follow``; see ``nbaccel runs``).
 """
@@ -183,11 +185,10 @@ def _refuse_unsupported(args: argparse.Namespace, config: Any) -> None:
         if not is_torch_xla_available():
             raise ValueError("--tpu (or distributed_type: XLA) needs torch-xla on a TPU host: "
                              "pip install torch-xla, or drop --tpu.")  # fmt: skip
-    if getattr(args, "use_megatron_lm", False) and not args.cpu:
-        raise NotImplementedError(
-            "nbaccel does not run Megatron-LM: use --use_fsdp (FSDP2), --use_deepspeed or plain "
-            "data parallel instead, or launch this script with `accelerate launch`."
-        )
+    if getattr(args, "use_megatron_lm", False):
+        others = [f"--{n}" for n in ("use_deepspeed", "use_fsdp", "tpu") if getattr(args, n, 0)]
+        if others:
+            raise ValueError(f"Use --use_megatron_lm or {', '.join(others)}, not both.")
 
 
 def _check_target(args: argparse.Namespace) -> tuple[str, int | None]:
@@ -315,6 +316,10 @@ def _launch(args: argparse.Namespace) -> int:
 
         env.update(deepspeed_environment(args, args.num_processes))
     request = _request(args, per_machine, int(args.master_port) if world else None)
+    if request.use_megatron_lm:  # the plugin is built once here: refusals before any rank
+        from nbaccel.training.strategies.model_parallel.megatron_launch import megatron_check
+
+        env.update(megatron_check(request.megatron_environment(), args.num_processes))
     call = (target, list(args.training_script_args), args.module, os.getcwd(),
             args.num_cpu_threads_per_process)  # fmt: skip
 

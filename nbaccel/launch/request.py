@@ -32,6 +32,7 @@ from typing import Any
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
+from nbaccel.values.booleans import parse_bool
 from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
 
 __all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
@@ -241,6 +242,35 @@ def _mesh_size(axis: str, what: str) -> Any:
 
 
 _WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
+_MEGATRON = "megatron_lm_"
+
+
+def _typed(kind: type, name: str) -> Callable[[Any], Any]:
+    """A check: None, or a value of ``kind`` (bool from true/false words; int >= 0)."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return None
+        if kind is bool:
+            return parse_bool(value, name)
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or isinstance(value, bool) or number < 0:
+            raise ValueError(f"{name} must be a non-negative {kind.__name__}, got {value!r}.")
+        return number
+
+    return check
+
+
+def _megatron(kind: type, what: str) -> Any:
+    """A Megatron-LM launch option (Accelerate's ``--megatron_lm_*`` flag and config key):
+    the ranks' ``MegatronLMPlugin`` reads it as ``MEGATRON_LM_<NAME>``."""
+    parse = (lambda text: parse_bool(text, "a --megatron_lm_* flag")) if kind is bool else kind
+    metavar = {bool: "BOOL", int: "N", float: "X", str: "WORD"}[kind]
+    return option(None, f"Megatron-LM: {what}", Front.CLI, check=_typed(kind, what),
+                  parse=parse, metavar=metavar)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -380,6 +410,42 @@ class LaunchRequest:
     )  # fmt: skip
     use_deepspeed: bool = option(False, "train with DeepSpeed ZeRO (options: the DeepSpeed group)",
                                  Front.CLI, check=_flag("use_deepspeed"))  # fmt: skip
+    use_megatron_lm: bool = option(
+        False, "train with MegatronLMPlugin on torch's engines: tensor, pipeline, sequence and "
+        "data parallel (options: the Megatron-LM group; CPU ranks too)", Front.CLI,
+        check=_flag("use_megatron_lm"),
+    )  # fmt: skip
+    megatron_lm_tp_degree: int | None = _megatron(int, "tensor-parallel degree")
+    megatron_lm_pp_degree: int | None = _megatron(int, "pipeline-parallel degree (stages)")
+    megatron_lm_num_micro_batches: int | None = _megatron(int, "micro-batches per step")
+    megatron_lm_sequence_parallelism: bool | None = _megatron(bool, "sequence parallelism")
+    megatron_lm_recompute_activations: bool | None = _megatron(bool, "activation recomputation")
+    megatron_lm_use_distributed_optimizer: bool | None = _megatron(
+        bool, "shard the optimizer state over the data-parallel ranks"
+    )
+    megatron_lm_gradient_clipping: float | None = _megatron(float, "global-norm clip (0: off)")
+    megatron_lm_recompute_granularity: str | None = _megatron(str, "recompute full or selective")
+    megatron_lm_recompute_method: str | None = _megatron(str, "recompute uniform or block")
+    megatron_lm_recompute_num_layers: int | None = _megatron(int, "layers recomputed (block)")
+    megatron_lm_decoder_last_pipeline_num_layers: int | None = _megatron(
+        int, "decoder layers of the last stage"
+    )
+    megatron_lm_attention_dropout: float | None = _megatron(float, "attention dropout (checked)")
+    megatron_lm_hidden_dropout: float | None = _megatron(float, "hidden dropout (checked)")
+    megatron_lm_use_custom_fsdp: bool | None = _megatron(bool, "refused (Megatron-LM's engine)")
+    megatron_lm_no_load_optim: bool | None = _megatron(bool, "refused (Megatron-LM's engine)")
+    megatron_lm_no_save_optim: bool | None = _megatron(bool, "refused (Megatron-LM's engine)")
+    megatron_lm_eod_mask_loss: bool | None = _megatron(bool, "refused (Megatron-LM's engine)")
+    megatron_lm_optimizer_cpu_offload: bool | None = _megatron(bool, "refused (its engine)")
+    megatron_lm_overlap_cpu_optimizer_d2h_h2d: bool | None = _megatron(bool, "refused (engine)")
+    megatron_lm_use_precision_aware_optimizer: bool | None = _megatron(bool, "refused (engine)")
+    megatron_lm_attention_backend: bool | None = _megatron(bool, "refused unless true (engine)")
+    megatron_lm_expert_model_parallel_size: int | None = _megatron(int, "refused above 1 (MoE)")
+    megatron_lm_expert_tensor_parallel_size: int | None = _megatron(int, "refused above 1 (MoE)")
+    megatron_lm_context_parallel_size: int | None = _megatron(int, "refused above 1")
+    megatron_lm_attention_softmax_in_fp32: bool | None = _megatron(bool, "refused (engine)")
+    megatron_lm_calculate_per_token_loss: bool | None = _megatron(bool, "refused if true")
+    megatron_lm_use_rotary_position_embeddings: bool | None = _megatron(bool, "refused (model)")
     remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -389,7 +455,35 @@ class LaunchRequest:
                 object.__setattr__(self, item.name, spec.check(getattr(self, item.name)))
         self._check_world()
         self._check_parallelism()
+        self._check_megatron()
         object.__setattr__(self, "remote", self._remote())
+
+    def _megatron_given(self) -> dict[str, Any]:
+        return {
+            item.name: getattr(self, item.name)
+            for item in dataclasses.fields(self)
+            if item.name.startswith(_MEGATRON) and getattr(self, item.name) is not None
+        }
+
+    def _check_megatron(self) -> None:
+        """Megatron-LM options take effect with use_megatron_lm only: never dropped quietly."""
+        given = self._megatron_given()
+        if given and not self.use_megatron_lm:
+            raise ValueError(
+                f"{', '.join(given)} configure a Megatron-LM run: add --use_megatron_lm (or "
+                "distributed_type: MEGATRON_LM in the config file), or leave them out."
+            )
+
+    def megatron_environment(self) -> dict[str, str]:
+        """What the ranks' ``Accelerator()`` reads to build its ``MegatronLMPlugin``
+        (Accelerate's ``ACCELERATE_USE_MEGATRON_LM`` and ``MEGATRON_LM_*``); empty unless
+        use_megatron_lm."""
+        if not self.use_megatron_lm:
+            return {}
+        env = {"ACCELERATE_USE_MEGATRON_LM": "true"}
+        for name, value in self._megatron_given().items():
+            env["MEGATRON_LM_" + name[len(_MEGATRON) :].upper()] = str(value)
+        return env
 
     def _mesh_sizes(self) -> dict[str, int | None]:
         return {a: getattr(self, f"{_PC}{a}_size") for a in AXES}
