@@ -92,7 +92,7 @@ _PLACED = {
     "Distributed": ("node_rank", "master_addr", "use_port", "rdzv_backend", "rdzv_conf",
                     "max_restarts", "monitor_interval"),
     "Paradigm": ("use_deepspeed", "use_megatron_lm"),
-    "Megatron-LM": tuple(n for n in LaunchRequest.options(Front.CLI) if n.startswith("megatron_lm_")),
+    "Megatron-LM": tuple(n for n in LaunchRequest.options(Front.CLI) if "megatron_lm_" in n),
 }  # fmt: skip
 
 

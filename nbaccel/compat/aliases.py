@@ -120,7 +120,9 @@ _DEEPSPEED = (
     "nbaccel.training.strategies.deepspeed.config:HfDeepSpeedConfig",
     "nbaccel.training.strategies.deepspeed.plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
 )
-_SCHEDULER = "nbaccel.training.strategies.model_parallel.megatron_scheduler:MegatronLMDummyScheduler"
+_SCHEDULER = (
+    "nbaccel.training.strategies.model_parallel.megatron_scheduler:MegatronLMDummyScheduler"
+)
 _MEGATRON = (
     _UNSUPPORTED + ":MegatronEngine,MegatronLMOptimizerWrapper,MegatronLMSchedulerWrapper,"
     "MegatronLMDummyDataLoader,AbstractTrainStep,BertTrainStep,"

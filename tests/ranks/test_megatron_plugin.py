@@ -15,6 +15,7 @@ parameters, with the same losses. One launch."""
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
 from _llama import Tokens, max_diff, reference_run, tiny_llama
@@ -215,7 +216,9 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
         assert 0 < r[4]["optimizer_params"] < r[4]["stage_params"]  # its share only
         assert r[4]["optimizer_states"] == r[4]["optimizer_params"]
     for pp in ((0, 1), (2, 3)):  # the two dp ranks of a stage share its parameters out
-        assert sum(results[i][4]["optimizer_params"] for i in pp) == results[pp[0]][4]["stage_params"]
+        assert (
+            sum(results[i][4]["optimizer_params"] for i in pp) == results[pp[0]][4]["stage_params"]
+        )
     assert max_diff(results[0][3]["state"], plain_state) < 1e-4
     assert max_diff(results[0][4]["state"], plain_state) < 1e-4
     resumed = [r[1] for r in results]

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
-from nbaccel.distributed.state import AcceleratorState, GradientState
+from nbaccel.distributed.state import AcceleratorState, GradientState, PartialState
 from nbaccel.training.accelerator.attributes import AcceleratorAttributes
 from nbaccel.training.accelerator.delegate import Delegate, DelegatedAttribute
 from nbaccel.training.accelerator.preparation import (
@@ -109,6 +109,8 @@ class Accelerator(AcceleratorAttributes):
             fsdp_plugin = FullyShardedDataParallelPlugin.from_environment()  # launch --use_fsdp
         if megatron_lm_plugin is None and deepspeed_plugin is None and fsdp_plugin is None:
             megatron_lm_plugin = megatron_from_environment()  # launch --use_megatron_lm
+        if megatron_lm_plugin is not None:  # before the shared state takes it
+            megatron_lm_plugin.check_world(PartialState(cpu, **group_options).num_processes)
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,

@@ -149,7 +149,6 @@ class DecoderStage(nn.Module):
             return hidden
         return self.lm_head(base.norm(hidden))
 
-
     def save_pretrained(
         self,
         save_directory: str,

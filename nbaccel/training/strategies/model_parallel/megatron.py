@@ -84,7 +84,6 @@ class PipelineTrainingModel(nn.Module):
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
         return _Output(strategy.share_loss(loss), logits if strategy.plugin.return_logits else None)
 
-
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         """The whole model saved as transformers does (see ``DecoderStage.save_pretrained``)."""
         self.stage_module.save_pretrained(save_directory, **kwargs)
@@ -107,15 +106,9 @@ class MegatronStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.plugin = plugin
         tp, pp = plugin.tp_degree, plugin.pp_degree
-        world = self.num_processes
-        if world % (tp * pp):
-            raise ValueError(
-                f"tp_degree={tp} x pp_degree={pp} = {tp * pp} does not divide the {world} ranks "
-                f"of the run: launch a multiple of {tp * pp} processes, or change the degrees."
-            )
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.dp = world // (tp * pp)
+        self.dp = plugin.check_world(self.num_processes)
         self.mesh = init_device_mesh(
             self.device.type, (pp, self.dp, tp), mesh_dim_names=("pp", "dp", "tp")
         )

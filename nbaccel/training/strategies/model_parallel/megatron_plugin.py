@@ -46,78 +46,168 @@ _MEGATRON_NAMES = {
 
 #: field -> (value that means "not asked for", why nbaccel refuses it, what to do instead)
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "use_custom_fsdp": (False, "Megatron-LM's own FSDP; shard the optimizer state with "
-                        "use_distributed_optimizer=True, or train with FSDP2 "
-                        "(fsdp_plugin=FullyShardedDataParallelPlugin())"),
-    "overlap_cpu_optimizer_d2h_h2d": (False, "Megatron-LM's CPU-offloaded optimizer; offload "
-                                      "with DeepSpeed (offload_optimizer_device='cpu')"),
-    "optimizer_cpu_offload": (False, "Megatron-LM's CPU-offloaded optimizer; offload with "
-                              "DeepSpeed (offload_optimizer_device='cpu')"),
-    "use_precision_aware_optimizer": (False, "Megatron-LM's fused optimizer kernels; use "
-                                      "torch's optimizers with mixed_precision='bf16'"),
-    "no_load_optim": (False, "Megatron-LM's checkpoint loader; accelerator.load_state "
-                      "restores the optimizer with the model"),
-    "no_save_optim": (False, "Megatron-LM's checkpoint writer; accelerator.save_state saves "
-                      "the optimizer with the model (accelerator.save_model: weights only)"),
-    "eod_mask_loss": (False, "Megatron-LM's GPT dataset (it knows the EOD token); mask it in "
-                      "the labels (-100) or pass custom_loss_function"),
-    "expert_model_parallel_size": (1, "mixture-of-experts parallelism of Megatron-LM's own "
-                                   "models"),
-    "expert_tensor_parallel_size": (1, "mixture-of-experts parallelism of Megatron-LM's own "
-                                    "models"),
-    "context_parallel_size": (1, "Megatron-LM's context parallelism; use ParallelismConfig("
-                              "cp_size=...) on GPUs"),
-    "attention_softmax_in_fp32": (None, "a switch of Megatron-LM's fused softmax; the softmax "
-                                  "precision is the model's attention kernel's "
-                                  "(config._attn_implementation)"),
-    "calculate_per_token_loss": (False, "Megatron-LM's loss reduction; the loss here is the "
-                                 "mean over micro-batches of the causal LM loss (pass "
-                                 "custom_loss_function for another)"),
-    "attention_backend": (True, "Megatron-LM's attention kernels; attention runs with the "
-                          "model's config._attn_implementation"),
-    "pipeline_model_parallel_split_rank": (None, "the encoder/decoder split of Megatron-LM's T5; "
-                                           "pipeline stages here cut decoder-only models"),
-    "num_layers_per_virtual_pipeline_stage": (None, "Megatron-LM's interleaved schedule; stages "
-                                              "here run torch's 1F1B schedule, one per rank"),
-    "consumed_samples": (None, "Megatron-LM's sampler; resume with accelerator.load_state "
-                         "(and accelerator.skip_first_batches)"),
-    "no_wd_decay_cond": (None, "Megatron-LM's optimizer builder; put those parameters in a "
-                         "torch param group with weight_decay=0.0"),
-    "scale_lr_cond": (None, "Megatron-LM's optimizer builder; put those parameters in a torch "
-                      "param group with their own lr"),
-    "lr_mult": (1.0, "it scales the lr of scale_lr_cond's parameters in Megatron-LM's "
-                "optimizer builder; give those parameters a param group with their own lr"),
+    "use_custom_fsdp": (
+        False,
+        "Megatron-LM's own FSDP; shard the optimizer state with "
+        "use_distributed_optimizer=True, or train with FSDP2 "
+        "(fsdp_plugin=FullyShardedDataParallelPlugin())",
+    ),
+    "overlap_cpu_optimizer_d2h_h2d": (
+        False,
+        "Megatron-LM's CPU-offloaded optimizer; offload "
+        "with DeepSpeed (offload_optimizer_device='cpu')",
+    ),
+    "optimizer_cpu_offload": (
+        False,
+        "Megatron-LM's CPU-offloaded optimizer; offload with "
+        "DeepSpeed (offload_optimizer_device='cpu')",
+    ),
+    "use_precision_aware_optimizer": (
+        False,
+        "Megatron-LM's fused optimizer kernels; use torch's optimizers with mixed_precision='bf16'",
+    ),
+    "no_load_optim": (
+        False,
+        "Megatron-LM's checkpoint loader; accelerator.load_state "
+        "restores the optimizer with the model",
+    ),
+    "no_save_optim": (
+        False,
+        "Megatron-LM's checkpoint writer; accelerator.save_state saves "
+        "the optimizer with the model (accelerator.save_model: weights only)",
+    ),
+    "eod_mask_loss": (
+        False,
+        "Megatron-LM's GPT dataset (it knows the EOD token); mask it in "
+        "the labels (-100) or pass custom_loss_function",
+    ),
+    "expert_model_parallel_size": (1, "mixture-of-experts parallelism of Megatron-LM's own models"),
+    "expert_tensor_parallel_size": (
+        1,
+        "mixture-of-experts parallelism of Megatron-LM's own models",
+    ),
+    "context_parallel_size": (
+        1,
+        "Megatron-LM's context parallelism; use ParallelismConfig(cp_size=...) on GPUs",
+    ),
+    "attention_softmax_in_fp32": (
+        None,
+        "a switch of Megatron-LM's fused softmax; the softmax "
+        "precision is the model's attention kernel's "
+        "(config._attn_implementation)",
+    ),
+    "calculate_per_token_loss": (
+        False,
+        "Megatron-LM's loss reduction; the loss here is the "
+        "mean over micro-batches of the causal LM loss (pass "
+        "custom_loss_function for another)",
+    ),
+    "attention_backend": (
+        True,
+        "Megatron-LM's attention kernels; attention runs with the "
+        "model's config._attn_implementation",
+    ),
+    "pipeline_model_parallel_split_rank": (
+        None,
+        "the encoder/decoder split of Megatron-LM's T5; "
+        "pipeline stages here cut decoder-only models",
+    ),
+    "num_layers_per_virtual_pipeline_stage": (
+        None,
+        "Megatron-LM's interleaved schedule; stages here run torch's 1F1B schedule, one per rank",
+    ),
+    "consumed_samples": (
+        None,
+        "Megatron-LM's sampler; resume with accelerator.load_state "
+        "(and accelerator.skip_first_batches)",
+    ),
+    "no_wd_decay_cond": (
+        None,
+        "Megatron-LM's optimizer builder; put those parameters in a "
+        "torch param group with weight_decay=0.0",
+    ),
+    "scale_lr_cond": (
+        None,
+        "Megatron-LM's optimizer builder; put those parameters in a torch "
+        "param group with their own lr",
+    ),
+    "lr_mult": (
+        1.0,
+        "it scales the lr of scale_lr_cond's parameters in Megatron-LM's "
+        "optimizer builder; give those parameters a param group with their own lr",
+    ),
     "megatron_dataset_flag": (False, "Megatron-LM's indexed datasets; pass torch DataLoaders"),
     "encoder_seq_length": (None, "encoder models (BERT, T5) are not cut into stages here"),
-    "tensorboard_dir": (None, "Megatron-LM's own logging; use Accelerator(log_with="
-                        "'tensorboard', project_dir=...)"),
-    "set_all_logging_options": (False, "Megatron-LM's own logging; use Accelerator(log_with="
-                                "'tensorboard', project_dir=...)"),
-    "use_rotary_position_embeddings": (None, "Megatron-LM builds its own model; the model's "
-                                       "config decides its position embeddings"),
-    "custom_train_step_class": (None, "Megatron-LM's train step; the training step here is "
-                                "torch's pipeline schedule (a custom loss goes in "
-                                "custom_loss_function)"),
+    "tensorboard_dir": (
+        None,
+        "Megatron-LM's own logging; use Accelerator(log_with='tensorboard', project_dir=...)",
+    ),
+    "set_all_logging_options": (
+        False,
+        "Megatron-LM's own logging; use Accelerator(log_with='tensorboard', project_dir=...)",
+    ),
+    "use_rotary_position_embeddings": (
+        None,
+        "Megatron-LM builds its own model; the model's config decides its position embeddings",
+    ),
+    "custom_train_step_class": (
+        None,
+        "Megatron-LM's train step; the training step here is "
+        "torch's pipeline schedule (a custom loss goes in "
+        "custom_loss_function)",
+    ),
     "custom_train_step_kwargs": (None, "Megatron-LM's train step (see custom_train_step_class)"),
-    "custom_model_provider_function": (None, "Megatron-LM builds its own model; pass the "
-                                       "transformers model to accelerator.prepare"),
-    "custom_prepare_model_function": (None, "Megatron-LM builds its own model; pass the "
-                                      "transformers model to accelerator.prepare"),
-    "custom_megatron_datasets_provider_function": (None, "Megatron-LM's indexed datasets; pass "
-                                                   "torch DataLoaders"),
-    "custom_get_batch_function": (None, "Megatron-LM's batch reader; batches are the "
-                                  "DataLoader's dicts (input_ids, labels)"),
+    "custom_model_provider_function": (
+        None,
+        "Megatron-LM builds its own model; pass the transformers model to accelerator.prepare",
+    ),
+    "custom_prepare_model_function": (
+        None,
+        "Megatron-LM builds its own model; pass the transformers model to accelerator.prepare",
+    ),
+    "custom_megatron_datasets_provider_function": (
+        None,
+        "Megatron-LM's indexed datasets; pass torch DataLoaders",
+    ),
+    "custom_get_batch_function": (
+        None,
+        "Megatron-LM's batch reader; batches are the DataLoader's dicts (input_ids, labels)",
+    ),
 }
 
-_ACTS = (
-    "tp_degree pp_degree num_micro_batches gradient_clipping sequence_parallelism "
-    "recompute_activations recompute_granularity recompute_method recompute_num_layers "
-    "use_distributed_optimizer decoder_last_pipeline_num_layers attention_dropout "
-    "hidden_dropout is_train_batch_min train_iters train_samples weight_decay_incr_style "
-    "start_weight_decay end_weight_decay lr_decay_style lr_decay_iters lr_decay_samples "
-    "lr_warmup_iters lr_warmup_samples lr_warmup_fraction min_lr seq_length "
-    "decoder_seq_length return_logits custom_loss_function other_megatron_args"
-).split()
+_ACTS = [
+    "tp_degree",
+    "pp_degree",
+    "num_micro_batches",
+    "gradient_clipping",
+    "sequence_parallelism",
+    "recompute_activations",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "use_distributed_optimizer",
+    "decoder_last_pipeline_num_layers",
+    "attention_dropout",
+    "hidden_dropout",
+    "is_train_batch_min",
+    "train_iters",
+    "train_samples",
+    "weight_decay_incr_style",
+    "start_weight_decay",
+    "end_weight_decay",
+    "lr_decay_style",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "lr_warmup_fraction",
+    "min_lr",
+    "seq_length",
+    "decoder_seq_length",
+    "return_logits",
+    "custom_loss_function",
+    "other_megatron_args",
+]
 
 #: every field of the plugin -> "acts", "held" or "refused"
 FIELD_KINDS: dict[str, str] = {
@@ -300,7 +390,9 @@ class MegatronLMPlugin:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.gradient_clipping < 0:
-            raise ValueError(f"gradient_clipping must be >= 0 (0: off), got {self.gradient_clipping}.")
+            raise ValueError(
+                f"gradient_clipping must be >= 0 (0: off), got {self.gradient_clipping}."
+            )
         _choice("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         _choice("weight_decay_incr_style", self.weight_decay_incr_style, WD_INCR_STYLES)
         if self.recompute_granularity is not None:
@@ -316,10 +408,8 @@ class MegatronLMPlugin:
                 ": nbaccel recomputes each decoder layer on its own (uniform, 1 layer); use "
                 "recompute_method='block' to recompute the first N layers of each stage."
             )
-        if self.weight_decay_incr_style == "constant" and None not in (
-            self.start_weight_decay,
-            self.end_weight_decay,
-        ):
+        both = None not in (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant" and both:  # noqa: SIM102
             if self.start_weight_decay != self.end_weight_decay:
                 raise ValueError(
                     "weight_decay_incr_style='constant' keeps one weight decay: "
@@ -327,7 +417,9 @@ class MegatronLMPlugin:
                     f"end_weight_decay={self.end_weight_decay}. Use 'linear' or 'cosine'."
                 )
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
-            raise ValueError(f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}.")
+            raise ValueError(
+                f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}."
+            )
         for name in ("eval_iters", "eval_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -350,6 +442,18 @@ class MegatronLMPlugin:
         if self.recompute_granularity is not None:
             return self.recompute_granularity
         return "full" if self.recompute_activations else None
+
+    def check_world(self, num_processes: int) -> int:
+        """The data-parallel size for ``num_processes`` ranks; ValueError when
+        ``tp_degree x pp_degree`` does not divide them."""
+        group = self.tp_degree * self.pp_degree
+        if num_processes % group:
+            raise ValueError(
+                f"tp_degree={self.tp_degree} x pp_degree={self.pp_degree} = {group} does not "
+                f"divide the {num_processes} ranks of the run: launch a multiple of {group} "
+                "processes, or change the degrees."
+            )
+        return num_processes // group
 
     def set_training_args(self, micro_batch_size: int, dp_degree: int) -> None:
         """Record the batch layout (Accelerate's method of the same name)."""
