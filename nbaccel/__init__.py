@@ -59,6 +59,8 @@ from nbaccel.training.step.batch_size import find_executable_batch_size
 from nbaccel.training.step.local_sgd import LocalSGD
 from nbaccel.training.strategies.deepspeed.plugin import DeepSpeedPlugin
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.strategies.model_parallel.megatron_plugin import MegatronLMPlugin
+from nbaccel.training.strategies.model_parallel.megatron_scheduler import MegatronLMDummyScheduler
 from nbaccel.training.strategies.training_memory import gather_training_memory, training_memory
 
 __version__ = "0.1.0"
@@ -107,6 +109,8 @@ __all__ = [
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
     "LocalSGD",
+    "MegatronLMDummyScheduler",
+    "MegatronLMPlugin",
     "notebook_launcher",
     "pad_across_processes",
     "PartialState",

@@ -38,7 +38,7 @@ def test_strategy_is_chosen_once_from_the_distributed_type():
     assert STRATEGIES[DistributedType.DEEPSPEED].__name__ == "DeepSpeedStrategy"
     acc.state.distributed_type = DistributedType.MEGATRON_LM
     try:
-        with pytest.raises(NotImplementedError, match="MEGATRON_LM runs are not supported"):
+        with pytest.raises(ValueError, match="MEGATRON_LM run trains with a MegatronLMPlugin"):
             select_strategy(acc.state, acc.precision)
     finally:
         acc.state.distributed_type = DistributedType.NO

@@ -57,6 +57,11 @@ def select_strategy(
             state, precision, ddp_kwargs, parallelism_config=parallelism_config, tp_plan=tp_plan
         )
     kind = state.distributed_type
+    if kind == DistributedType.MEGATRON_LM:
+        raise ValueError(
+            "A MEGATRON_LM run trains with a MegatronLMPlugin: pass Accelerator("
+            "megatron_lm_plugin=MegatronLMPlugin(...)), or launch with --use_megatron_lm."
+        )
     if kind not in STRATEGIES:
         raise NotImplementedError(
             f"{kind.value} runs are not supported by nbaccel; supported: "

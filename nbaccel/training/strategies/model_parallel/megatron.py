@@ -15,13 +15,19 @@ trains a decoder language model of the Llama family without Megatron-LM installe
 - the optimizer step all-reduces gradients over ``dp``, clips them by the global norm across
   stages (``gradient_clipping``), and steps each rank's own parameters.
 
-What only Megatron-LM's model zoo does (its train-step classes, its dataset and tokenizer
-files, ``megatron_generate``) stays refused, naming this path.
+As in Accelerate, a dataloader's batch size is the micro-batch: ``prepare`` rebuilds the loaders
+to yield ``num_micro_batches`` micro-batches per batch (:meth:`MegatronStrategy.rebatch`) and the
+plugin records ``global_batch_size``; ``MegatronLMDummyScheduler`` becomes Megatron-LM's schedule
+(:mod:`.megatron_scheduler`); with ``use_distributed_optimizer`` each data-parallel rank steps
+its share of the parameters. The plugin's fields are in :mod:`.megatron_plugin`; what only
+Megatron-LM's engine does (its train-step classes, datasets, ``megatron_generate``) is refused
+there, naming the field.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +47,8 @@ from nbaccel.training.strategies.model_parallel.tensor_parallel import check_ten
 from nbaccel.training.strategies.repoint import remember_moves
 
 __all__ = ["MegatronLMPlugin", "MegatronStrategy", "PipelineTrainingModel"]
+
+logger = logging.getLogger(__name__)
 
 
 class PipelineTrainingModel(nn.Module):
@@ -425,17 +433,29 @@ def _check_model_options(model: nn.Module, plugin: MegatronLMPlugin) -> None:
 
 
 def with_batch_size(loader: Any, batch_size: int) -> Any:
-    """``loader`` rebuilt to yield batches of ``batch_size`` (same dataset, sampler, collate)."""
+    """``loader`` rebuilt to yield full batches of ``batch_size`` (same dataset, sampler,
+    collate): the pipeline's stages exchange activations of one shape, so a last batch too
+    small for ``num_micro_batches`` full micro-batches is dropped, as Megatron-LM's samplers do
+    (with a warning)."""
     from torch.utils.data import BatchSampler, DataLoader
 
-    if loader.batch_size == batch_size:
-        return loader
     if loader.batch_size is None:
         raise ValueError(
             "MegatronLMPlugin needs DataLoaders built with batch_size (not a batch_sampler): "
             "it groups num_micro_batches micro-batches per training step."
         )
-    sampler = BatchSampler(loader.sampler, batch_size, loader.drop_last)
+    left = len(loader.dataset) % batch_size if hasattr(loader.dataset, "__len__") else 0
+    if left:
+        logger.warning(
+            "MegatronLMPlugin: %d samples of %d do not fill a last batch of %d (micro-batch x "
+            "num_micro_batches); they are left out, as Megatron-LM's samplers do.",
+            left,
+            len(loader.dataset),
+            batch_size,
+        )
+    elif loader.batch_size == batch_size:
+        return loader
+    sampler = BatchSampler(loader.sampler, batch_size, drop_last=True)
     return DataLoader(
         loader.dataset,
         batch_sampler=sampler,
