@@ -104,36 +104,55 @@ def _guide_loop(root: str):
         }
 
     return (train(resume=False), train(resume=True), _sequence_parallel(),
-            _data_parallel(False), _data_parallel(True))  # fmt: skip
+            _data_parallel(False), _data_parallel(True, root + "-zero"))  # fmt: skip
 
 
-def _data_parallel(distributed_optimizer: bool):
+def _data_parallel(distributed_optimizer: bool, root: str | None = None):
     """pp 2 with the other 2 ranks as data parallel (dp 2): gradients averaged over dp; with
-    the distributed optimizer each dp rank steps (and keeps the state of) its share."""
+    the distributed optimizer each dp rank steps (and keeps the state of) its share, its
+    checkpoint resumes exactly, and a batch of another length than seq_length is refused."""
     from nbaccel import Accelerator
     from nbaccel.utils import MegatronLMPlugin
 
-    plugin = MegatronLMPlugin(pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP,
-                              use_distributed_optimizer=distributed_optimizer)  # fmt: skip
-    accelerator = Accelerator(megatron_lm_plugin=plugin)
-    model = tiny_llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = DataLoader(Tokens(), batch_size=BATCH // 4)  # micro-batch per data-parallel rank
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses = []
-    for step, batch in enumerate(loader):
-        if step == STEPS:
-            break
-        outputs = model(**batch)
-        accelerator.backward(outputs.loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(outputs.loss.item())
+    def run(resume: bool):
+        plugin = MegatronLMPlugin(pp_degree=2, num_micro_batches=2, gradient_clipping=CLIP,
+                                  use_distributed_optimizer=distributed_optimizer,
+                                  seq_length=16)  # fmt: skip
+        accelerator = Accelerator(megatron_lm_plugin=plugin)
+        model = tiny_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(Tokens(), batch_size=BATCH // 4)  # micro-batch per dp rank
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        if resume:
+            accelerator.load_state(root)
+        losses = []
+        for step, batch in enumerate(loader):
+            if step == STEPS:
+                break
+            if resume and step < 2:
+                continue
+            outputs = model(**batch)
+            accelerator.backward(outputs.loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(outputs.loss.item())
+            if root and not resume and step == 1:
+                accelerator.save_state(root)
+        return accelerator, model, optimizer, plugin, losses, batch
+
+    accelerator, model, optimizer, plugin, losses, batch = run(resume=False)
+    try:
+        model(input_ids=batch["input_ids"][:, :8], labels=batch["labels"][:, :8])
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     state = accelerator.get_state_dict(model)
     stage_params = len(list(accelerator.unwrap_model(model).parameters()))
     inner = optimizer.optimizer
     return {
         "losses": losses,
+        "resumed": run(resume=True)[4] if root else None,
+        "refused": refused,
         "dp": accelerator.strategy.data_parallel_size,
         "state": state,
         "global_batch": plugin.global_batch_size,
@@ -215,6 +234,8 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
         assert r[3]["optimizer_params"] == r[3]["stage_params"]
         assert 0 < r[4]["optimizer_params"] < r[4]["stage_params"]  # its share only
         assert r[4]["optimizer_states"] == r[4]["optimizer_params"]
+        assert r[4]["resumed"] == pytest.approx(plain_losses[2:], abs=2e-5)
+        assert "have 8 tokens, but MegatronLMPlugin(seq_length=16)" in r[3]["refused"]
     for pp in ((0, 1), (2, 3)):  # the two dp ranks of a stage share its parameters out
         assert (
             sum(results[i][4]["optimizer_params"] for i in pp) == results[pp[0]][4]["stage_params"]
