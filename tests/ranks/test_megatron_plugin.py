@@ -246,3 +246,68 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
     for r in resumed:
         assert r["losses"] == pytest.approx(ref_losses[2:], abs=2e-5)
     assert max_diff(resumed[0]["state"], ref_state) < 1e-4
+
+
+def tiny_gpt2(seed: int = 0):
+    """A GPT2LMHeadModel (lm_head tied to wte), hidden 64, 2 blocks, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def _gpt2(root: str):
+    """GPT-2 at tp 2 x pp 2 (recompute of the attention blocks too): Conv1D split by columns
+    and rows, q/k/v kept whole per rank, the tied wte/lm_head synchronised across the stages."""
+    from nbaccel import Accelerator
+    from nbaccel.utils import MegatronLMPlugin
+
+    plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2,
+                              gradient_clipping=CLIP, recompute_granularity="selective")  # fmt: skip
+    accelerator = Accelerator(megatron_lm_plugin=plugin)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(Tokens(), batch_size=BATCH // 2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        outputs = model(**batch)
+        accelerator.backward(outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(outputs.loss.item())
+    state = accelerator.get_state_dict(model)
+    accelerator.unwrap_model(model).save_pretrained(
+        root, is_main_process=accelerator.is_main_process
+    )
+    return {"losses": losses, "state": state}
+
+
+def test_gpt2_tp2_pp2_matches_one_process(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    results = run_on_ranks(_gpt2, 4, args=(str(tmp_path / "gpt2"),), timeout=600)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = []
+    for step, batch in enumerate(DataLoader(Tokens(), batch_size=BATCH)):
+        if step == STEPS:
+            break
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref.append(loss.item())
+    for r in results:
+        assert r["losses"] == pytest.approx(ref, abs=2e-5)
+    expected = model.state_dict()
+    assert max_diff({k: results[0]["state"][k] for k in expected}, expected) < 1e-4
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again
+    assert max_diff(loaded.state_dict(), expected) < 1e-4

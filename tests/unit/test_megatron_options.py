@@ -149,13 +149,33 @@ def test_weight_decay_increments_and_resume():
     assert optimizer2.param_groups[0]["weight_decay"] == pytest.approx(0.2 * 24 / 40)
 
 
+def test_gpt2_stage_splits_conv1d_and_gives_the_models_own_state_back():
+    transformers = pytest.importorskip("transformers")
+    from nbaccel.training.strategies.model_parallel.gpt2_stages import GPT2Stage, gpt2_tp_plan
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 64, (2, 8))
+    logits = model(ids).logits
+    stage = GPT2Stage(model, 0, 1)
+    assert stage.tied
+    stage.to_linears()  # what the tensor-parallel plan starts with
+    assert isinstance(stage.transformer.h["0"].mlp.c_fc, torch.nn.Linear)
+    assert torch.allclose(stage(ids), logits, atol=1e-5)  # the same model
+    back = stage.export_state(stage.state_dict())
+    assert set(back) == set(expected)
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+    with pytest.raises(ValueError, match="tp_degree=3 does not divide GPT-2's n_head=4"):
+        gpt2_tp_plan(GPT2Stage(transformers.GPT2LMHeadModel(config), 0, 1), 3)
+
+
 def test_model_families_the_guide_lists_are_refused_with_the_reason():
     transformers = pytest.importorskip("transformers")
     from nbaccel.training.strategies.model_parallel.decoder_stages import check_decoder_model
 
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2))
-    with pytest.raises(NotImplementedError, match="GPT-2 packs q, k and v in one Conv1D"):
-        check_decoder_model(gpt2)
     bert = transformers.BertForMaskedLM(
         transformers.BertConfig(
             hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32

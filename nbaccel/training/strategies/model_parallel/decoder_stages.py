@@ -20,17 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DecoderStage", "check_decoder_model", "layer_ranges"]
+__all__ = ["DecoderStage", "WholeModelSaving", "check_decoder_model", "layer_ranges"]
 
 _PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
 #: why a model family the Megatron-LM guide lists is not cut into stages here
 _FAMILY_REASONS = {
-    "gpt2": "GPT-2 packs q, k and v in one Conv1D (c_attn) and ties lm_head to wte, which "
-    "would live on the first and the last stage; nbaccel has no split for those yet. Train a "
-    "Llama-family config (LlamaConfig, MistralConfig, Qwen2Config...) here, or GPT-2 with FSDP2 "
-    "(fsdp_plugin) or DeepSpeed",
     "bert": "BERT is an encoder (Megatron-LM's engine builds its own BERT); pipeline stages here "
     "cut decoder-only language models. Train BERT with FSDP2 (fsdp_plugin) or DeepSpeed",
     "megatron-bert": "Megatron-BERT is an encoder; pipeline stages here cut decoder-only language "
@@ -98,56 +94,18 @@ def layer_ranges(
     return ranges
 
 
-class DecoderStage(nn.Module):
-    """Stage ``index`` of ``stages`` of a decoder LM: input ids (first stage) or hidden states
-    in, hidden states or logits (last stage) out. Takes the model's modules (the model is
-    consumed)."""
+class WholeModelSaving:
+    """What a pipeline stage offers to save the whole model (every stage, TP shards gathered)
+    as transformers does. The strategy sets ``full_state_dict``; ``model_class`` and
+    ``config`` come from the model the stage was cut from."""
 
-    def __init__(
-        self, model: nn.Module, index: int, stages: int, last_stage_layers: int | None = None
-    ) -> None:
-        super().__init__()
-        base = check_decoder_model(model, stages)
-        first, last = layer_ranges(len(base.layers), stages, last_stage_layers)[index]
-        self.model_class = type(model)
-        #: gathers the full model's state dict (a collective; set by the strategy)
-        self.full_state_dict: Any = None
-        self.is_first, self.is_last = index == 0, index == stages - 1
-        #: ranks the sequence is split over between blocks (sequence parallelism), else 1
-        self.sequence_shards = 1
-        self.layer_range = (first, last)
-        base.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(first, last)})
-        if not self.is_first:
-            base.embed_tokens = None
-        if not self.is_last:
-            base.norm = None
-        self.config = getattr(model, "config", None)
-        prefix = getattr(model, "base_model_prefix", "model")
-        self.prefix = prefix
-        self.add_module(prefix, base)  # same parameter names as the full model
-        self.lm_head = model.lm_head if self.is_last else None
+    full_state_dict: Any = None
+    model_class: Any = None
+    config: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = getattr(self, self.prefix)
-        if self.is_first and x.shape[1] % self.sequence_shards:
-            raise ValueError(
-                f"Sequence parallelism splits the sequence over {self.sequence_shards} ranks: "
-                f"the length {x.shape[1]} must divide by it (pad or trim the batches)."
-            )
-        hidden = base.embed_tokens(x) if self.is_first else x
-        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
-        positions = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
-        position_embeddings = base.rotary_emb(hidden, position_ids=positions)
-        for layer in base.layers.values():
-            hidden = layer(
-                hidden,
-                attention_mask=None,  # causal attention (sdpa's is_causal): no padding
-                position_ids=positions,
-                position_embeddings=position_embeddings,
-            )
-        if not self.is_last:
-            return hidden
-        return self.lm_head(base.norm(hidden))
+    def export_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This stage's full (TP-gathered) tensors under the model's own names and layouts."""
+        return state
 
     def save_pretrained(
         self,
@@ -170,6 +128,60 @@ class DecoderStage(nn.Module):
         if save_function is not None:
             kwargs["save_function"] = save_function
         whole.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+
+
+class DecoderStage(WholeModelSaving, nn.Module):
+    """Stage ``index`` of ``stages`` of a decoder LM: input ids (first stage) or hidden states
+    in, hidden states or logits (last stage) out. Takes the model's modules (the model is
+    consumed)."""
+
+    def __init__(
+        self, model: nn.Module, index: int, stages: int, last_stage_layers: int | None = None
+    ) -> None:
+        super().__init__()
+        base = check_decoder_model(model, stages)
+        first, last = layer_ranges(len(base.layers), stages, last_stage_layers)[index]
+        self.model_class = type(model)
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        #: ranks the sequence is split over between blocks (sequence parallelism), else 1
+        self.sequence_shards = 1
+        self.layer_range = (first, last)
+        base.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(first, last)})
+        if not self.is_first:
+            base.embed_tokens = None
+        if not self.is_last:
+            base.norm = None
+        self.config = getattr(model, "config", None)
+        prefix = getattr(model, "base_model_prefix", "model")
+        self.prefix = prefix
+        self.add_module(prefix, base)  # same parameter names as the full model
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def blocks(self) -> nn.ModuleDict:
+        """This stage's decoder layers, by their index in the model."""
+        return getattr(self, self.prefix).layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = getattr(self, self.prefix)
+        if self.is_first and x.shape[1] % self.sequence_shards:
+            raise ValueError(
+                f"Sequence parallelism splits the sequence over {self.sequence_shards} ranks: "
+                f"the length {x.shape[1]} must divide by it (pad or trim the batches)."
+            )
+        hidden = base.embed_tokens(x) if self.is_first else x
+        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
+        positions = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
+        position_embeddings = base.rotary_emb(hidden, position_ids=positions)
+        for layer in base.layers.values():
+            hidden = layer(
+                hidden,
+                attention_mask=None,  # causal attention (sdpa's is_causal): no padding
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+            )
+        if not self.is_last:
+            return hidden
+        return self.lm_head(base.norm(hidden))
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

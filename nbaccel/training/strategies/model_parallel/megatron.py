@@ -42,6 +42,7 @@ from nbaccel.training.strategies.model_parallel.decoder_stages import (
     causal_lm_loss,
     check_decoder_model,
 )
+from nbaccel.training.strategies.model_parallel.gpt2_stages import GPT2Stage, gpt2_tp_plan, is_gpt2
 from nbaccel.training.strategies.model_parallel.megatron_plugin import MegatronLMPlugin
 from nbaccel.training.strategies.model_parallel.tensor_parallel import check_tensor_parallel
 from nbaccel.training.strategies.repoint import remember_moves
@@ -122,6 +123,7 @@ class MegatronStrategy(Strategy):
         )
         self.pipeline_parallel_rank = self.mesh["pp"].get_local_rank()
         self.stages: list[DecoderStage] = []
+        self._splits: dict[int, tuple[nn.Parameter, list[nn.Parameter]]] = {}
 
     def __repr__(self) -> str:
         p = self.plugin
@@ -146,11 +148,35 @@ class MegatronStrategy(Strategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         p = self.plugin
-        check_decoder_model(model, p.pp_degree)
         _check_model_options(model, p)
+        before = dict(model.named_parameters(remove_duplicate=False))
+        if is_gpt2(model):
+            stage = self._gpt2_stage(model)
+        else:
+            stage = self._decoder_stage(model)
+        if p.recompute:
+            _checkpoint_layers(stage, p)
+        self._remember_splits(before, stage)
+        self.precision.wrap_forward(stage)
+        stage.full_state_dict = lambda: self.model_state_dict(stage)
+        self.stages.append(stage)
+        loss_fn = p.custom_loss_function or causal_lm_loss
+        pp_rank, group = self.pipeline_parallel_rank, self.mesh["pp"].get_group()
+        kind = Schedule1F1B if p.num_micro_batches >= p.pp_degree else ScheduleGPipe
+
+        part = PipelineStage(stage, pp_rank, p.pp_degree, self.device, group=group)
+        schedule = kind(part, p.num_micro_batches, loss_fn=loss_fn)
+        wrapped = PipelineTrainingModel(stage, schedule, self)
+        remember_moves(wrapped, before, dict(stage.named_parameters(remove_duplicate=False)))
+        return wrapped
+
+    def _decoder_stage(self, model: nn.Module) -> DecoderStage:
+        """This rank's stage of a Llama-family model, split over ``tp`` with the model's plan
+        (sequence parallel when asked)."""
+        p = self.plugin
+        check_decoder_model(model, p.pp_degree)
         resolved = check_tensor_parallel(model, p.tp_degree) if p.tp_degree > 1 else {}
         by_module = {id(model.get_submodule(n)): s for n, s in resolved.items()}
-        before = dict(model.named_parameters(remove_duplicate=False))
         stage = DecoderStage(
             model, self.pipeline_parallel_rank, p.pp_degree, p.decoder_last_pipeline_num_layers
         )
@@ -167,20 +193,78 @@ class MegatronStrategy(Strategy):
                 plan = sequence_parallel_plan(stage, plan)
                 stage.sequence_shards = p.tp_degree
             parallelize_module(stage, self.mesh["tp"], plan)
-        if p.recompute:
-            _checkpoint_layers(stage, p)
-        self.precision.wrap_forward(stage)
-        stage.full_state_dict = lambda: self.model_state_dict(stage)
-        self.stages.append(stage)
-        loss_fn = p.custom_loss_function or causal_lm_loss
-        pp_rank, group = self.pipeline_parallel_rank, self.mesh["pp"].get_group()
-        kind = Schedule1F1B if p.num_micro_batches >= p.pp_degree else ScheduleGPipe
+        return stage
 
-        part = PipelineStage(stage, pp_rank, p.pp_degree, self.device, group=group)
-        schedule = kind(part, p.num_micro_batches, loss_fn=loss_fn)
-        wrapped = PipelineTrainingModel(stage, schedule, self)
-        remember_moves(wrapped, before, dict(stage.named_parameters(remove_duplicate=False)))
-        return wrapped
+    def _gpt2_stage(self, model: nn.Module) -> GPT2Stage:
+        """This rank's stage of a GPT-2 model, split over ``tp`` (:mod:`.gpt2_stages`); its
+        tied ``wte``/``lm_head`` kept one parameter on one stage, synchronised over two."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        p = self.plugin
+        if p.sequence_parallelism:
+            raise NotImplementedError(
+                "sequence_parallelism=True is not offered for GPT-2 here: its learned position "
+                "embedding is added to the token embedding before any split along the sequence. "
+                "Set sequence_parallelism=False (tensor and pipeline parallel still apply), or "
+                "train a Llama-family model."
+            )
+        stage = GPT2Stage(
+            model, self.pipeline_parallel_rank, p.pp_degree, p.decoder_last_pipeline_num_layers
+        )
+        stage.to(self.device)
+        if p.tp_degree > 1:
+            parallelize_module(stage, self.mesh["tp"], gpt2_tp_plan(stage, p.tp_degree))
+            if stage.tied and stage.is_first and stage.is_last:  # one parameter again
+                stage.lm_head.weight = stage.transformer.wte.weight
+        if stage.tied and p.pp_degree > 1:
+            self._tie_stages(stage)
+        return stage
+
+    def _remember_splits(self, before: dict[str, nn.Parameter], stage: nn.Module) -> None:
+        """Parameters that became several (GPT-2's ``c_attn`` -> q, k, v), so that an
+        optimizer built on the model steps the pieces."""
+        after = {
+            n.replace("_checkpoint_wrapped_module.", ""): q for n, q in stage.named_parameters()
+        }
+        for name, old in before.items():
+            if name in after or not name.endswith((".c_attn.weight", ".c_attn.bias")):
+                continue
+            head, _, kind = name.rpartition(".")
+            news = [after.get(f"{head}.{part}.{kind}") for part in ("q", "k", "v")]
+            if all(n is not None for n in news):
+                self._splits[id(old)] = (old, news)
+
+    def _tie_stages(self, stage: GPT2Stage) -> None:
+        """A group of the first and last stage for each (dp, tp) place: their copies of the
+        tied embedding sum their gradients there before each step."""
+        pp, dp, tp = self.plugin.pp_degree, self.dp, self.plugin.tp_degree
+        me = dist.get_rank()
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [d * tp + t, (pp - 1) * dp * tp + d * tp + t]
+                group = dist.new_group(ranks)  # every rank creates every group, in order
+                if me in ranks:
+                    self._tied_group = group
+        if stage.is_first:
+            self._tied_param = stage.transformer.wte.weight
+        elif stage.is_last:
+            self._tied_param = stage.lm_head.weight
+
+    _tied_group: Any = None
+    _tied_param: Any = None
+
+    def _sync_tied(self) -> None:
+        param = self._tied_param
+        if self._tied_group is None or param is None:
+            return
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        placements = getattr(param, "placements", None)
+        if placements is not None and param.grad.placements != placements:
+            # the embedding's backward gives a replicated gradient; the head's is sharded
+            param.grad = param.grad.redistribute(param.device_mesh, placements)
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        dist.all_reduce(local, group=self._tied_group)
 
     # -- batches ------------------------------------------------------------------------------
     def plan_batches(self, loaders: list[Any]) -> None:
@@ -232,7 +316,11 @@ class MegatronStrategy(Strategy):
             mine = {id(p) for p in self._owned()}
         inner = getattr(optimizer, "optimizer", optimizer)
         for group in inner.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in mine]
+            pieces = []
+            for p in group["params"]:
+                split = self._splits.get(id(p))
+                pieces.extend(split[1] if split is not None and split[0] is p else [p])
+            group["params"] = [p for p in pieces if id(p) in mine]
 
     def _owners(self) -> list[tuple[nn.Parameter, int]]:
         """Each stage parameter with the data-parallel rank that keeps its optimizer state
@@ -265,10 +353,17 @@ class MegatronStrategy(Strategy):
     def _params(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters()]
 
+    def _norm_params(self) -> list[nn.Parameter]:
+        """The parameters the global norm counts: a tied embedding once (on the first stage)."""
+        params = self._params()
+        if self._tied_group is not None and self.stages and self.stages[0].is_last:
+            params = [p for p in params if p is not self._tied_param]
+        return params
+
     def clip_grad_norm_(
         self, parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
-        return self._clip(self._params(), max_norm, norm_type)
+        return self._clip(self._norm_params(), max_norm, norm_type)
 
     def _clip(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2):
         """Clip by the norm over every stage's gradients (TP shards counted once)."""
@@ -282,12 +377,15 @@ class MegatronStrategy(Strategy):
         dist.all_reduce(local, op=op, group=self.mesh["pp"].get_group())
         total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
         scale = min(float(max_norm) / (float(total) + 1e-6), 1.0)
+        if self._tied_group is not None and self.stages[0].is_last:  # counted on the first
+            grads.append(self._tied_param.grad)
         for g in grads:
             g.mul_(scale)
         return total
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         params = self._params()
+        self._sync_tied()
         if self.dp > 1:
             group = self.mesh["dp"].get_group()
             for p in params:
@@ -296,7 +394,7 @@ class MegatronStrategy(Strategy):
                     dist.all_reduce(local, group=group)
                     local.div_(self.dp)
         if self.plugin.gradient_clipping:
-            self._clip(params, self.plugin.gradient_clipping)
+            self._clip(self._norm_params(), self.plugin.gradient_clipping)
         result = super().optimizer_step(optimizer, closure)
         if self.plugin.use_distributed_optimizer and self.dp > 1:
             self._share_updates()
@@ -322,6 +420,7 @@ class MegatronStrategy(Strategy):
         for k, v in stage.state_dict().items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
             local[k] = v.detach().cpu()
+        local = stage.export_state(local)
         keep = self.mesh["tp"].get_local_rank() == 0 and self.mesh["dp"].get_local_rank() == 0
         pieces: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(local if keep else {}, pieces, dst=0)
@@ -396,14 +495,15 @@ def _checkpoint_layers(stage: DecoderStage, plugin: MegatronLMPlugin) -> None:
     (``selective``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    layers = getattr(stage, stage.prefix).layers
+    layers = stage.blocks()
     keys = list(layers.keys())
     if plugin.recompute_method == "block":
         keys = keys[: plugin.recompute_num_layers or 1]
     for key in keys:
         if plugin.recompute == "selective":
             layer = layers[key]
-            layer.self_attn = checkpoint_wrapper(layer.self_attn, preserve_rng_state=True)
+            name = "self_attn" if hasattr(layer, "self_attn") else "attn"
+            setattr(layer, name, checkpoint_wrapper(getattr(layer, name), preserve_rng_state=True))
         else:
             layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=True)
 
