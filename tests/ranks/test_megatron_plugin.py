@@ -266,7 +266,8 @@ def _gpt2(root: str):
     from nbaccel.utils import MegatronLMPlugin
 
     plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2,
-                              gradient_clipping=CLIP, recompute_granularity="selective")  # fmt: skip
+                              gradient_clipping=CLIP,
+                              recompute_granularity="selective")  # fmt: skip
     accelerator = Accelerator(megatron_lm_plugin=plugin)
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
