@@ -1,12 +1,14 @@
 """Megatron-LM's plugin on torch's own engines: tensor, sequence, pipeline and data parallel.
 
 ``Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2))``
-trains a decoder language model of the Llama family without Megatron-LM installed:
+trains a decoder language model of the Llama family, or GPT-2 (:mod:`.gpt2_stages`), without
+Megatron-LM installed:
 
 - the ranks form a ``(pp, dp, tp)`` ``DeviceMesh`` (tensor-parallel ranks adjacent, as
   Megatron orders them);
-- each pipeline rank keeps one :class:`~.decoder_stages.DecoderStage` (its share of the
-  decoder layers), split over the ``tp`` axis with the model's tensor-parallel plan;
+- each pipeline rank keeps one stage (:class:`~.decoder_stages.DecoderStage`, or
+  :class:`~.gpt2_stages.GPT2Stage`: its share of the decoder layers), split over the ``tp``
+  axis with the model's tensor-parallel plan;
 - calling the prepared model with ``input_ids`` and ``labels`` in training mode runs a whole
   training step of ``num_micro_batches`` micro-batches through torch's ``Schedule1F1B``: forward
   *and* backward, as Megatron-LM's engine does. It returns an output whose ``loss`` is the
