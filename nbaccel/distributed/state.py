@@ -350,7 +350,6 @@ class AcceleratorState(PartialState):
         dynamo_plugin: Any = None,
         fsdp_plugin: Any = None,
         deepspeed_plugin: Any = None,
-        megatron_lm_plugin: Any = None,
         _from_accelerator: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -369,8 +368,6 @@ class AcceleratorState(PartialState):
                 self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
             if deepspeed_plugin is not None and deepspeed_plugin is not self.deepspeed_plugins:
                 self._use_deepspeed_plugins(deepspeed_plugin)
-            if megatron_lm_plugin is not None:
-                self._use_megatron_lm_plugin(megatron_lm_plugin)
             return
         self.__dict__.update(partial.__dict__)
         chosen = mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION") or "no"
@@ -385,14 +382,6 @@ class AcceleratorState(PartialState):
         if fsdp_plugin is not None:
             self._use_fsdp_plugin(fsdp_plugin, partial.distributed_type)
         self._use_deepspeed_plugins(deepspeed_plugin)
-        self.megatron_lm_plugin = None
-        if megatron_lm_plugin is not None:
-            self._use_megatron_lm_plugin(megatron_lm_plugin)
-
-    def _use_megatron_lm_plugin(self, plugin: Any) -> None:
-        """Train with Megatron-LM's plugin (on torch's engines) from now on."""
-        self.megatron_lm_plugin = plugin
-        self.distributed_type = DistributedType.MEGATRON_LM
 
     def _use_deepspeed_plugins(self, plugins: Any) -> None:
         """Run DeepSpeed with ``plugins`` (None, one, or a dict by name); select the first."""

@@ -26,13 +26,14 @@ import dataclasses
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Flag, auto
 from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
+from nbaccel.launch.megatron_options import PREFIX, megatron_environment
+from nbaccel.launch.megatron_options import megatron_option as _megatron
+from nbaccel.launch.option_spec import Front, Option, option
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
-from nbaccel.values.booleans import parse_bool
 from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
 
 __all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
@@ -45,97 +46,6 @@ _ON_THIS_MACHINE = {
 }
 
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
-
-
-class Front(Flag):
-    """A way into a launch: where an option can be given, and who launches (each rank's
-    ``NBACCEL_LAUNCHER``, :attr:`launcher_name`)."""
-
-    LAUNCHER = auto()  # notebook_launcher(..., name=value) / debug_launcher
-    MAGIC = auto()  # %%distributed --name value, and the pool behind it (start_pool)
-    CLI = auto()  # nbaccel launch --name value
-    TESTING = auto()  # nbaccel.testing.run_on_ranks
-    REMOTE = auto()  # not a way in: marks an option that is a field of RemoteOptions
-    ALL = LAUNCHER | MAGIC | CLI
-
-    @property
-    def launcher_name(self) -> str:
-        """What the ranks of a launch through this front see in ``NBACCEL_LAUNCHER``."""
-        return _LAUNCHER_NAMES[self]
-
-
-_LAUNCHER_NAMES = {
-    Front.LAUNCHER: "notebook",
-    Front.MAGIC: "pool",
-    Front.CLI: "cli",
-    Front.TESTING: "testing",
-}
-
-
-@dataclass(frozen=True)
-class Option:
-    """What a :class:`LaunchRequest` field is to the fronts.
-
-    Args:
-        help: one line for ``--help`` and the docs.
-        fronts: where it can be given.
-        check: validates (and normalises) a given value; raises ValueError naming the fix.
-        parse: text -> value for the text fronts (the magic, the command line).
-        choices: the allowed values, shown in the help.
-        flags: the text fronts' spellings, by front (default ``--name``); the command line
-            keeps Accelerate's names (``--num_machines`` is ``num_nodes``).
-        metavar: the value's name in the help.
-    """
-
-    help: str
-    fronts: Front
-    check: Callable[[Any], Any] | None = None
-    parse: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    flags: Mapping[Front, tuple[str, ...]] = field(default_factory=dict)
-    metavar: str | None = None
-
-    def spellings(self, name: str, front: Front) -> tuple[str, ...]:
-        """The flags of this option on a text front (``--name``, its hyphenated twin, ...)."""
-        flags = list(self.flags.get(front, (f"--{name}",)))
-        for flag in list(flags):
-            twin = flag.replace("_", "-")
-            if flag.startswith("--") and twin not in flags:
-                flags.append(twin)
-        return tuple(flags)
-
-    def dest(self, name: str, front: Front) -> str:
-        """Where a text front's parser keeps the value: ``name``, or the first long flag's
-        name where the front spells it its own way (``--num_machines``: ``num_machines``)."""
-        given = self.flags.get(front)
-        if given is None:
-            return name
-        return next(f for f in given if f.startswith("--"))[2:].replace("-", "_")
-
-    def argparse(self, name: str, default: Any, front: Front) -> dict[str, Any]:
-        """``add_argument`` keywords for a text front; not given stays None (the request's
-        default applies), so a front can tell what was asked for."""
-        dest = self.dest(name, front)
-        if isinstance(default, bool) and self.parse is None:
-            return {"dest": dest, "action": "store_true", "default": None, "help": self.help}
-        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": self.help}
-        if self.parse is not None:
-            kwargs["type"] = self.parse
-        if self.choices is not None:
-            kwargs["choices"] = self.choices
-        if self.metavar is not None:
-            kwargs["metavar"] = self.metavar
-        return kwargs
-
-
-def option(
-    default: Any, help: str, fronts: Front, **spec: Any
-) -> Any:  # a dataclass field: typed as its value for the checker
-    """A :class:`LaunchRequest` field with its :class:`Option` (``spec``: its other fields)."""
-    meta = {"option": Option(help, fronts, **spec)}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -242,35 +152,6 @@ def _mesh_size(axis: str, what: str) -> Any:
 
 
 _WORLD = Front.LAUNCHER | Front.CLI  # a world formed by this launch alone, maybe multi-node
-_MEGATRON = "megatron_lm_"
-
-
-def _typed(kind: type, name: str) -> Callable[[Any], Any]:
-    """A check: None, or a value of ``kind`` (bool from true/false words; int >= 0)."""
-
-    def check(value: Any) -> Any:
-        if value is None:
-            return None
-        if kind is bool:
-            return parse_bool(value, name)
-        try:
-            number = kind(value)
-        except (TypeError, ValueError):
-            number = None
-        if number is None or isinstance(value, bool) or number < 0:
-            raise ValueError(f"{name} must be a non-negative {kind.__name__}, got {value!r}.")
-        return number
-
-    return check
-
-
-def _megatron(kind: type, what: str) -> Any:
-    """A Megatron-LM launch option (Accelerate's ``--megatron_lm_*`` flag and config key):
-    the ranks' ``MegatronLMPlugin`` reads it as ``MEGATRON_LM_<NAME>``."""
-    parse = (lambda text: parse_bool(text, "a --megatron_lm_* flag")) if kind is bool else kind
-    metavar = {bool: "BOOL", int: "N", float: "X", str: "WORD"}[kind]
-    return option(None, f"Megatron-LM: {what}", Front.CLI, check=_typed(kind, what),
-                  parse=parse, metavar=metavar)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -455,35 +336,17 @@ class LaunchRequest:
                 object.__setattr__(self, item.name, spec.check(getattr(self, item.name)))
         self._check_world()
         self._check_parallelism()
-        self._check_megatron()
+        self.megatron_environment()  # Megatron-LM options need use_megatron_lm
         object.__setattr__(self, "remote", self._remote())
 
     def _megatron_given(self) -> dict[str, Any]:
-        return {
-            item.name: getattr(self, item.name)
-            for item in dataclasses.fields(self)
-            if item.name.startswith(_MEGATRON) and getattr(self, item.name) is not None
-        }
-
-    def _check_megatron(self) -> None:
-        """Megatron-LM options take effect with use_megatron_lm only: never dropped quietly."""
-        given = self._megatron_given()
-        if given and not self.use_megatron_lm:
-            raise ValueError(
-                f"{', '.join(given)} configure a Megatron-LM run: add --use_megatron_lm (or "
-                "distributed_type: MEGATRON_LM in the config file), or leave them out."
-            )
+        names = [f.name for f in dataclasses.fields(self) if f.name.startswith(PREFIX)]
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def megatron_environment(self) -> dict[str, str]:
-        """What the ranks' ``Accelerator()`` reads to build its ``MegatronLMPlugin``
-        (Accelerate's ``ACCELERATE_USE_MEGATRON_LM`` and ``MEGATRON_LM_*``); empty unless
-        use_megatron_lm."""
-        if not self.use_megatron_lm:
-            return {}
-        env = {"ACCELERATE_USE_MEGATRON_LM": "true"}
-        for name, value in self._megatron_given().items():
-            env["MEGATRON_LM_" + name[len(_MEGATRON) :].upper()] = str(value)
-        return env
+        """What the ranks' ``Accelerator()`` reads to build its ``MegatronLMPlugin`` (empty
+        unless use_megatron_lm; Megatron options without it are refused)."""
+        return megatron_environment(self._megatron_given(), self.use_megatron_lm)
 
     def _mesh_sizes(self) -> dict[str, int | None]:
         return {a: getattr(self, f"{_PC}{a}_size") for a in AXES}

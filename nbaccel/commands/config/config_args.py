@@ -196,7 +196,9 @@ class ClusterConfig(BaseConfig):
     deepspeed_config: dict = field(default_factory=dict)
     fsdp_config: dict = field(default_factory=dict)
     parallelism_config: dict = field(default_factory=dict)
-    megatron_lm_config: dict = field(default_factory=dict)
+    megatron_lm_config: dict = field(
+        default_factory=dict
+    )  # MEGATRON_LM: the --megatron_lm_* options
     ipex_config: dict = field(default_factory=dict)
     mpirun_config: dict = field(default_factory=dict)
     dynamo_config: dict = field(default_factory=dict)

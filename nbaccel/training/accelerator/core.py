@@ -57,10 +57,7 @@ from nbaccel.training.step.optimizer import AcceleratedOptimizer
 from nbaccel.training.step.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.deepspeed.launch import requested_plugins
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.strategies.model_parallel.megatron_plugin import megatron_from_environment
-from nbaccel.training.strategies.model_parallel.megatron_scheduler import (
-    MegatronLMDummyScheduler,
-)
+from nbaccel.training.strategies.model_parallel import megatron_launch, megatron_scheduler
 from nbaccel.training.strategies.registry import select_strategy
 from nbaccel.training.tracking.trackers import TrackerSet
 
@@ -107,20 +104,19 @@ class Accelerator(AcceleratorAttributes):
         group_options.pop("init_method", None)
         if fsdp_plugin is None and deepspeed_plugin is None:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_environment()  # launch --use_fsdp
-        if megatron_lm_plugin is None and deepspeed_plugin is None and fsdp_plugin is None:
-            megatron_lm_plugin = megatron_from_environment()  # launch --use_megatron_lm
-        if megatron_lm_plugin is not None:  # before the shared state takes it
-            megatron_lm_plugin.check_world(PartialState(cpu, **group_options).num_processes)
+        megatron_lm_plugin = megatron_launch.requested(  # or launch --use_megatron_lm's
+            megatron_lm_plugin, deepspeed_plugin or fsdp_plugin, PartialState(cpu, **group_options)
+        )
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,
             dynamo_plugin=dynamo_plugin,
             fsdp_plugin=fsdp_plugin,
             deepspeed_plugin=deepspeed_plugin,
-            megatron_lm_plugin=megatron_lm_plugin,
             _from_accelerator=True,
             **group_options,
         )
+        megatron_launch.attach(self.state, megatron_lm_plugin)
         self.parallelism_config = check_parallelism(parallelism_config, self, torch_tp_plugin)
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
@@ -258,7 +254,7 @@ class Accelerator(AcceleratorAttributes):
             (torch.optim.Optimizer, self.prepare_optimizer),
             (DataLoader, self.prepare_data_loader),
             (torch.optim.lr_scheduler.LRScheduler, lambda s, p: self.prepare_scheduler(s)),
-            (MegatronLMDummyScheduler, lambda s, p: self.prepare_scheduler(s)),
+            (megatron_scheduler.MegatronLMDummyScheduler, lambda s, p: self.prepare_scheduler(s)),
         )
         for kind, prepare_one in kinds:  # models first: FSDP may replace their parameters
             for i, obj in enumerate(args):
@@ -340,12 +336,9 @@ class Accelerator(AcceleratorAttributes):
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps with its prepared optimizer(s); a
-        ``MegatronLMDummyScheduler`` becomes Megatron-LM's schedule (one step per call: it
-        counts global batches itself)."""
-        stand_in = isinstance(scheduler, MegatronLMDummyScheduler)
-        if stand_in:
-            scheduler = self.strategy.make_scheduler(scheduler)
+        """Wrap ``scheduler`` to step with its prepared optimizer(s) (a stand-in: Megatron's)."""
+        stand_in = isinstance(scheduler, megatron_scheduler.MegatronLMDummyScheduler)
+        scheduler = self.strategy.make_scheduler(scheduler) if stand_in else scheduler
         target = getattr(scheduler, "optimizer", None)
         followed = [o for o in self._optimizers if o is target or o.optimizer is target]
         wrapped = AcceleratedScheduler(

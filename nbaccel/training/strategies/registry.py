@@ -43,7 +43,7 @@ def select_strategy(
     context parallel or HSDP gets the mesh strategy, a ``megatron_lm_plugin`` the tensor +
     pipeline one."""
     if megatron_lm_plugin is None and state.distributed_type == DistributedType.MEGATRON_LM:
-        megatron_lm_plugin = state.megatron_lm_plugin  # the run's plugin (shared state)
+        megatron_lm_plugin = getattr(state, "megatron_lm_plugin", None)  # the run's (shared)
     if megatron_lm_plugin is not None:
         from nbaccel.training.strategies.model_parallel.megatron import MegatronStrategy
 

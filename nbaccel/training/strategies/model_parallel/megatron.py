@@ -29,7 +29,6 @@ there, naming the field.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -39,19 +38,14 @@ import torch.distributed as dist
 from torch import nn
 
 from nbaccel.training.strategies.base import Strategy
-from nbaccel.training.strategies.model_parallel.decoder_stages import (
-    DecoderStage,
-    causal_lm_loss,
-    check_decoder_model,
-)
-from nbaccel.training.strategies.model_parallel.gpt2_stages import GPT2Stage, gpt2_tp_plan, is_gpt2
+from nbaccel.training.strategies.model_parallel.decoder_stages import DecoderStage, causal_lm_loss
 from nbaccel.training.strategies.model_parallel.megatron_plugin import MegatronLMPlugin
-from nbaccel.training.strategies.model_parallel.tensor_parallel import check_tensor_parallel
+from nbaccel.training.strategies.model_parallel.megatron_stages import build_stage, split_moves
+from nbaccel.training.strategies.model_parallel.micro_batches import with_batch_size
+from nbaccel.training.strategies.model_parallel.tied_embedding import TiedEmbedding
 from nbaccel.training.strategies.repoint import remember_moves
 
 __all__ = ["MegatronLMPlugin", "MegatronStrategy", "PipelineTrainingModel"]
-
-logger = logging.getLogger(__name__)
 
 
 class PipelineTrainingModel(nn.Module):
@@ -150,20 +144,17 @@ class MegatronStrategy(Strategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         p = self.plugin
-        _check_model_options(model, p)
         before = dict(model.named_parameters(remove_duplicate=False))
-        if is_gpt2(model):
-            stage = self._gpt2_stage(model)
-        else:
-            stage = self._decoder_stage(model)
-        if p.recompute:
-            _checkpoint_layers(stage, p)
-        self._remember_splits(before, stage)
+        tp_mesh, pp_rank = self.mesh["tp"], self.pipeline_parallel_rank
+        stage = build_stage(model, p, pp_rank, tp_mesh, self.device)
+        if getattr(stage, "tied", False) and p.pp_degree > 1:
+            self.tied = TiedEmbedding(stage, p.pp_degree, self.dp, p.tp_degree)
+        self._splits.update(split_moves(before, stage))
         self.precision.wrap_forward(stage)
         stage.full_state_dict = lambda: self.model_state_dict(stage)
         self.stages.append(stage)
         loss_fn = p.custom_loss_function or causal_lm_loss
-        pp_rank, group = self.pipeline_parallel_rank, self.mesh["pp"].get_group()
+        group = self.mesh["pp"].get_group()
         kind = Schedule1F1B if p.num_micro_batches >= p.pp_degree else ScheduleGPipe
 
         part = PipelineStage(stage, pp_rank, p.pp_degree, self.device, group=group)
@@ -171,102 +162,6 @@ class MegatronStrategy(Strategy):
         wrapped = PipelineTrainingModel(stage, schedule, self)
         remember_moves(wrapped, before, dict(stage.named_parameters(remove_duplicate=False)))
         return wrapped
-
-    def _decoder_stage(self, model: nn.Module) -> DecoderStage:
-        """This rank's stage of a Llama-family model, split over ``tp`` with the model's plan
-        (sequence parallel when asked)."""
-        p = self.plugin
-        check_decoder_model(model, p.pp_degree)
-        resolved = check_tensor_parallel(model, p.tp_degree) if p.tp_degree > 1 else {}
-        by_module = {id(model.get_submodule(n)): s for n, s in resolved.items()}
-        stage = DecoderStage(
-            model, self.pipeline_parallel_rank, p.pp_degree, p.decoder_last_pipeline_num_layers
-        )
-        stage.to(self.device)
-        if by_module:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            plan = {n: by_module[id(m)] for n, m in stage.named_modules() if id(m) in by_module}
-            if p.sequence_parallelism:
-                from nbaccel.training.strategies.model_parallel.sequence_parallel import (
-                    sequence_parallel_plan,
-                )
-
-                plan = sequence_parallel_plan(stage, plan)
-                stage.sequence_shards = p.tp_degree
-            parallelize_module(stage, self.mesh["tp"], plan)
-        return stage
-
-    def _gpt2_stage(self, model: nn.Module) -> GPT2Stage:
-        """This rank's stage of a GPT-2 model, split over ``tp`` (:mod:`.gpt2_stages`); its
-        tied ``wte``/``lm_head`` kept one parameter on one stage, synchronised over two."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        p = self.plugin
-        if p.sequence_parallelism:
-            raise NotImplementedError(
-                "sequence_parallelism=True is not offered for GPT-2 here: its learned position "
-                "embedding is added to the token embedding before any split along the sequence. "
-                "Set sequence_parallelism=False (tensor and pipeline parallel still apply), or "
-                "train a Llama-family model."
-            )
-        stage = GPT2Stage(
-            model, self.pipeline_parallel_rank, p.pp_degree, p.decoder_last_pipeline_num_layers
-        )
-        stage.to(self.device)
-        if p.tp_degree > 1:
-            parallelize_module(stage, self.mesh["tp"], gpt2_tp_plan(stage, p.tp_degree))
-            if stage.tied and stage.is_first and stage.is_last:  # one parameter again
-                stage.lm_head.weight = stage.transformer.wte.weight
-        if stage.tied and p.pp_degree > 1:
-            self._tie_stages(stage)
-        return stage
-
-    def _remember_splits(self, before: dict[str, nn.Parameter], stage: nn.Module) -> None:
-        """Parameters that became several (GPT-2's ``c_attn`` -> q, k, v), so that an
-        optimizer built on the model steps the pieces."""
-        after = {
-            n.replace("_checkpoint_wrapped_module.", ""): q for n, q in stage.named_parameters()
-        }
-        for name, old in before.items():
-            if name in after or not name.endswith((".c_attn.weight", ".c_attn.bias")):
-                continue
-            head, _, kind = name.rpartition(".")
-            news = [after.get(f"{head}.{part}.{kind}") for part in ("q", "k", "v")]
-            if all(n is not None for n in news):
-                self._splits[id(old)] = (old, news)
-
-    def _tie_stages(self, stage: GPT2Stage) -> None:
-        """A group of the first and last stage for each (dp, tp) place: their copies of the
-        tied embedding sum their gradients there before each step."""
-        pp, dp, tp = self.plugin.pp_degree, self.dp, self.plugin.tp_degree
-        me = dist.get_rank()
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [d * tp + t, (pp - 1) * dp * tp + d * tp + t]
-                group = dist.new_group(ranks)  # every rank creates every group, in order
-                if me in ranks:
-                    self._tied_group = group
-        if stage.is_first:
-            self._tied_param = stage.transformer.wte.weight
-        elif stage.is_last:
-            self._tied_param = stage.lm_head.weight
-
-    _tied_group: Any = None
-    _tied_param: Any = None
-
-    def _sync_tied(self) -> None:
-        param = self._tied_param
-        if self._tied_group is None or param is None:
-            return
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        placements = getattr(param, "placements", None)
-        if placements is not None and param.grad.placements != placements:
-            # the embedding's backward gives a replicated gradient; the head's is sharded
-            param.grad = param.grad.redistribute(param.device_mesh, placements)
-        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-        dist.all_reduce(local, group=self._tied_group)
 
     # -- batches ------------------------------------------------------------------------------
     def plan_batches(self, loaders: list[Any]) -> None:
@@ -284,6 +179,9 @@ class MegatronStrategy(Strategy):
             self.plan_batches([loader])
         n = self.plugin.num_micro_batches
         return with_batch_size(loader, self.plugin.micro_batch_size * n)
+
+    #: GPT-2's tied embedding over the first and last stage (None: nothing tied across stages)
+    tied: TiedEmbedding | None = None
 
     def check_batch(self, input_ids: torch.Tensor | None) -> None:
         """The batch's sequence length against ``seq_length`` (when set)."""
@@ -358,8 +256,8 @@ class MegatronStrategy(Strategy):
     def _norm_params(self) -> list[nn.Parameter]:
         """The parameters the global norm counts: a tied embedding once (on the first stage)."""
         params = self._params()
-        if self._tied_group is not None and self.stages and self.stages[0].is_last:
-            params = [p for p in params if p is not self._tied_param]
+        if self.tied is not None and not self.tied.counted:
+            params = [p for p in params if p is not self.tied.param]
         return params
 
     def clip_grad_norm_(
@@ -379,15 +277,16 @@ class MegatronStrategy(Strategy):
         dist.all_reduce(local, op=op, group=self.mesh["pp"].get_group())
         total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
         scale = min(float(max_norm) / (float(total) + 1e-6), 1.0)
-        if self._tied_group is not None and self.stages[0].is_last:  # counted on the first
-            grads.append(self._tied_param.grad)
+        if self.tied is not None and not self.tied.counted:  # counted on the first stage
+            grads.append(self.tied.param.grad)
         for g in grads:
             g.mul_(scale)
         return total
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         params = self._params()
-        self._sync_tied()
+        if self.tied is not None:
+            self.tied.sync()
         if self.dp > 1:
             group = self.mesh["dp"].get_group()
             for p in params:
@@ -489,83 +388,3 @@ def _flat_options() -> Any:
 
 
 _FLAT = _flat_options()
-
-
-def _checkpoint_layers(stage: DecoderStage, plugin: MegatronLMPlugin) -> None:
-    """Activation recomputation: whole decoder layers (``full``; with ``recompute_method=
-    'block'`` only the first ``recompute_num_layers`` of the stage) or their attention blocks
-    (``selective``)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    layers = stage.blocks()
-    keys = list(layers.keys())
-    if plugin.recompute_method == "block":
-        keys = keys[: plugin.recompute_num_layers or 1]
-    for key in keys:
-        if plugin.recompute == "selective":
-            layer = layers[key]
-            name = "self_attn" if hasattr(layer, "self_attn") else "attn"
-            setattr(layer, name, checkpoint_wrapper(getattr(layer, name), preserve_rng_state=True))
-        else:
-            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=True)
-
-
-_DROPOUT_NAMES = {
-    "attention_dropout": ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"),
-    "hidden_dropout": ("hidden_dropout", "resid_pdrop", "hidden_dropout_prob"),
-}
-
-
-def _check_model_options(model: nn.Module, plugin: MegatronLMPlugin) -> None:
-    """The plugin's model options against the model as built (nbaccel trains it as it is)."""
-    config = getattr(model, "config", None)
-    for option, names in _DROPOUT_NAMES.items():
-        wanted = getattr(plugin, option)
-        if wanted is None:
-            continue
-        name = next((n for n in names if hasattr(config, n)), None)
-        has = float(getattr(config, name, 0.0) or 0.0) if name else 0.0
-        if abs(has - float(wanted)) > 1e-12:
-            raise ValueError(
-                f"MegatronLMPlugin({option}={wanted}) but the model was built with "
-                f"{name or option}={has}: nbaccel trains the model as built (Megatron-LM builds "
-                f"its own). Set config.{name or option}={wanted} before building the model, or "
-                f"leave {option} unset."
-            )
-
-
-def with_batch_size(loader: Any, batch_size: int) -> Any:
-    """``loader`` rebuilt to yield full batches of ``batch_size`` (same dataset, sampler,
-    collate): the pipeline's stages exchange activations of one shape, so a last batch too
-    small for ``num_micro_batches`` full micro-batches is dropped, as Megatron-LM's samplers do
-    (with a warning)."""
-    from torch.utils.data import BatchSampler, DataLoader
-
-    if loader.batch_size is None:
-        raise ValueError(
-            "MegatronLMPlugin needs DataLoaders built with batch_size (not a batch_sampler): "
-            "it groups num_micro_batches micro-batches per training step."
-        )
-    left = len(loader.dataset) % batch_size if hasattr(loader.dataset, "__len__") else 0
-    if left:
-        logger.warning(
-            "MegatronLMPlugin: %d samples of %d do not fill a last batch of %d (micro-batch x "
-            "num_micro_batches); they are left out, as Megatron-LM's samplers do.",
-            left,
-            len(loader.dataset),
-            batch_size,
-        )
-    elif loader.batch_size == batch_size:
-        return loader
-    sampler = BatchSampler(loader.sampler, batch_size, drop_last=True)
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )

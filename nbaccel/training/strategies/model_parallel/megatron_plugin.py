@@ -30,7 +30,7 @@ from typing import Any
 
 from nbaccel.values.booleans import parse_bool
 
-__all__ = ["FIELD_KINDS", "MegatronLMPlugin", "megatron_from_environment"]
+__all__ = ["FIELD_KINDS", "MegatronLMPlugin"]
 
 _ENV = "MEGATRON_LM_"
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -486,11 +486,3 @@ class MegatronLMPlugin:
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}.")
-
-
-def megatron_from_environment() -> MegatronLMPlugin | None:
-    """The plugin a launch asked for (``ACCELERATE_USE_MEGATRON_LM``, written by ``nbaccel
-    launch --use_megatron_lm``; its settings in ``MEGATRON_LM_*``), else None."""
-    if os.environ.get("ACCELERATE_USE_MEGATRON_LM", "").lower() not in ("1", "true", "yes"):
-        return None
-    return MegatronLMPlugin()
