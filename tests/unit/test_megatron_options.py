@@ -170,6 +170,14 @@ def test_gpt2_stage_splits_conv1d_and_gives_the_models_own_state_back():
     assert all(torch.equal(back[k], expected[k]) for k in expected)
     with pytest.raises(ValueError, match="tp_degree=3 does not divide GPT-2's n_head=4"):
         gpt2_tp_plan(GPT2Stage(transformers.GPT2LMHeadModel(config), 0, 1), 3)
+    from nbaccel.training.strategies.model_parallel.megatron_stages import build_stage
+
+    plugin = MegatronLMPlugin(tp_degree=2, sequence_parallelism=True)
+    fresh = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(NotImplementedError, match="sequence_parallelism=True is not offered"):
+        build_stage(fresh, plugin, 0, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="built with resid_pdrop=0.0"):
+        build_stage(fresh, MegatronLMPlugin(hidden_dropout=0.1), 0, None, torch.device("cpu"))
 
 
 def test_model_families_the_guide_lists_are_refused_with_the_reason():
