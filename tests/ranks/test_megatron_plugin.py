@@ -122,7 +122,8 @@ def _data_parallel(distributed_optimizer: bool, root: str | None = None):
         model = tiny_llama()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = DataLoader(Tokens(), batch_size=BATCH // 4)  # micro-batch per dp rank
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
         if resume:
             accelerator.load_state(root)
         losses = []
@@ -134,13 +135,14 @@ def _data_parallel(distributed_optimizer: bool, root: str | None = None):
             outputs = model(**batch)
             accelerator.backward(outputs.loss)
             optimizer.step()
+            schedule.step()
             optimizer.zero_grad()
             losses.append(outputs.loss.item())
             if root and not resume and step == 1:
                 accelerator.save_state(root)
-        return accelerator, model, optimizer, plugin, losses, batch
+        return accelerator, model, optimizer, plugin, losses, batch, schedule
 
-    accelerator, model, optimizer, plugin, losses, batch = run(resume=False)
+    accelerator, model, optimizer, plugin, losses, batch, schedule = run(resume=False)
     try:
         model(input_ids=batch["input_ids"][:, :8], labels=batch["labels"][:, :8])
         refused = ""
@@ -153,6 +155,7 @@ def _data_parallel(distributed_optimizer: bool, root: str | None = None):
         "losses": losses,
         "resumed": run(resume=True)[4] if root else None,
         "refused": refused,
+        "scheduler_steps": schedule.scheduler.last_epoch,
         "dp": accelerator.strategy.data_parallel_size,
         "state": state,
         "global_batch": plugin.global_batch_size,
@@ -232,6 +235,7 @@ def test_megatron_guide_loop_tp2_pp2_matches_one_process(tmp_path):
             assert run["dp"] == 2 and run["global_batch"] == BATCH
             assert run["losses"] == pytest.approx(plain_losses, abs=2e-5)
         assert r[3]["optimizer_params"] == r[3]["stage_params"]
+        assert r[3]["scheduler_steps"] == STEPS * 2  # a torch scheduler: once per dp batch
         assert 0 < r[4]["optimizer_params"] < r[4]["stage_params"]  # its share only
         assert r[4]["optimizer_states"] == r[4]["optimizer_params"]
         assert r[4]["resumed"] == pytest.approx(plain_losses[2:], abs=2e-5)

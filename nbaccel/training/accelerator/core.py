@@ -337,16 +337,16 @@ class Accelerator(AcceleratorAttributes):
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` to step with its prepared optimizer(s) (a stand-in: Megatron's)."""
-        stand_in = isinstance(scheduler, megatron_scheduler.MegatronLMDummyScheduler)
-        scheduler = self.strategy.make_scheduler(scheduler) if stand_in else scheduler
+        scheduler, steps = self.strategy.scheduler_for(scheduler)
         target = getattr(scheduler, "optimizer", None)
         followed = [o for o in self._optimizers if o is target or o.optimizer is target]
         wrapped = AcceleratedScheduler(
             scheduler,
             followed or [target],
             step_with_optimizer=self.step_scheduler_with_optimizer,
-            split_batches=self.split_batches or stand_in,
+            split_batches=self.split_batches or steps == 1,
         )
+        wrapped.num_processes = steps or wrapped.num_processes
         self._schedulers.append(mark_prepared(wrapped))
         return wrapped
 

@@ -131,6 +131,14 @@ class Strategy:
         """The first step of preparing a dataloader: its batches as this strategy runs them."""
         return loader
 
+    def scheduler_for(self, scheduler: Any) -> tuple[Any, int | None]:
+        """The scheduler to wrap and how many steps it takes per optimizer step (None: one per
+        process, or one with split batches); a stand-in (``MegatronLMDummyScheduler``) becomes
+        the scheduler it stands for."""
+        if getattr(scheduler, "stands_for_a_scheduler", False):
+            return self.make_scheduler(scheduler), 1
+        return scheduler, None
+
     def make_scheduler(self, stand_in: Any) -> Any:
         """The scheduler a stand-in (``MegatronLMDummyScheduler``) stands for."""
         raise ValueError(

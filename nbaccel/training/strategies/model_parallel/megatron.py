@@ -193,6 +193,12 @@ class MegatronStrategy(Strategy):
                 "pipeline's stages exchange activations of that length), or change seq_length."
             )
 
+    def scheduler_for(self, scheduler: Any) -> tuple[Any, int | None]:
+        """Megatron-LM's schedule for its stand-in (one step per call: it counts samples);
+        a torch scheduler steps once per data-parallel batch the step consumed."""
+        scheduler, steps = super().scheduler_for(scheduler)
+        return scheduler, steps or self.dp
+
     def make_scheduler(self, stand_in: Any) -> Any:
         """Megatron-LM's scheduler for a ``MegatronLMDummyScheduler``."""
         from nbaccel.training.strategies.model_parallel.megatron_scheduler import (

@@ -37,6 +37,9 @@ class MegatronLMDummyScheduler:
         **kwargs: kept, as Accelerate does.
     """
 
+    #: what ``accelerator.prepare`` replaces with the strategy's scheduler
+    stands_for_a_scheduler = True
+
     def __init__(
         self,
         optimizer: Any,
