@@ -320,11 +320,13 @@ def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
             )
         cls = LOGGER_TYPE_TO_CLASS[name]
         if not _available(name):
-            raise ImportError(
-                f"Tracker {name!r} is not available here: pip install {_BACKENDS[name][3]}"
-                if name in _BACKENDS
-                else f"Tracker {name!r} is not available here (its package is missing)."
+            # as Accelerate: a tracker whose package is missing is left out, the run goes on
+            warnings.warn(
+                f"Tracker {name!r} is skipped: its package is not installed here"
+                + (f" (pip install {_BACKENDS[name][3]})." if name in _BACKENDS else "."),
+                stacklevel=3,
             )
+            continue
         if cls.requires_logging_directory and logging_dir is None:
             raise ValueError(
                 f"Logging with `{name}` requires a `logging_dir`: the tracker writes files. Pass "

@@ -203,7 +203,9 @@ class DeepSpeedStrategy(Strategy):
         main = self.state.is_main_process
         tensors = module.state_dict(keep_vars=True)
         out: dict[str, torch.Tensor] = {}
-        done: dict[int, torch.Tensor] = {}
+        # every rank records each tensor it gathered (tied weights appear under several names),
+        # so every rank walks the same sequence of gathers; only rank 0 keeps the values
+        done: dict[int, torch.Tensor | None] = {}
         for name, tensor in tensors.items():
             if id(tensor) in done:
                 if main:
@@ -214,8 +216,9 @@ class DeepSpeedStrategy(Strategy):
                     value = tensor.data.detach().clone().cpu() if main else None
             else:
                 value = tensor.detach().clone().cpu() if main else None
+            done[id(tensor)] = value
             if main:
-                done[id(tensor)] = out[name] = value
+                out[name] = value
         return out
 
     def load_model_state_dict(
