@@ -34,6 +34,7 @@ from nbaccel.training.accelerator.preparation import (
 )
 from nbaccel.training.accelerator.process_control import ProcessControl
 from nbaccel.training.checkpointing.model_files import save_model_files, save_object
+from nbaccel.training.checkpointing.pretrained import gather_on_save_pretrained
 from nbaccel.training.checkpointing.registered import Checkpointing
 from nbaccel.training.checkpointing.state import Checkpointables
 from nbaccel.training.config.configuration import (
@@ -279,6 +280,8 @@ class Accelerator(AcceleratorAttributes):
             device_placement = self.device_placement
         place = device_placement and not has_device_map(model)
         model = self.strategy.prepare_model(model, place, evaluation_mode)
+        if self.strategy.shards_weights:
+            gather_on_save_pretrained(model, self.get_state_dict, self.is_main_process)
         backend = self.dynamo_backend
         if backend and str(backend).lower() != "no":
             options = dynamo_options(self.dynamo_plugin)

@@ -50,6 +50,8 @@ class Strategy:
     engine_scales_accumulation = False
     #: the engine does mixed precision itself (no GradScaler from the Accelerator)
     owns_precision = False
+    #: prepared models hold only this rank's shard of the weights (``save_pretrained`` gathers)
+    shards_weights = False
 
     def __init__(
         self,

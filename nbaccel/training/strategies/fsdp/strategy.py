@@ -275,6 +275,7 @@ class FSDPStrategy(Strategy):
     """
 
     replaces_parameters = True
+    shards_weights = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
