@@ -63,7 +63,8 @@ class AcceleratorAttributes:
         doc="Whether an FP8 recipe handler was passed.",
     )
     fp8_enabled = property(
-        lambda self: self.state.mixed_precision == "fp8", doc="Whether FP8 training is on."
+        lambda self: getattr(self.precision, "name", None) == "fp8",
+        doc="Whether FP8 layers are on (from mixed_precision='fp8', a recipe or the FSDP plugin).",
     )
     delayed_fp8_autocast = _off(False, "Delayed FP8 autocast (not used: FP8 is set up in prepare).")
 

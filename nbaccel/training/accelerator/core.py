@@ -27,7 +27,6 @@ from nbaccel.training.accelerator.attributes import AcceleratorAttributes
 from nbaccel.training.accelerator.delegate import Delegate, DelegatedAttribute
 from nbaccel.training.accelerator.preparation import (
     check_parallelism,
-    dynamo_options,
     has_device_map,
     mark_prepared,
     refuse_offloaded_quantized,
@@ -54,6 +53,7 @@ from nbaccel.training.config.kwargs_handlers import (
 from nbaccel.training.precision.fp8.recipes import AORecipeKwargs, TERecipeKwargs
 from nbaccel.training.precision.select import select_precision
 from nbaccel.training.step.batch_size import release_memory
+from nbaccel.training.step.compilation import Compilation, describe_run
 from nbaccel.training.step.optimizer import AcceleratedOptimizer
 from nbaccel.training.step.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.deepspeed.launch import requested_plugins
@@ -130,11 +130,16 @@ class Accelerator(AcceleratorAttributes):
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
-        self.dynamo_backend = dynamo_backend or os.environ.get("NBACCEL_DYNAMO_BACKEND")
         self.dynamo_plugin = dynamo_plugin
+        kind = getattr(self.state.distributed_type, "value", None)
         self.precision = select_precision(
-            self.state.mixed_precision, self.device.type, self.handlers
+            self.state.mixed_precision,
+            self.device.type,
+            self.handlers,
+            engine=kind if kind in ("FSDP", "DEEPSPEED") else None,
+            plugin_fp8=bool(getattr(self.state.fsdp_plugin, "fp8_requested", False)),
         )
+        self.compilation = Compilation(dynamo_backend, dynamo_plugin)
         self.strategy = select_strategy(
             self.state,
             self.precision,
@@ -282,10 +287,9 @@ class Accelerator(AcceleratorAttributes):
         model = self.strategy.prepare_model(model, place, evaluation_mode)
         if self.strategy.shards_weights:
             gather_on_save_pretrained(model, self.get_state_dict, self.is_main_process)
-        backend = self.dynamo_backend
-        if backend and str(backend).lower() != "no":
-            options = dynamo_options(self.dynamo_plugin)
-            model = torch.compile(model, backend=str(backend).lower(), **options)
+        model = self.compilation.apply(model, sharded=self.strategy.shards_weights)
+        if self.is_main_process and (self.fp8_enabled or self.compilation.enabled):
+            print(f"nbaccel: model prepared: {describe_run(self.precision, model, self.compilation)}")
         self._models.append(mark_prepared(model))
         for optimizer in self._optimizers:  # prepared before this model: follow its parameters
             self.strategy.prepare_optimizer(optimizer, [model])

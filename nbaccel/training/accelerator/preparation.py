@@ -14,7 +14,6 @@ from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "check_parallelism",
-    "dynamo_options",
     "has_device_map",
     "mark_prepared",
     "refuse_offloaded_quantized",
@@ -77,11 +76,3 @@ def refuse_offloaded_quantized(model: torch.nn.Module) -> None:
                 f"({', '.join(offloaded)}): such a model cannot be trained. Load it with a "
                 "device_map that keeps every layer on the accelerator."
             )
-
-
-def dynamo_options(plugin: Any) -> dict[str, Any]:
-    if plugin is None:
-        return {}
-    if isinstance(plugin, dict):
-        return {k: v for k, v in plugin.items() if k != "backend"}
-    return {k: getattr(plugin, k) for k in ("mode", "fullgraph", "dynamic") if hasattr(plugin, k)}

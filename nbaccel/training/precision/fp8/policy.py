@@ -24,6 +24,9 @@ class Fp8Policy(PrecisionPolicy):
         device_type: ``"cpu"`` or ``"cuda"`` (checked: FP8 kernels, or the recipe's emulation).
         recipe: an ``AORecipeKwargs`` (default) or ``TERecipeKwargs``.
         autocast_kwargs: options for the bf16 autocast.
+        autocast_mode: the autocast around the FP8 layers (``"bf16"`` for
+            ``mixed_precision="fp8"``; the run's own mode when FP8 comes from a recipe handler
+            or an FSDP plugin alone, as in Accelerate).
     """
 
     def __init__(
@@ -31,8 +34,9 @@ class Fp8Policy(PrecisionPolicy):
         device_type: str,
         recipe: AORecipeKwargs | TERecipeKwargs | None = None,
         autocast_kwargs: AutocastKwargs | None = None,
+        autocast_mode: str = "bf16",
     ) -> None:
-        super().__init__("bf16", device_type, autocast_kwargs)
+        super().__init__(autocast_mode, device_type, autocast_kwargs)
         self.recipe = recipe if recipe is not None else AORecipeKwargs()
         self.backend = self.recipe.backend
         self.float8_config = (
@@ -64,7 +68,23 @@ class Fp8Policy(PrecisionPolicy):
             convert_model(model)
             apply_fp8_autowrap(model, self.recipe)
         model._nbaccel_fp8 = True
+        if not self.fp8_layer_count(model):
+            raise ValueError(
+                "FP8 training was asked for but no linear layer of this model can run in FP8 "
+                "(torchao converts linears whose sizes are multiples of 16, except the first and "
+                "last): pass AORecipeKwargs(module_filter_func=...) selecting layers, or train "
+                "in bf16."
+            )
         return model
+
+    @staticmethod
+    def fp8_layer_count(model: nn.Module) -> int:
+        """How many of ``model``'s layers run their matmuls in FP8."""
+        return sum(
+            type(m).__name__ in ("Float8Linear", "Linear", "LayerNormLinear", "LayerNormMLP")
+            and type(m).__module__.startswith(("torchao", "transformer_engine"))
+            for m in model.modules()
+        )
 
     def wrap_forward(self, model: nn.Module) -> None:
         """Convert ``model`` to FP8, then run its forward under bf16 autocast."""

@@ -57,7 +57,7 @@ class AORecipeKwargs(KwargsHandler):
 
         config = self.config or Float8LinearConfig(pad_inner_dim=True)
         emulate = self.emulate
-        if emulate is None and self.config is None and fp8_emulation_requested():
+        if emulate is None and fp8_emulation_requested():
             emulate = True  # NBACCEL_FP8_EMULATE=1, as the launch check read it
         changes = {
             k: v

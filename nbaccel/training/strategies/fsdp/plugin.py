@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,8 @@ class FullyShardedDataParallelPlugin:
     cpu_ram_efficient_loading: bool = False
     state_dict_config: Any = None
     optim_state_dict_config: Any = None
+    #: set by ``set_mixed_precision("fp8")``: FP8 layers wanted (bf16 for the FSDP gathers)
+    fp8_requested: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fsdp_version = int(os.environ.get("FSDP_VERSION", self.fsdp_version))
@@ -250,7 +252,12 @@ class FullyShardedDataParallelPlugin:
         """Set ``mixed_precision_policy`` from ``Accelerator(mixed_precision=...)`` (the FSDP
         strategy calls it): parameters are gathered in that dtype for forward and backward,
         gradients reduced in float32. A policy the plugin already has is kept unless
-        ``override``; ``"no"`` sets none. ``buffer_autocast`` is FSDP1's and has no effect."""
+        ``override``; ``"no"`` sets none. ``buffer_autocast`` is FSDP1's and has no effect.
+        ``"fp8"`` (Accelerate's mapping) gathers parameters in bf16 and asks for FP8 training: the
+        Accelerator then turns FP8 layers on (the recipe's, or torchao's default) or refuses."""
+        if isinstance(mixed_precision, str) and mixed_precision.lower() == "fp8":
+            self.fp8_requested = True
+            mixed_precision = "bf16"
         if self.mixed_precision_policy is not None and not override:
             return
         dtype = _to_dtype(mixed_precision, "mixed_precision") if mixed_precision != "no" else None
