@@ -289,7 +289,8 @@ class Accelerator(AcceleratorAttributes):
             gather_on_save_pretrained(model, self.get_state_dict, self.is_main_process)
         model = self.compilation.apply(model, sharded=self.strategy.shards_weights)
         if self.is_main_process and (self.fp8_enabled or self.compilation.enabled):
-            print(f"nbaccel: model prepared: {describe_run(self.precision, model, self.compilation)}")
+            summary = describe_run(self.precision, model, self.compilation)
+            print(f"nbaccel: model prepared: {summary}")
         self._models.append(mark_prepared(model))
         for optimizer in self._optimizers:  # prepared before this model: follow its parameters
             self.strategy.prepare_optimizer(optimizer, [model])

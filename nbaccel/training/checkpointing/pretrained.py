@@ -36,7 +36,8 @@ def gather_on_save_pretrained(
         kwargs.pop("is_main_process", None)
         if not is_main_process:
             return None
-        return original(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
+        kwargs.update(state_dict=state_dict, is_main_process=True)
+        return original(save_directory, *args, **kwargs)
 
     save_pretrained._nbaccel_gathers = True  # type: ignore[attr-defined]
     model.save_pretrained = save_pretrained
