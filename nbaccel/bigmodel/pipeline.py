@@ -14,7 +14,8 @@ have, or more stages than blocks, is refused naming the numbers and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -165,29 +166,63 @@ def _check_split_points(model: nn.Module, split_points: list[str], stages: int) 
 def build_pipeline(
     model: nn.Module, split_points: list[str], args: tuple, kwargs: dict | None, num_chunks: int
 ) -> Any:
-    """Trace ``model`` on one micro-batch of ``args``/``kwargs``, cut it at ``split_points``
-    and return this rank's GPipe schedule over ``num_chunks`` micro-batches."""
+    """Trace ``model`` on ``args``/``kwargs`` as given (the example is one micro-batch, as in
+    Accelerate: a call's batch is split into ``num_chunks`` micro-batches of the example's
+    shape), cut it at ``split_points`` and return this rank's GPipe schedule."""
     from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
     from nbaccel.distributed.state import PartialState
 
     state = PartialState()
-    mb_args = tuple(_first_chunk(a, num_chunks) for a in args)
-    mb_kwargs = {k: _first_chunk(v, num_chunks) for k, v in (kwargs or {}).items()}
-    pipe = pipeline(
-        model,
-        mb_args=mb_args,
-        mb_kwargs=mb_kwargs or None,
-        split_spec={name: SplitPoint.BEGINNING for name in split_points},
-    )
+    with _recording_output_spec() as spec:
+        pipe = pipeline(
+            model,
+            mb_args=tuple(args),
+            mb_kwargs=dict(kwargs) if kwargs else None,
+            split_spec={name: SplitPoint.BEGINNING for name in split_points},
+        )
     stage = pipe.build_stage(state.process_index, device=state.device)
-    return ScheduleGPipe(stage, num_chunks)
+    schedule = ScheduleGPipe(stage, num_chunks)
+    schedule.nbaccel_output_spec = spec.get("out")
+    return schedule
 
 
-def _first_chunk(value: Any, num_chunks: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] >= num_chunks:
-        return value[: value.shape[0] // num_chunks]
-    return value
+@contextlib.contextmanager
+def _recording_output_spec() -> Iterator[dict[str, Any]]:
+    """While torch's ``pipeline`` traces the model, record the traced program's output
+    structure (a ``ModelOutput``, a tuple...): the last stage returns only its flat tensors, and
+    the caller gets them back in the model's own output type, as the model returns them."""
+    from torch.distributed.pipelining._IR import Pipe
+
+    found: dict[str, Any] = {}
+    trace = Pipe.__dict__.get("_trace_with_export")
+    if not isinstance(trace, staticmethod):  # another torch: the flat output is returned
+        yield found
+        return
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        program = trace.__func__(*args, **kwargs)
+        found["out"] = getattr(getattr(program, "call_spec", None), "out_spec", None)
+        return program
+
+    Pipe._trace_with_export = staticmethod(recording)
+    try:
+        yield found
+    finally:
+        Pipe._trace_with_export = trace
+
+
+def _restructure(output: Any, spec: Any) -> Any:
+    """The last stage's flat output (a tensor or a tuple of them) in the traced model's output
+    structure (unchanged when the count of tensors does not match it)."""
+    if spec is None:
+        return output
+    from torch.utils._pytree import tree_unflatten
+
+    leaves = list(output) if isinstance(output, tuple | list) else [output]
+    if spec.num_leaves != len(leaves):
+        return output
+    return tree_unflatten(leaves, spec)
 
 
 def _pad(value: Any, size: int) -> Any:
@@ -209,7 +244,10 @@ def pippy_forward(
     forward: Any, num_chunks: int, gather_output: bool, *args: Any, **kwargs: Any
 ) -> Any:
     """One pipelined call: rank 0 feeds the inputs (padded to a multiple of ``num_chunks``),
-    the last rank returns the output; with ``gather_output`` every rank returns it."""
+    the last rank returns the output (in the model's output type when ``forward`` is a
+    schedule's ``step`` from :func:`build_pipeline`); with ``gather_output`` every rank
+    returns it."""
+    output_spec = getattr(getattr(forward, "__self__", None), "nbaccel_output_spec", None)
     import torch.distributed as dist
 
     from nbaccel.distributed.state import PartialState
@@ -235,7 +273,7 @@ def pippy_forward(
     box = [size]
     dist.broadcast_object_list(box, src=0)  # the true batch size, to drop the padding
     if output is not None:
-        output = _trim(output, box[0])
+        output = _restructure(_trim(output, box[0]), output_spec)
     if gather_output:
         box = [output]
         dist.broadcast_object_list(box, src=state.num_processes - 1)
@@ -258,13 +296,21 @@ def prepare_pippy(
         split_points: ``"auto"`` (balanced cuts at block starts) or the module names where
             stages 2..N begin.
         no_split_module_classes: blocks never cut (default: the model's ``_no_split_modules``).
-        example_args / example_kwargs: one full batch as the model takes it (the traced
-            micro-batch is its first ``1/num_chunks``).
+        example_args / example_kwargs: one micro-batch as the model takes it, traced whole
+            (a call's batch is padded to ``num_chunks`` micro-batches of this shape).
         num_chunks: micro-batches per call (default: the number of processes).
         gather_output: send the output from the last rank to every rank.
     """
     from nbaccel.distributed.state import PartialState
 
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model: torch's pipeline tracing "
+            "(torch.export of the whole model) cannot capture it as one graph, and Accelerate "
+            "does not run encoder-decoder models with prepare_pippy either. Run it with "
+            "device_map='auto' (big-model inference) instead, or pipeline a decoder-only model."
+        )
     state = PartialState()
     stages = state.num_processes
     num_chunks = num_chunks or stages
@@ -277,7 +323,6 @@ def prepare_pippy(
         split_points = [split_points]
     split_points = list(split_points)
     _check_split_points(model, split_points, stages)
-    config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # a cache object is no tensor: a traced pipeline cannot pass it
     schedule = build_pipeline(model, split_points, example_args, example_kwargs, num_chunks)

@@ -83,9 +83,10 @@ def _pippy():
     from nbaccel.bigmodel.pipeline import prepare_pippy
 
     ids = Tokens()[0]["input_ids"].repeat(4, 1)
-    model = prepare_pippy(tiny_llama(layers=4).eval(), example_args=(ids,), gather_output=True)
+    example = (ids[:2],)  # one micro-batch, traced whole: the 4 rows run as 2 micro-batches
+    model = prepare_pippy(tiny_llama(layers=4).eval(), example_args=example, gather_output=True)
     with torch.no_grad():
-        return model(ids.cuda()).cpu()
+        return model(ids.cuda()).logits.cpu()
 
 
 def test_prepare_pippy_on_two_gpus():

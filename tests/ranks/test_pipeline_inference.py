@@ -1,7 +1,9 @@
 """prepare_pippy on torch.distributed.pipelining over real gloo ranks: a tiny transformers Llama
-split over 2 and 4 ranks (one stage each) returns the unsplit model's logits, with "auto"
-cutting only between decoder layers, explicit split points, gather_output=True, and a batch
-that does not divide into the micro-batches. Bad split points are refused before tracing."""
+split over 2 and 4 ranks (one stage each) returns the unsplit model's logits, in the model's own
+output type (``output[0]`` / ``.logits`` as in Accelerate), with "auto" cutting only between
+decoder layers, explicit split points, gather_output=True, and a batch that does not divide into
+the micro-batches. The example is traced whole, as one micro-batch (as Accelerate does). Bad split
+points are refused before tracing."""
 
 from __future__ import annotations
 
@@ -23,22 +25,24 @@ def _pipelined(layers: int):
     state = PartialState()
     out = {}
     ids = _inputs()
+    example = (ids[:2],)  # one micro-batch: calls of 4 rows run as 2 micro-batches of 2
     if state.num_processes == 2:  # "auto", the output on the last stage only
         model = tiny_llama(layers=layers).eval()
-        model = prepare_pippy(model, split_points="auto", example_args=(ids,))
+        model = prepare_pippy(model, split_points="auto", example_args=example)
         out["auto_points"] = model.hf_split_points
         with torch.no_grad():
-            logits = model(ids)
-        out["auto"] = None if logits is None else logits.clone()
+            output = model(ids)
+        out["type"] = type(output).__name__
+        out["auto"] = None if output is None else output[0].clone()
         split = {"split_points": ["model.layers.2"]}  # explicit, gathered
     else:
         split = {}  # "auto", gathered
     model = tiny_llama(layers=layers).eval()
-    model = prepare_pippy(model, example_args=(ids,), num_chunks=2, gather_output=True, **split)
+    model = prepare_pippy(model, example_args=example, num_chunks=2, gather_output=True, **split)
     out["points"] = model.hf_split_points
     with torch.no_grad():
-        out["gathered"] = model(ids).clone()
-        out["odd"] = model(_inputs(3)).clone()  # 3 rows padded to 2 chunks of 2, trimmed
+        out["gathered"] = model(ids).logits.clone()
+        out["odd"] = model(_inputs(3)).logits.clone()  # 3 rows padded to 2 chunks of 2, trimmed
     return out
 
 
@@ -61,5 +65,6 @@ def test_pipeline_returns_the_unsplit_logits(ranks, layers):
         assert last["auto_points"] == ["model.layers.2"]  # balanced: 2 of 4 layers per stage
         assert torch.allclose(last["auto"], ref, atol=1e-5)
         assert all(r["auto"] is None for r in others)  # only the last stage has the output
+        assert last["type"] == "CausalLMOutputWithPast"
     else:  # "auto" cut the 4 layers at layer starts, one per stage
         assert last["points"] == ["model.layers.1", "model.layers.2", "model.layers.3"]
