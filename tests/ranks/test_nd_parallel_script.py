@@ -1,10 +1,13 @@
 """An Accelerate nd_parallel.py-style script (import swapped, a small local Llama) run by
 ``nbaccel launch`` on 4 CPU ranks: --tp-size 2 --dp-shard-size 2 from the script's own flags,
 and HSDP 2x2 from the launcher's --parallelism_config_* flags; both give the one-process losses
-and weights. Two launches (one per layout)."""
+and weights, skip the wandb tracker the script asks for (not installed) with a warning, and the
+script's own ``model.save_pretrained`` writes the full one-process weights. Two launches (one
+per layout)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "fixtures" / "parallel" / "nd_parallel.py"
@@ -57,3 +61,9 @@ def test_nd_parallel_script_gives_the_single_process_losses(
     assert max((state[k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-4
     assert "Training completed!" in done.stdout
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
+    output = done.stdout + done.stderr
+    if importlib.util.find_spec("wandb") is None:
+        assert "Tracker 'wandb' is skipped" in output
+    saved = load_file(tmp_path / "out" / "model" / "model.safetensors")
+    assert set(saved) == set(ref_state)
+    assert max((saved[k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-4
