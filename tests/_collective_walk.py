@@ -34,13 +34,15 @@ class CollectiveWalk:
         self._saved: dict[tuple[Any, str], Any] = {}
 
     def __enter__(self) -> CollectiveWalk:
-        for module in (dist, c10d):
+        wrappers: dict[int, Any] = {}  # one wrapper per function, the same in both modules
+        for module in (dist, c10d):  # (torch compares P2POp's op with c10d.isend / irecv)
             for name in _COUNTED:
                 original = getattr(module, name, None)
                 if original is None:
                     continue
                 self._saved[(module, name)] = original
-                setattr(module, name, self._counting(name, original))
+                wrapper = wrappers.setdefault(id(original), self._counting(name, original))
+                setattr(module, name, wrapper)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -48,10 +50,13 @@ class CollectiveWalk:
             setattr(module, name, original)
 
     def _counting(self, name: str, original: Any) -> Any:
+        # a send on one rank pairs with a receive on another: both count as one p2p call
+        kind = "p2p" if name in ("send", "recv", "isend", "irecv") else name
+
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.paused:
-                self.calls.append(name)
+                self.calls.append(kind)
             return original(*args, **kwargs)
 
         return call

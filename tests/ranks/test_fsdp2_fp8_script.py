@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "fixtures" / "parallel" / "fsdp2_fp8.py"
 #: torch's CPU FP8 matmul where it exists; torchao's emulation elsewhere
 ENV = {} if fp8_hardware_problem("cpu") is None else {"NBACCEL_FP8_EMULATE": "1"}
+#: SGD, so the two runs compare step for step (see the script's make_optimizer)
+ARGS = ["--optimizer", "sgd", "--lr", "0.5"]
 
 
 def _direct(script: str, argv: list[str]) -> list[float]:
@@ -42,7 +44,7 @@ def test_fsdp2_fp8_script_trains_in_fp8_with_regional_compilation(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **ENV}
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu",
-           str(SCRIPT), "--save-dir", str(out)]  # fmt: skip
+           str(SCRIPT), "--save-dir", str(out), *ARGS]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
@@ -54,6 +56,6 @@ def test_fsdp2_fp8_script_trains_in_fp8_with_regional_compilation(tmp_path):
     assert "Tracker 'wandb' is skipped" in output
     assert "precision fp8 (torchao Float8Linear: 13 layers" in output
     assert "compile eager, regional (2 blocks)" in output
-    direct = run_on_ranks(_direct, 2, args=(str(SCRIPT), []), timeout=300, env=ENV)[0]
+    direct = run_on_ranks(_direct, 2, args=(str(SCRIPT), ARGS), timeout=300, env=ENV)[0]
     assert result["losses"] == pytest.approx(direct, abs=1e-4)
     assert result["losses"][-1] < result["losses"][0]
