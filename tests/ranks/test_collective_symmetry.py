@@ -117,6 +117,8 @@ def test_a_collective_one_rank_skips_fails_fast_naming_the_path():
 
 
 def _deepspeed(directory: str) -> list[str]:
+    from torch.utils.data import DataLoader
+
     from nbaccel import Accelerator, DeepSpeedPlugin
     from nbaccel.distributed.state import AcceleratorState, GradientState
     from nbaccel.training.strategies.deepspeed.runtime import import_deepspeed
@@ -131,7 +133,8 @@ def _deepspeed(directory: str) -> list[str]:
         accelerator = Accelerator(deepspeed_plugin=plugin)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with CollectiveWalk(TIMEOUT_S) as walk:
-            model, optimizer = accelerator.prepare(model, optimizer)
+            loader = DataLoader(torch.zeros(4, 8, dtype=torch.long), batch_size=2)  # the batch
+            model, optimizer, _ = accelerator.prepare(model, optimizer, loader)
             walk.end(f"deepspeed zero3 {name}: prepare")
             _walk_training_paths(walk, accelerator, f"deepspeed zero3 {name}", model, optimizer,
                                  directory)  # fmt: skip
