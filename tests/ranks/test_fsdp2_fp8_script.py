@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "fixtures" / "parallel" / "fsdp2_fp8.py"
 #: torch's CPU FP8 matmul where it exists; torchao's emulation elsewhere
 ENV = {} if fp8_hardware_problem("cpu") is None else {"NBACCEL_FP8_EMULATE": "1"}
-#: SGD, so the two runs compare step for step (see the script's make_optimizer)
-ARGS = ["--optimizer", "sgd", "--lr", "0.5"]
+#: the example's AdamW (the optimizer is built before prepare, so it must follow the weights that
+#: the FP8 conversion and the sharding replace)
+ARGS: list[str] = []
 
 
 def _direct(script: str, argv: list[str]) -> list[float]:
@@ -57,5 +58,5 @@ def test_fsdp2_fp8_script_trains_in_fp8_with_regional_compilation(tmp_path):
     assert "precision fp8 (torchao Float8Linear: 13 layers" in output
     assert "compile eager, regional (2 blocks)" in output
     direct = run_on_ranks(_direct, 2, args=(str(SCRIPT), ARGS), timeout=300, env=ENV)[0]
-    assert result["losses"] == pytest.approx(direct, abs=1e-4)
-    assert result["losses"][-1] < result["losses"][0]
+    assert result["losses"] == pytest.approx(direct, abs=1e-5)
+    assert len(set(result["losses"])) == len(result["losses"])  # the weights moved each step

@@ -60,6 +60,7 @@ from nbaccel.training.strategies.deepspeed.launch import requested_plugins
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.model_parallel import megatron_launch, megatron_scheduler
 from nbaccel.training.strategies.registry import select_strategy
+from nbaccel.training.strategies.repoint import remember_moves
 from nbaccel.training.tracking.trackers import TrackerSet
 
 __all__ = ["Accelerator"]
@@ -284,7 +285,12 @@ class Accelerator(AcceleratorAttributes):
         if device_placement is None:
             device_placement = self.device_placement
         place = device_placement and not has_device_map(model)
+        before = dict(model.named_parameters(remove_duplicate=False))
         model = self.strategy.prepare_model(model, place, evaluation_mode)
+        # FP8 layers (torchao's fsdp float8 all-gather wraps each weight in a new Parameter) and
+        # sharding replace parameters: optimizers built before prepare follow them by name
+        inner = self.strategy.unwrap_parallel(model)
+        remember_moves(model, before, dict(inner.named_parameters(remove_duplicate=False)))
         if self.strategy.shards_weights:
             gather_on_save_pretrained(model, self.get_state_dict, self.is_main_process)
         model = self.compilation.apply(model, sharded=self.strategy.shards_weights)
