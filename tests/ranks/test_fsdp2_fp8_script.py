@@ -56,7 +56,7 @@ def test_fsdp2_fp8_script_trains_in_fp8_with_regional_compilation(tmp_path):
     output = done.stdout + done.stderr
     assert "Tracker 'wandb' is skipped" in output
     assert "precision fp8 (torchao Float8Linear: 13 layers" in output
-    assert "compile eager, regional (2 blocks)" in output
+    assert "compile eager, regional (2 regions)" in output
     direct = run_on_ranks(_direct, 2, args=(str(SCRIPT), ARGS), timeout=300, env=ENV)[0]
     assert result["losses"] == pytest.approx(direct, abs=1e-5)
     assert len(set(result["losses"])) == len(result["losses"])  # the weights moved each step

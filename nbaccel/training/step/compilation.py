@@ -81,17 +81,17 @@ class Compilation:
         return compiled
 
     def describe(self) -> str:
-        """``"no"``, ``"inductor"`` or ``"inductor, regional (2 blocks)"``."""
+        """``"no"``, ``"inductor"`` or ``"inductor, regional (2 regions)"``."""
         if not self.enabled:
             return "no"
         if self.regional:
-            return f"{self.backend}, regional ({self.regions} blocks)"
+            return f"{self.backend}, regional ({self.regions} regions)"
         return f"{self.backend}, whole model"
 
 
 def describe_run(precision: Any, model: nn.Module, compilation: Compilation) -> str:
     """What a prepared model trains with, e.g. ``"precision fp8 (torchao Float8Linear: 12
-    layers; autocast no); compile inductor, regional (2 blocks)"``."""
+    layers; autocast no); compile inductor, regional (2 regions)"``."""
     name = getattr(precision, "name", "no")
     text = f"precision {name}"
     if name == "fp8":
