@@ -27,13 +27,14 @@ from nbaccel.training.accelerator.attributes import AcceleratorAttributes
 from nbaccel.training.accelerator.delegate import Delegate, DelegatedAttribute
 from nbaccel.training.accelerator.preparation import (
     check_parallelism,
+    choose_precision,
+    finish_model,
     has_device_map,
     mark_prepared,
     refuse_offloaded_quantized,
 )
 from nbaccel.training.accelerator.process_control import ProcessControl
 from nbaccel.training.checkpointing.model_files import save_model_files, save_object
-from nbaccel.training.checkpointing.pretrained import gather_on_save_pretrained
 from nbaccel.training.checkpointing.registered import Checkpointing
 from nbaccel.training.checkpointing.state import Checkpointables
 from nbaccel.training.config.configuration import (
@@ -51,16 +52,14 @@ from nbaccel.training.config.kwargs_handlers import (
     sort_handlers,
 )
 from nbaccel.training.precision.fp8.recipes import AORecipeKwargs, TERecipeKwargs
-from nbaccel.training.precision.select import select_precision
 from nbaccel.training.step.batch_size import release_memory
-from nbaccel.training.step.compilation import Compilation, describe_run
+from nbaccel.training.step.compilation import Compilation
 from nbaccel.training.step.optimizer import AcceleratedOptimizer
 from nbaccel.training.step.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.deepspeed.launch import requested_plugins
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.model_parallel import megatron_launch, megatron_scheduler
 from nbaccel.training.strategies.registry import select_strategy
-from nbaccel.training.strategies.repoint import remember_moves
 from nbaccel.training.tracking.trackers import TrackerSet
 
 __all__ = ["Accelerator"]
@@ -132,14 +131,7 @@ class Accelerator(AcceleratorAttributes):
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
         self.dynamo_plugin = dynamo_plugin
-        kind = getattr(self.state.distributed_type, "value", None)
-        self.precision = select_precision(
-            self.state.mixed_precision,
-            self.device.type,
-            self.handlers,
-            engine=kind if kind in ("FSDP", "DEEPSPEED") else None,
-            plugin_fp8=bool(getattr(self.state.fsdp_plugin, "fp8_requested", False)),
-        )
+        self.precision = choose_precision(self.state, self.handlers)
         self.compilation = Compilation(dynamo_backend, dynamo_plugin)
         self.strategy = select_strategy(
             self.state,
@@ -286,17 +278,9 @@ class Accelerator(AcceleratorAttributes):
             device_placement = self.device_placement
         place = device_placement and not has_device_map(model)
         before = dict(model.named_parameters(remove_duplicate=False))
-        model = self.strategy.prepare_model(model, place, evaluation_mode)
-        # FP8 layers (torchao's fsdp float8 all-gather wraps each weight in a new Parameter) and
-        # sharding replace parameters: optimizers built before prepare follow them by name
-        inner = self.strategy.unwrap_parallel(model)
-        remember_moves(model, before, dict(inner.named_parameters(remove_duplicate=False)))
-        if self.strategy.shards_weights:
-            gather_on_save_pretrained(model, self.get_state_dict, self.is_main_process)
-        model = self.compilation.apply(model, sharded=self.strategy.shards_weights)
-        if self.is_main_process and (self.fp8_enabled or self.compilation.enabled):
-            summary = describe_run(self.precision, model, self.compilation)
-            print(f"nbaccel: model prepared: {summary}")
+        model = finish_model(
+            self, self.strategy.prepare_model(model, place, evaluation_mode), before
+        )
         self._models.append(mark_prepared(model))
         for optimizer in self._optimizers:  # prepared before this model: follow its parameters
             self.strategy.prepare_optimizer(optimizer, [model])

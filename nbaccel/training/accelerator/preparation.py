@@ -1,6 +1,7 @@
 """What ``Accelerator.prepare`` checks and marks on the way: unsupported requests refused with
 the supported list, the run's parallel layout validated, models that cannot be trained refused,
-prepared objects flagged as libraries expect."""
+prepared objects flagged as libraries expect; the run's precision chosen from every way it can be
+asked for, and a model finished after its strategy prepared it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ from typing import Any
 
 import torch
 
+from nbaccel.training.checkpointing.pretrained import gather_on_save_pretrained
 from nbaccel.training.config.parallelism_config import ParallelismConfig
+from nbaccel.training.precision.policy import PrecisionPolicy
+from nbaccel.training.precision.select import select_precision
+from nbaccel.training.step.compilation import describe_run
+from nbaccel.training.strategies.repoint import remember_moves
 from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "check_parallelism",
+    "choose_precision",
+    "finish_model",
     "has_device_map",
     "mark_prepared",
     "refuse_offloaded_quantized",
@@ -76,3 +84,36 @@ def refuse_offloaded_quantized(model: torch.nn.Module) -> None:
                 f"({', '.join(offloaded)}): such a model cannot be trained. Load it with a "
                 "device_map that keeps every layer on the accelerator."
             )
+
+
+def choose_precision(state: Any, handlers: dict[type, Any]) -> PrecisionPolicy:
+    """The run's precision policy: ``mixed_precision``, an FP8 recipe handler or an FSDP plugin
+    set to ``"fp8"`` (applied, or refused naming the fix)."""
+    kind = getattr(state.distributed_type, "value", None)
+    return select_precision(
+        state.mixed_precision,
+        state.device.type,
+        handlers,
+        engine=kind if kind in ("FSDP", "DEEPSPEED") else None,
+        plugin_fp8=bool(getattr(state.fsdp_plugin, "fp8_requested", False)),
+    )
+
+
+def finish_model(
+    accelerator: Any, model: torch.nn.Module, before: dict[str, torch.nn.Parameter]
+) -> torch.nn.Module:
+    """``model`` after its strategy prepared it (``before``: its parameters before): optimizers
+    built earlier follow the parameters that FP8 layers and sharding replaced (torchao's fsdp
+    float8 all-gather wraps each weight in a new Parameter; matched by name), a sharded model's
+    ``save_pretrained`` gathers, the model is compiled as asked, and the main process says what
+    it runs with when that is FP8 or compiled."""
+    strategy, compilation = accelerator.strategy, accelerator.compilation
+    inner = strategy.unwrap_parallel(model)
+    remember_moves(model, before, dict(inner.named_parameters(remove_duplicate=False)))
+    if strategy.shards_weights:
+        gather_on_save_pretrained(model, accelerator.get_state_dict, accelerator.is_main_process)
+    model = compilation.apply(model, sharded=strategy.shards_weights)
+    if accelerator.is_main_process and (accelerator.fp8_enabled or compilation.enabled):
+        summary = describe_run(accelerator.precision, model, compilation)
+        print(f"nbaccel: model prepared: {summary}")
+    return model
