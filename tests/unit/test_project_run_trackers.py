@@ -2,7 +2,8 @@
 in ``start``, the settings to the run's or the library's ``config``, ``log`` with the step,
 ``finish``. None of the three libraries is installed here, so each is played by a module that
 records what it is asked (the real libraries' own behaviour is theirs); a missing library is
-the ImportError naming its pip package, checked in tests/test_trackers.py."""
+skipped by the Accelerator with a warning naming its pip package, and the tracker's own
+``start()`` raises the ImportError naming it, both checked in tests/ranks/test_trackers.py."""
 
 from __future__ import annotations
 
