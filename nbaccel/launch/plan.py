@@ -20,6 +20,7 @@ import torch
 from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
+from nbaccel.launch.launchers.kernel_modules import preload_setting
 from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 
@@ -148,6 +149,9 @@ class LaunchPlan:
     xla: bool = False  # ranks are torch-xla processes (one per chip, threads per device)
     defaulted: bool = False  # num_processes was not given
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: what the fork server imports for the ranks beyond torch (the ``preload=`` words; None:
+    #: ``NBACCEL_PRELOAD``, else the notebook's imported libraries)
+    preload: tuple[str, ...] | None = None
     line_prefix: str | None = None  # template of each output line's prefix (RankLabels)
     #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
     remote: RemoteOptions | None = None
@@ -211,6 +215,7 @@ class LaunchPlan:
             xla=xla,
             defaulted=defaulted,
             extra_env=dict(extra_env or {}),
+            preload=request.preload,
             line_prefix=request.log_line_prefix_template,
         )
 
@@ -259,8 +264,13 @@ class LaunchPlan:
         )
 
     def launcher_options(self) -> dict[str, Any]:
-        """What ``make_launcher`` needs besides the kind (the hosts, for remote kinds)."""
-        return {"remote": self.remote} if self.remote is not None else {}
+        """What ``make_launcher`` needs besides the kind (the hosts, for remote kinds; what the
+        fork server imports for the ranks, for the default kind)."""
+        if self.remote is not None:
+            return {"remote": self.remote}
+        if self.kind == LaunchKind.FORKSERVER:
+            return {"setting": preload_setting(self.preload)}
+        return {}
 
     # ------------------------------------------------------------------ what it is
     @property

@@ -35,6 +35,15 @@ from nbaccel.launch.launchers.forkserver_loop import (
     serve,
     write_frame,
 )
+from nbaccel.launch.launchers.kernel_modules import (
+    PreloadSetting,
+    changed_files,
+    file_stamps,
+    in_kernel,
+    is_candidate,
+    kernel_modules,
+    preload_setting,
+)
 from nbaccel.launch.wire.protocol import LaunchKind, ServerMessage
 from nbaccel.launch.wire.spec import WorkerSpec
 from nbaccel.launch.wire.transport import sweep_segments
@@ -47,6 +56,8 @@ __all__ = [
     "ProcessStartError",
     "ForkServerLauncher",
     "get_forkserver",
+    "mirror_kernel_modules",
+    "preload_report",
     "shutdown_forkserver",
     "warm_up",
     "warm_up_if_in_kernel",
@@ -121,6 +132,16 @@ class ForkServer:
             "serve(json.loads(sys.argv[2]))"
         )
         self.preloaded = set(ENGINE_PRELOAD) | set(preload)
+        self.front = set(preload)  # what the fronts asked for (a new generation asks again)
+        self.mirrored: set[str] = set()  # the kernel's modules sent to be imported
+        self.imported: list[str] = []  # top-level modules the server imported for them
+        self.import_seconds = 0.0
+        #: module -> why: the imports that made forking it unsafe
+        self.unsafe: dict[str, str] = {}
+        self.announced = False  # the launch summary named what ranks start with
+        self._stamps: dict[str, tuple[str, int]] = {}  # the user files of what was mirrored
+        self._unstamped: set[str] = set()
+        self._pids: set[int] = set()  # its ranks still running
         if fork:
             self._proc: Any = ForkedServerProcess(sorted(preload))
         else:
@@ -180,10 +201,17 @@ class ForkServer:
                     self._ready = True
                 elif message[0] == ServerMessage.STARTED:
                     self._started[message[1]] = message[2]
+                    self._pids.add(message[2])
+                elif message[0] == ServerMessage.PRELOADED:
+                    self.imported += [m for m in message[1] if m not in self.imported]
+                    self.import_seconds += message[2]
+                elif message[0] == ServerMessage.UNSAFE:
+                    self.unsafe.update(message[1])
                 elif message[0] in (ServerMessage.FAILED, ServerMessage.REFUSED):
                     self._started[message[1]] = (message[0], message[2])
                 elif message[0] == ServerMessage.EXITED:
                     self._exits[message[1]] = (message[2], message[3])
+                    self._pids.discard(message[1])
                 self._cond.notify_all()
             self._wake_all()
         # The server ended (or closed its stdout to die): reap it now. A zombie child keeps
@@ -239,6 +267,41 @@ class ForkServer:
             with self._lock:
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
+
+    def mirror(self, modules: Iterable[str], quiet: bool = True) -> None:
+        """Have the server import ``modules``, the kernel's (once each, with the kernel's
+        ``sys.path``; ``quiet``: one that fails is left to the ranks without a word), and
+        remember their files to see them change (:meth:`stale`)."""
+        missing = [m for m in modules if m not in self.mirrored and m not in self.preloaded]
+        if missing:
+            with self._lock:
+                options = {"path": list(sys.path), "quiet": quiet}
+                write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing, options))
+            self.mirrored.update(missing)
+            self._unstamped.update(missing)
+        if self._unstamped:  # stamped once the kernel holds them (the import hook is early)
+            present = {m for m in self._unstamped if m in sys.modules}
+            self._stamps.update(file_stamps(present))
+            self._unstamped -= present
+
+    def stale(self) -> list[str]:
+        """The mirrored modules whose file changed since the server imported them."""
+        return changed_files(self._stamps)
+
+    def rss(self) -> int | None:
+        """The server's resident memory in bytes (None where ``/proc`` is missing)."""
+        try:
+            with open(f"/proc/{self.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def running_ranks(self) -> int:
+        """How many of the ranks it forked still run."""
+        return len(self._pids)
 
     def spawn(self, spec_bytes: bytes) -> int:
         """Fork one worker running ``spec``; return its pid (see :meth:`spawn_many`)."""
@@ -352,63 +415,169 @@ class _ProcessWide:
     def __init__(self) -> None:
         self.server: ForkServer | None = None
         self.lock = threading.Lock()
+        #: servers replaced while their ranks (a pool's) still run: closed once those end
+        self.retired: list[ForkServer] = []
+        #: modules kept out of every server of this process, and why
+        self.refused: dict[str, str] = {}
+        #: lines for the next launch's output (what was kept out, and why)
+        self.notices: list[str] = []
 
 
 _process_wide = _ProcessWide()
 
+#: how often one launch starts a new server after an import made one unsafe
+_MAX_GENERATIONS = 8
 
-def get_forkserver(preload: Iterable[str] = ()) -> ForkServer:
-    """The process-wide fork server, (re)started when needed, with ``preload`` imported."""
+
+def _retire(server: ForkServer) -> None:
+    """Put ``server`` aside: closed now when no rank of it runs, else once they end."""
+    if server.running_ranks():
+        _process_wide.retired.append(server)
+    else:
+        server.close()
+
+
+def _close_idle_retired() -> None:
+    for server in list(_process_wide.retired):
+        if not server.running_ranks() or not server.alive():
+            _process_wide.retired.remove(server)
+            server.close()
+
+
+def _why_replace(server: ForkServer) -> bool:
+    """True when ``server`` must give way to a new one: an import made it unsafe to fork (the
+    module is then kept out, and named), or a mirrored module's file changed."""
+    if server.unsafe:
+        if set(server.unsafe) & set(ENGINE_PRELOAD):
+            return False  # torch itself: nothing to leave out (spawn_many says so)
+        for module, why in server.unsafe.items():
+            _process_wide.refused[module] = why
+            top = module.partition(".")[0]
+            _process_wide.notices.append(
+                f"{module} is not preloaded for the ranks: {why}; each rank imports it itself. "
+                f"To silence this, set NBACCEL_PRELOAD=-{top} (or pass preload='-{top}')."
+            )
+        return True
+    stale = server.stale()
+    if stale:
+        _process_wide.notices.append(
+            f"{', '.join(sorted(stale))} changed since the fork server imported "
+            f"{'them' if len(stale) > 1 else 'it'}: a fresh server imports the files as they "
+            "are now."
+        )
+        return True
+    return False
+
+
+def get_forkserver(
+    preload: Iterable[str] = (), setting: PreloadSetting | None = None
+) -> ForkServer:
+    """The process-wide fork server, (re)started when needed, with ``preload`` imported, and,
+    when ``setting`` says so, the modules this process imported (see ``kernel_modules``)."""
     with _process_wide.lock:
+        _close_idle_retired()
+        refused = _process_wide.refused
         server = _process_wide.server
+        front = set(preload)
+        if server is not None and server.alive() and _why_replace(server):
+            front |= server.front
+            _retire(server)
+            server = _process_wide.server = None
+        front = {m for m in front if m not in refused}
         if server is None or not server.alive():
             if server is not None:
                 server.close()  # reap the dead one, close its pipes
             sweep_segments()  # a new kernel: reclaim the shared memory of dead ones
-            server = _process_wide.server = ForkServer(preload)
+            server = _process_wide.server = ForkServer(sorted(front))
         else:
-            server.preload(preload)
+            server.preload(front)
+        if setting is not None:
+            server.mirror([m for m in setting.add if m not in refused], quiet=False)
+            if setting.mirrors():
+                server.mirror(kernel_modules((*setting.exclude, *refused)))
         return server
+
+
+def mirror_kernel_modules(setting: PreloadSetting | None = None) -> None:
+    """Have the running fork server import what this process has imported since (the kernel's
+    hook after each cell, so that the work happens while the user types); a server made unsafe
+    or stale is replaced now. Starts no server where none runs."""
+    setting = setting or preload_setting()
+    server = _process_wide.server
+    if server is None or not server.alive() or not setting.mirrors():
+        return
+    get_forkserver((), setting)
+
+
+def mirror_soon(name: str) -> None:
+    """Have the running server import top-level module ``name``, which this process starts
+    importing now (the kernel's import hook): both imports then run at once. Never waits: a
+    server being (re)started, or a launch under way, lets the next cell's hook do it."""
+    if not _process_wide.lock.acquire(blocking=False):
+        return
+    try:
+        server = _process_wide.server
+        if server is None or not server.alive() or server.unsafe:
+            return
+        if name in _process_wide.refused or not is_candidate(name):
+            return
+        server.mirror([name])
+    finally:
+        _process_wide.lock.release()
+
+
+def preload_report() -> dict[str, Any]:
+    """What ranks forked now start with: the server's pid and resident memory, the top-level
+    modules it imported for the kernel, the seconds that took, and the modules kept out."""
+    server = _process_wide.server
+    report: dict[str, Any] = {
+        "setting": preload_setting().describe(),
+        "refused": dict(_process_wide.refused),
+    }
+    if server is not None and server.alive():
+        report.update(
+            server_pid=server.pid,
+            server_rss=server.rss(),
+            preloaded=list(server.imported),
+            import_seconds=round(server.import_seconds, 2),
+        )
+    return report
 
 
 _TELL_WAIT_AFTER = 0.25  # seconds a launch waits for the server before it says so
 
 
-def warm_up(preload: Iterable[str] = ()) -> None:
-    """Start the fork server now, so its ``import torch`` overlaps with the user's typing."""
-    get_forkserver(preload)
+def warm_up(preload: Iterable[str] = (), setting: PreloadSetting | None = None) -> None:
+    """Start the fork server now, so its ``import torch`` (and the libraries the kernel
+    imported already, by ``setting``) overlaps with the user's typing."""
+    get_forkserver(preload, setting)
 
 
 def warm_up_if_in_kernel(preload: Iterable[str] = ()) -> None:
     """Warm the fork server when nbaccel is imported in a Jupyter kernel (not in workers)."""
-    if os.environ.get("NBACCEL_LAUNCHER") or os.environ.get("NBACCEL_NO_WARMUP"):
+    if os.environ.get("NBACCEL_NO_WARMUP") or not hasattr(os, "fork"):
         return
-    if "ipykernel" not in sys.modules or not hasattr(os, "fork"):
-        return
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
-    if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
-        warm_up(preload)
+    if in_kernel():
+        warm_up(preload, preload_setting())
 
 
 class ForkServerLauncher(ProcessLauncher):
-    """Fork each rank from the process-wide server (torch and ``preload`` already imported)."""
+    """Fork each rank from the process-wide server (torch and ``preload`` already imported,
+    and the launching kernel's libraries as ``setting`` says: see ``kernel_modules``)."""
 
     name = LaunchKind.FORKSERVER
 
-    def __init__(self, preload: Iterable[str] = ()) -> None:
+    def __init__(self, preload: Iterable[str] = (), setting: PreloadSetting | None = None) -> None:
         super().__init__(preload)
+        self.setting = setting or preload_setting()
         self._server: ForkServer | None = None
 
     def prepare(self) -> None:
-        self._server = get_forkserver(self.preload)
+        self._server = get_forkserver(self.preload, self.setting)
 
     def _current(self) -> ForkServer:
         if self._server is None or not self._server.alive():
-            self._server = get_forkserver(self.preload)
+            self._server = get_forkserver(self.preload, self.setting)
         return self._server
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
@@ -417,14 +586,43 @@ class ForkServerLauncher(ProcessLauncher):
     def start_many(
         self, specs: Sequence[WorkerSpec], while_waiting: Callable[[float], object] | None = None
     ) -> list[WorkerProcess]:
-        server = self._current()
-        try:
-            pids = server.spawn_many([pickle.dumps(spec) for spec in specs], while_waiting)
-        except CudaInitializedInServer:
-            shutdown_forkserver()  # unusable for GPUs: the next launch starts a fresh server
-            self._server = None
-            raise
-        return [WorkerProcess(pid, self.name, server=server) for pid in pids]
+        data = [pickle.dumps(spec) for spec in specs]
+        for _ in range(_MAX_GENERATIONS):
+            server = self._current()
+            try:
+                pids = server.spawn_many(data, while_waiting)
+            except CudaInitializedInServer:
+                if not server.unsafe or set(server.unsafe) & set(ENGINE_PRELOAD):
+                    shutdown_forkserver()  # unusable for GPUs: the next launch starts afresh
+                    self._server = None
+                    raise
+                # an import made it unsafe: a new server without that module (named once)
+                self._server = get_forkserver(self.preload, self.setting)
+                continue
+            self._summarise(server)
+            return [WorkerProcess(pid, self.name, server=server) for pid in pids]
+        raise RuntimeError(
+            f"nbaccel's fork server was made unsafe {_MAX_GENERATIONS} times by the kernel's "
+            "modules; pass preload=False (or set NBACCEL_PRELOAD=off) to launch without them."
+        )
+
+    def _summarise(self, server: ForkServer) -> None:
+        """The launch summary's line on what ranks start with, once per server."""
+        if server.announced or not server.imported:
+            return
+        server.announced = True
+        names = server.imported
+        shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
+        rss = server.rss()
+        memory = f", server {rss / 2**30:.1f} GiB resident" if rss else ""
+        _process_wide.notices.append(
+            f"ranks start with {shown} imported (preloaded from the notebook's imports"
+            f"{memory}; preload=False or NBACCEL_PRELOAD=off turns it off)."
+        )
+
+    def take_notices(self) -> list[str]:
+        notices, _process_wide.notices[:] = list(_process_wide.notices), []
+        return notices
 
     def add_wakeup(self, callback: Callable[[], None]) -> None:
         self._current().add_wakeup(callback)
@@ -438,8 +636,10 @@ def shutdown_forkserver() -> None:
     """Stop and reap the process-wide fork server (at exit, or when asked)."""
     with _process_wide.lock:
         server, _process_wide.server = _process_wide.server, None
-    if server is not None:
-        server.close()
+        retired, _process_wide.retired[:] = list(_process_wide.retired), []
+    for old in [*retired, server]:
+        if old is not None:
+            old.close()
 
 
 atexit.register(shutdown_forkserver)

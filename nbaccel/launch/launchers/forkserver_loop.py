@@ -8,10 +8,19 @@ tuples led by a :class:`~nbaccel.launch.wire.protocol.ServerMessage`:
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
 the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
 workers and exits at once; SIGTERM does the same.
-A module whose import initialises CUDA (a library doing ``torch.cuda.init()`` at import, or one
-that torch's backend autoload pulls in) would leave every forked rank unable to use the GPU
-("Cannot re-initialize CUDA in forked subprocess"): the server notices it after each import and
-refuses to fork (REFUSED), naming the module and the fix (:class:`CudaInitializedInServer`).
+  (PRELOAD, modules, {"path": sys.path or None, "quiet": bool}) imports with the kernel's
+  ``sys.path``; quiet: a module that fails to import is passed over without a word (the
+  kernel's own modules, mirrored: see ``kernel_modules``).
+  server -> driver: (PRELOADED, top_level_names, seconds) what a PRELOAD imported anew;
+  (UNSAFE, [(module, why), ...]) those modules' imports made forking unsafe.
+A module whose import makes forking unsafe (initialises CUDA, as a library doing
+``torch.cuda.init()`` at import, or one that torch's backend autoload pulls in: every forked rank
+would fail with "Cannot re-initialize CUDA in forked subprocess"; starts a thread, which the ranks
+would lack, with its locks maybe held; opens a socket, which every rank would share) is noticed
+after its import: the server says so (UNSAFE), goes on checking the other imports (so that
+one new server leaves out every culprit) and refuses to fork (REFUSED). The driver then starts
+a new server without those modules (the ranks import them themselves), or, when torch itself
+did it, fails naming the fix (:class:`CudaInitializedInServer`).
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ import select
 import signal
 import struct
 import sys
+import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,6 +47,7 @@ __all__ = [
     "ENGINE_PRELOAD",
     "CudaInitializedInServer",
     "cuda_refusal",
+    "inherited_modules",
     "read_frame",
     "serve",
     "write_frame",
@@ -117,8 +129,11 @@ def cuda_refusal(module: str) -> str:
 class _Preloaded:
     """What the server's preloading did (server side; a rank forked from it inherits it)."""
 
-    cuda_culprit: str | None = None  # the first module whose import initialised CUDA
+    unsafe: list[tuple[str, str]] = []  # the imports that made forking unsafe, and how
+    told = 0  # how many of ``unsafe`` the driver was told of
     inherited: frozenset[str] | None = None  # the modules every rank forked now gets
+    threads: frozenset[int] = frozenset()  # the threads and sockets before the checked imports
+    sockets: frozenset[str] = frozenset()
 
 
 _preloaded = _Preloaded()
@@ -131,19 +146,75 @@ def inherited_modules() -> frozenset[str] | None:
     return _preloaded.inherited
 
 
-def _preload(modules: Iterable[str], strict: bool) -> None:
+def _sockets() -> frozenset[str]:
+    """This process's open sockets (``socket:[inode]``; empty where ``/proc`` is missing)."""
+    found = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return frozenset()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return frozenset(found)
+
+
+def _take_baseline() -> None:
+    """What the server holds before the checked imports (torch's own threads, say)."""
+    _preloaded.threads = frozenset(t.ident for t in threading.enumerate() if t.ident)
+    _preloaded.sockets = _sockets()
+
+
+_CUDA_HAZARD = "its import initialised CUDA (CUDA cannot be re-initialised in a forked rank)"
+
+
+def _hazard() -> str | None:
+    """How the imports since the baseline made forking this process unsafe, or None."""
+    if _cuda_initialized() and not any(why == _CUDA_HAZARD for _, why in _preloaded.unsafe):
+        return _CUDA_HAZARD
+    threads = [t.name for t in threading.enumerate() if t.ident not in _preloaded.threads]
+    if threads:
+        return (
+            f"its import started a thread ({threads[0]!r}), which forked ranks would lack, its "
+            "locks maybe held"
+        )
+    if _sockets() - _preloaded.sockets:
+        return "its import opened a socket, which every forked rank would share"
+    return None
+
+
+def _preload(
+    modules: Iterable[str], strict: bool = False, checked: bool = True, quiet: bool = False
+) -> None:
+    """Import ``modules`` (``strict``: an error propagates). ``checked``: each import is
+    checked for what makes forking unsafe (else only for CUDA: torch's own threads are the
+    baseline); ``quiet``: failures and warnings pass without a word."""
     for module in modules:
         try:
-            __import__(module)
+            if quiet:
+                with warnings.catch_warnings():  # the kernel showed them already
+                    warnings.simplefilter("ignore")
+                    __import__(module)
+            else:
+                __import__(module)
         except Exception as exc:
             if strict:
                 raise
             # Preloading only saves time: the worker imports the module itself and fails there
             # (or does without it: IPython's display on a host that lacks IPython).
-            if not _not_installed(exc, module):
+            if not quiet and not _not_installed(exc, module):
                 print(f"[nbaccel] fork server could not preload {module}: {exc}", file=sys.stderr)
-        if _preloaded.cuda_culprit is None and _cuda_initialized():
-            _preloaded.cuda_culprit = module
+        except BaseException:  # SystemExit and the like at import: never worth the server
+            if strict or not quiet:
+                raise
+        why = _hazard() if checked else (_CUDA_HAZARD if _cuda_initialized() else None)
+        if why:
+            _preloaded.unsafe = [*_preloaded.unsafe, (module, why)]
+            _take_baseline()  # the next module is judged on what it adds
     _preloaded.inherited = frozenset(sys.modules)
 
 
@@ -177,13 +248,32 @@ def _settle_memory() -> None:
     collapse_writable_memory()
 
 
+def _top(name: str) -> str:
+    return name.partition(".")[0]
+
+
+def _tell_unsafe(stdout: int) -> None:
+    """Tell the driver which imports made this server unsafe to fork (the news since last)."""
+    if len(_preloaded.unsafe) > _preloaded.told:
+        write_frame(stdout, (ServerMessage.UNSAFE, _preloaded.unsafe[_preloaded.told :]))
+        _preloaded.told = len(_preloaded.unsafe)
+
+
 def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Reaper) -> bool:
     """Answer one request; True when it changed what ranks would inherit (a preload)."""
     if request[0] == ServerMessage.PRELOAD:
-        _preload(request[1], strict=False)
+        options = request[2] if len(request) > 2 else {}
+        if options.get("path"):
+            sys.path[:] = options["path"]  # the kernel's, now: folders added since the start
+        before, started = {_top(m) for m in sys.modules}, time.perf_counter()
+        _preload(request[1], quiet=bool(options.get("quiet")))
+        new = sorted({_top(m) for m in sys.modules} - before)
+        write_frame(stdout, (ServerMessage.PRELOADED, new, time.perf_counter() - started))
+        _tell_unsafe(stdout)
         return True
-    if _preloaded.cuda_culprit is not None:
-        refusal = cuda_refusal(_preloaded.cuda_culprit)
+    if _preloaded.unsafe:
+        module, why = _preloaded.unsafe[0]
+        refusal = cuda_refusal(module) if why == _CUDA_HAZARD else f"importing {module!r}: {why}"
         write_frame(stdout, (ServerMessage.REFUSED, request[1], refusal))
         return False
     _fork_rank(request, stdout, server_fds, reaper)
@@ -193,8 +283,9 @@ def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Re
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _preload(ENGINE_PRELOAD, strict=True)
-    _preload(preload, strict=False)
+    _preload(ENGINE_PRELOAD, strict=True, checked=False)
+    _take_baseline()
+    _preload(preload)
     stdin, stdout = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the pipe
     wake_r, wake_w = os.pipe()
@@ -215,6 +306,7 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
 
     signal.signal(signal.SIGTERM, terminate)
     write_frame(stdout, (ServerMessage.READY,))
+    _tell_unsafe(stdout)
 
     def reap() -> None:
         for pid, code in reaper.reap():

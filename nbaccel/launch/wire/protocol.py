@@ -117,4 +117,6 @@ class ServerMessage(Word):
     STARTED = "started"  # server -> driver: (STARTED, request_id, pid)
     FAILED = "failed"  # server -> driver: (FAILED, request_id, why) the fork was refused
     EXITED = "exited"  # server -> driver: (EXITED, pid, returncode)
-    REFUSED = "refused"  # server -> driver: (REFUSED, request_id, reason) no fork (CUDA is up)
+    REFUSED = "refused"  # server -> driver: (REFUSED, request_id, reason) no fork (unsafe)
+    PRELOADED = "preloaded"  # server -> driver: (PRELOADED, new top-level modules, seconds)
+    UNSAFE = "unsafe"  # server -> driver: (UNSAFE, module, why) that import made forking unsafe
