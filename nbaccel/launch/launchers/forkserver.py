@@ -268,10 +268,11 @@ class ForkServer:
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
-    def mirror(self, modules: Iterable[str], quiet: bool = True) -> None:
+    def mirror(self, modules: Iterable[str], quiet: bool = True, stamp: bool = True) -> None:
         """Have the server import ``modules``, the kernel's (once each, with the kernel's
         ``sys.path``; ``quiet``: one that fails is left to the ranks without a word), and
-        remember their files to see them change (:meth:`stale`)."""
+        (``stamp``) note the files of those the kernel holds, to see them change
+        (:meth:`stale`)."""
         missing = [m for m in modules if m not in self.mirrored and m not in self.preloaded]
         if missing:
             with self._lock:
@@ -279,7 +280,7 @@ class ForkServer:
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing, options))
             self.mirrored.update(missing)
             self._unstamped.update(missing)
-        if self._unstamped:  # stamped once the kernel holds them (the import hook is early)
+        if stamp and self._unstamped:  # once the kernel holds them (the import hook is early)
             present = {m for m in self._unstamped if m in sys.modules}
             self._stamps.update(file_stamps(present))
             self._unstamped -= present
@@ -510,18 +511,18 @@ def mirror_kernel_modules(setting: PreloadSetting | None = None) -> None:
 
 
 def mirror_soon(name: str) -> None:
-    """Have the running server import top-level module ``name``, which this process starts
-    importing now (the kernel's import hook): both imports then run at once. Never waits: a
-    server being (re)started, or a launch under way, lets the next cell's hook do it."""
+    """Have the running server import module ``name``, which this process starts importing
+    now (the kernel's import hook): both imports then run at once. Never waits: a server
+    being (re)started, or a launch under way, lets the next cell's hook do it."""
     if not _process_wide.lock.acquire(blocking=False):
         return
     try:
         server = _process_wide.server
         if server is None or not server.alive() or server.unsafe:
             return
-        if name in _process_wide.refused or not is_candidate(name):
-            return
-        server.mirror([name])
+        exclude = (*preload_setting().exclude, *_process_wide.refused)
+        if is_candidate(name, exclude):
+            server.mirror([name], stamp=False)
     finally:
         _process_wide.lock.release()
 

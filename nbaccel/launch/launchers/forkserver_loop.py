@@ -194,6 +194,9 @@ def _preload(
     checked for what makes forking unsafe (else only for CUDA: torch's own threads are the
     baseline); ``quiet``: failures and warnings pass without a word."""
     for module in modules:
+        if module in sys.modules:
+            continue  # imported already (by an earlier module): nothing new to check
+        held = len(sys.modules)
         try:
             if quiet:
                 with warnings.catch_warnings():  # the kernel showed them already
@@ -211,6 +214,8 @@ def _preload(
         except BaseException:  # SystemExit and the like at import: never worth the server
             if strict or not quiet:
                 raise
+        if len(sys.modules) == held:
+            continue  # it failed before importing anything
         why = _hazard() if checked else (_CUDA_HAZARD if _cuda_initialized() else None)
         if why:
             _preloaded.unsafe = [*_preloaded.unsafe, (module, why)]
@@ -280,6 +285,25 @@ def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Re
     return False
 
 
+def _read_requests(stdin: int) -> list[tuple]:
+    """The requests waiting on ``stdin`` (at least one), consecutive PRELOADs merged into one:
+    the kernel's import hook sends one per import, and each answer costs a scan of
+    ``sys.modules``."""
+    requests = [read_frame(stdin)]
+    while select.select([stdin], [], [], 0)[0]:
+        try:
+            request = read_frame(stdin)
+        except EOFError:
+            break  # the pipe closed: the loop sees it at its next read
+        last = requests[-1]
+        same = request[0] == last[0] == ServerMessage.PRELOAD and request[2:] == last[2:]
+        if same:
+            requests[-1] = (last[0], [*last[1], *request[1]], *last[2:])
+        else:
+            requests.append(request)
+    return requests
+
+
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -327,10 +351,11 @@ def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
                 _settle_memory()
             if stdin in ready:
                 try:
-                    request = read_frame(stdin)
+                    requests = _read_requests(stdin)
                 except EOFError:
                     break
-                settle = _handle(request, stdout, (wake_r, wake_w, stdout), reaper) or settle
+                for request in requests:
+                    settle = _handle(request, stdout, (wake_r, wake_w, stdout), reaper) or settle
     finally:
         # stopping now: a late SIGTERM must not raise inside the interpreter's shutdown
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

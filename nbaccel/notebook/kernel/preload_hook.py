@@ -3,8 +3,9 @@
 Two hooks, installed when nbaccel is imported in a Jupyter kernel:
 
 - an import watcher (first on ``sys.meta_path``, finding nothing itself): when the kernel starts
-  importing a top-level library (``import transformers``), the server starts importing it too,
-  on another core, at once; by the time the cell ends both are done;
+  importing a library (``import transformers``, ``from transformers import LlamaForCausalLM``),
+  the server starts importing it too, on another core, at once; by the time the cell ends both
+  are done;
 - after each cell (IPython's ``post_run_cell``): the server imports whatever else the kernel
   now holds (submodules reached lazily, ``transformers.models.llama``...), and is replaced by a
   fresh one when one of the kernel's files changed or an import made it unsafe to fork.
@@ -26,15 +27,15 @@ __all__ = ["ImportWatcher", "install"]
 
 
 class ImportWatcher:
-    """A ``sys.meta_path`` entry that finds nothing: it sees the kernel's main thread begin a
-    top-level import and has the fork server import the same module meanwhile."""
+    """A ``sys.meta_path`` entry that finds nothing: it sees the kernel's main thread begin an
+    import and has the fork server import the same module meanwhile."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
         self._main = threading.main_thread()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if path is None and name not in self.seen and "." not in name:
+        if name not in self.seen and _importing():
             self.seen.add(name)
             if threading.current_thread() is self._main and is_candidate(name):
                 try:
@@ -45,6 +46,16 @@ class ImportWatcher:
 
     def invalidate_caches(self) -> None:
         """Nothing cached (``importlib.invalidate_caches`` calls every finder)."""
+
+
+def _importing() -> bool:
+    """True when the finders are asked because of an import statement, not a probe
+    (``importlib.util.find_spec("deepspeed")``, how libraries test what is installed)."""
+    try:
+        caller = sys._getframe(3).f_code.co_name  # the import system's frames, above _find_spec
+    except ValueError:
+        return False
+    return caller == "_find_and_load_unlocked"
 
 
 def _after_cell(*_: Any) -> None:
