@@ -203,7 +203,7 @@ class ForkServer:
                     self._started[message[1]] = message[2]
                     self._pids.add(message[2])
                 elif message[0] == ServerMessage.PRELOADED:
-                    self.imported += [m for m in message[1] if m not in self.imported]
+                    self.imported += [m for m in message[1] if _worth_naming(m, self.imported)]
                     self.import_seconds += message[2]
                 elif message[0] == ServerMessage.UNSAFE:
                     self.unsafe.update(message[1])
@@ -408,6 +408,12 @@ class ForkServer:
         if not self._reader.is_alive():
             self._proc.stdout.close()
         self._listeners.clear()
+
+
+def _worth_naming(module: str, named: list[str]) -> bool:
+    """A top-level module the server imported that the launch summary names: a library, not
+    the standard library's nor a private extension's (``_cython_3_3_0``)."""
+    return not module.startswith("_") and is_candidate(module) and module not in named
 
 
 class _ProcessWide:

@@ -1,0 +1,69 @@
+"""A kernel's ranks start with what the kernel imported (real kernel, real fork server, real
+ranks): a library imported in the notebook is imported once, in the fork server, and inherited by
+the ranks; one that starts a thread at import is kept out and named, and the launch goes on; a
+module edited on ``sys.path`` is seen fresh by the next launch."""
+
+from __future__ import annotations
+
+import json
+
+from kernel import cell_errors, cell_text, run_notebook
+
+RECORDER = "import os\nIMPORTED_IN = os.getpid()\nVERSION = {version}\n"
+THREADED = (
+    "import threading, time\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True, name='poller').start()\n"
+)
+
+LAUNCH = """
+def where():
+    import os, kernel_lib, threaded_lib
+    from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+    inherited = inherited_modules() or ()
+    return {"imported_in": kernel_lib.IMPORTED_IN, "pid": os.getpid(), "server": os.getppid(),
+            "version": kernel_lib.VERSION, "threaded_inherited": "threaded_lib" in inherited}
+print("OUT " + json.dumps(notebook_launcher(where, num_processes=2, cpu=True)))
+"""
+
+
+def _out(cell):
+    line = next(x for x in cell_text(cell).splitlines() if x.startswith("OUT "))
+    return json.loads(line[4:])
+
+
+def test_ranks_start_with_the_kernels_libraries_kept_safe_and_fresh(tmp_path):
+    (tmp_path / "kernel_lib.py").write_text(RECORDER.format(version=1))
+    (tmp_path / "threaded_lib.py").write_text(THREADED)
+    edit = (
+        f"import os\npath = {str(tmp_path / 'kernel_lib.py')!r}\n"
+        f"open(path, 'w').write({RECORDER.format(version=2)!r})\n"
+        "stat = os.stat(path)\nos.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))"
+    )
+    nb = run_notebook(
+        [
+            f"import json, sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
+            "from nbaccel import notebook_launcher\nimport kernel_lib, threaded_lib",
+            LAUNCH,
+            edit,
+            LAUNCH,
+            "from nbaccel.launch.launchers.forkserver import preload_report\n"
+            "print('OUT ' + json.dumps(preload_report()))",
+        ],
+        timeout=180,
+        env={"NBACCEL_PRELOAD": "auto"},
+    )
+    for cell in nb.cells:
+        assert not cell_errors(cell), cell_text(cell)
+    first, second, report = _out(nb.cells[1]), _out(nb.cells[3]), _out(nb.cells[4])
+    for rank in first:  # imported once, in the server the ranks were forked from
+        assert rank["imported_in"] == rank["server"] != rank["pid"]
+        assert rank["version"] == 1 and not rank["threaded_inherited"]
+    text = cell_text(nb.cells[1])
+    assert "threaded_lib is not preloaded for the ranks: its import started a thread" in text
+    assert "NBACCEL_PRELOAD=-threaded_lib" in text
+    assert "ranks start with" in text and "kernel_lib" in text
+    for rank in second:  # the edited file, from a fresh server that imported it
+        assert rank["version"] == 2 and rank["imported_in"] == rank["server"]
+        assert rank["server"] != first[0]["server"]
+    assert "kernel_lib" in report["preloaded"] and "threaded_lib" in report["refused"]
+    assert report["server_rss"] > 0
