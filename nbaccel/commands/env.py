@@ -47,6 +47,7 @@ VARIABLES = (
     "SLURM_NTASKS",
     "OMPI_COMM_WORLD_SIZE",
     "OMP_NUM_THREADS",
+    "NBACCEL_PRELOAD",
 )
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "AUTH")
 _GIB = 1024**3
@@ -209,7 +210,36 @@ def collect() -> dict[str, Any]:
         "versions": _versions(),
         "devices": _devices(),
         "environment": _environment(),
+        "preload": _preload(),
     }
+
+
+def _preload() -> dict[str, Any]:
+    """What ranks start with: the preload setting and, in a process that runs a fork server
+    (a notebook kernel calling :func:`collect`), what the server imported and kept out."""
+    from nbaccel.launch.launchers.forkserver import preload_report
+
+    return preload_report()
+
+
+def _preload_rows(report: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = [("setting", report["setting"])]
+    if "server_pid" in report:
+        rss = report.get("server_rss")
+        memory = f", {rss / 2**20:.0f} MiB resident" if rss else ""
+        rows.append(("fork server", f"pid {report['server_pid']}{memory}"))
+        rows.append(
+            (
+                "preloaded",
+                f"{', '.join(report['preloaded']) or 'nothing beyond torch'} "
+                f"({report['import_seconds']} s of imports)",
+            )
+        )
+    else:
+        rows.append(("fork server", "none in this process (a notebook's kernel runs one)"))
+    for module, why in report["refused"].items():
+        rows.append((f"kept out: {module}", why))
+    return rows
 
 
 _LABELS = {
@@ -260,6 +290,7 @@ def render_text(info: dict[str, Any]) -> str:
                 f"local rank {launch['local_rank']} of {launch['local_world_size']}",
             )
         )
+    preload = info.get("preload")
     lines = [
         "Copy and paste the text below into your bug report.",
         "",
@@ -268,5 +299,6 @@ def render_text(info: dict[str, Any]) -> str:
         *_section("Devices", devices),
         *_section("Environment", detected),
         *_section("Variables", list(env["variables"].items()) or [("(none set)", "")]),
+        *(_section("Ranks start with", _preload_rows(preload)) if preload else ()),
     ]
     return "\n".join(lines).rstrip() + "\n"

@@ -243,27 +243,38 @@ def _pid():
     return os.getpid()
 
 
-def test_preloaded_library_initialising_cuda_is_refused(tmp_path, monkeypatch):
-    from nbaccel.launch.driver.render import TextRenderer
-    from nbaccel.launch.launchers.forkserver import CudaInitializedInServer, shutdown_forkserver
+def test_preloaded_library_initialising_cuda_is_kept_out_and_the_launch_goes_on(
+    tmp_path, monkeypatch
+):
+    from recorder import Recorder
+
+    from nbaccel.launch.launchers.forkserver import preload_report, shutdown_forkserver
     from nbaccel.launch.plan import LaunchPlan
     from nbaccel.launch.request import Front, LaunchRequest
     from nbaccel.launch.run import run_function
 
     (tmp_path / "gpu_lib_at_import.py").write_text(CUDA_AT_IMPORT)
     monkeypatch.syspath_prepend(str(tmp_path))
-    plan = LaunchPlan.create(Front.TESTING, LaunchRequest(num_processes=1))
-    shutdown_forkserver()  # a fresh server, started with this sys.path (the module's folder)
+    request = LaunchRequest(num_processes=1, preload=["off", "gpu_lib_at_import"])
+    plan = LaunchPlan.create(Front.TESTING, request)
+    shown = Recorder()
     try:
-        with pytest.raises(CudaInitializedInServer, match="'gpu_lib_at_import'.*initialised CUDA"):
-            run_function(
-                plan, _pid, renderer=TextRenderer(quiet=True), preload=("gpu_lib_at_import",)
-            )
+        report = run_function(plan, _rank_device_index, renderer=shown)
+        assert report.values() == [0]  # the rank uses the GPU: its server never touched CUDA
+        assert any(
+            n.startswith("gpu_lib_at_import is not preloaded") and "initialised CUDA" in n
+            for n in shown.notices
+        ), shown.notices
+        assert "gpu_lib_at_import" in preload_report()["refused"]
     finally:
         shutdown_forkserver()
-    # a fresh server (without that import) serves the next GPU launch
-    report = run_function(plan, _pid, renderer=TextRenderer(quiet=True))
-    assert len(report.values()) == 1
+
+
+def _rank_device_index():
+    import torch
+
+    torch.ones(1, device="cuda")
+    return torch.cuda.current_device()
 
 
 def _rank_device():
