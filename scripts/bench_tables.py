@@ -38,6 +38,14 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "Fewer repeats and the small offload model: a check that every section runs, not "
         "figures to quote.",
     ),
+    "first_step.json": (
+        "Time to the first optimizer step of real work",
+        "python benchmarks/bench_first_step.py",
+        "A small Llama (transformers) prepared with the library's own `Accelerator` and stepped "
+        "with AdamW on 2 CPU ranks, in fresh kernels that imported torch and transformers: the "
+        "time from the `notebook_launcher` call to the last rank's first optimizer step, on a "
+        "kernel's first launch and on later ones, medians over kernels, beside Accelerate.",
+    ),
     "launcher.json": (
         "Launch cost against Accelerate's notebook_launcher",
         "python benchmarks/bench_launcher.py",
