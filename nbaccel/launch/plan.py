@@ -260,6 +260,7 @@ class LaunchPlan:
             backend=request.backend,
             extra_env=dict(extra_env or {}),
             remote=remote,
+            preload=request.preload,
             line_prefix=request.log_line_prefix_template,
         )
 
@@ -267,7 +268,7 @@ class LaunchPlan:
         """What ``make_launcher`` needs besides the kind (the hosts, for remote kinds; what the
         fork server imports for the ranks, for the default kind)."""
         if self.remote is not None:
-            return {"remote": self.remote}
+            return {"remote": self.remote, "setting": preload_setting(self.preload)}
         if self.kind == LaunchKind.FORKSERVER:
             return {"setting": preload_setting(self.preload)}
         return {}

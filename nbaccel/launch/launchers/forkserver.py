@@ -58,6 +58,7 @@ __all__ = [
     "get_forkserver",
     "mirror_kernel_modules",
     "preload_report",
+    "refused_modules",
     "shutdown_forkserver",
     "warm_up",
     "warm_up_if_in_kernel",
@@ -239,6 +240,10 @@ class ForkServer:
     def remove_wakeup(self, callback: Any) -> None:
         if callback in self._listeners:
             self._listeners.remove(callback)
+
+    def ready(self) -> bool:
+        """True once the server has imported its preload and forks on request."""
+        return self._ready
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         started = time.monotonic()
@@ -531,6 +536,12 @@ def mirror_soon(name: str) -> None:
             server.mirror([name], stamp=False)
     finally:
         _process_wide.lock.release()
+
+
+def refused_modules() -> dict[str, str]:
+    """The modules kept out of this process's fork servers (their imports made forking
+    unsafe), and why."""
+    return dict(_process_wide.refused)
 
 
 def preload_report() -> dict[str, Any]:

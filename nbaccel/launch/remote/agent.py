@@ -38,7 +38,7 @@ import zmq
 
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import WorkerProcess
-from nbaccel.launch.launchers.forkserver import ForkServer
+from nbaccel.launch.launchers.forkserver import ENGINE_PRELOAD, CudaInitializedInServer, ForkServer
 from nbaccel.launch.remote.messages import (
     CONFIG_VAR,
     HEARTBEAT,
@@ -140,6 +140,9 @@ class Agent:
         # forked from this process, which imported torch already (one import per host, not two);
         # before any thread or socket of the agent exists
         self.server = ForkServer(config.get("preload", ()), fork=True)
+        #: servers replaced after an import made them unsafe (their ranks may still run)
+        self.retired: list[ForkServer] = []
+        self.kept_out: dict[str, str] = {}  # modules whose import made a server unsafe here
         self.context = zmq.Context()
         self.link = self.context.socket(zmq.DEALER)
         self.link.setsockopt(zmq.LINGER, 0)
@@ -315,6 +318,10 @@ class Agent:
             notes.append(f"no {cwd} on this host ({why}): the ranks run in {self.start_dir}")
             cwd = self.start_dir
         self.server.preload(header.get("preload", ()))
+        # the kernel's imported modules, imported here too while the launch gets ready
+        self.server.mirror(
+            [m for m in header.get("mirror", ()) if not self._kept_out(m)], stamp=False
+        )
         session = Session(lid, os.path.join(self.private, f"launch-{len(self.sessions)}-{lid}"))
         self.sessions[lid] = session
         self.send(
@@ -342,7 +349,12 @@ class Agent:
     def spawn(self, session: Session, rank: int, spec_bytes: bytes) -> None:
         lid = session.lid
         try:
-            pid = self.server.spawn(spec_bytes)
+            try:
+                pid = self.server.spawn(spec_bytes)
+            except CudaInitializedInServer:
+                if not self._renew_server():
+                    raise
+                pid = self.server.spawn(spec_bytes)
         except RuntimeError as exc:
             session.reported.add(rank)
             self.send(
@@ -352,6 +364,32 @@ class Agent:
             return
         session.ranks[rank] = WorkerProcess(pid, "agent", server=self.server)
         self.send(Kind.STARTED, {"lid": lid, "rank": rank, "pid": pid})
+
+    def _kept_out(self, module: str) -> bool:
+        """``module`` (or a package above it) made a server of this host unsafe to fork."""
+        return any(module == m or module.startswith(m + ".") for m in self.kept_out)
+
+    def _renew_server(self) -> bool:
+        """Replace a server that an import made unsafe to fork by a fresh one without those
+        modules (this process has threads and sockets now: the new one is a new interpreter);
+        False when torch itself was the culprit."""
+        old = self.server
+        if not old.unsafe or set(old.unsafe) & set(ENGINE_PRELOAD):
+            return False
+        self.kept_out.update(old.unsafe)
+        for module, why in old.unsafe.items():
+            print(f"[nbaccel agent] {module} is not preloaded here: {why}", file=sys.stderr)
+        self.retired.append(old)
+        self.server = ForkServer(sorted(m for m in old.front if not self._kept_out(m)))
+        self.server.add_wakeup(self._wake)
+        self.server.mirror([m for m in old.mirrored if not self._kept_out(m)], stamp=False)
+        deadline = time.monotonic() + 120
+        while not self.server.ready() and self.server.alive() and time.monotonic() < deadline:
+            if time.monotonic() - self.last_sent > HEARTBEAT / 2:
+                self.send(Kind.PING)  # its import of torch must not pass for a lost host
+            time.sleep(0.05)
+        self.last_heard = time.monotonic()  # busy here, not deaf: the kernel's pings wait queued
+        return True
 
     def store(self, session: Session, name: str, data: bytes) -> None:
         """Write the work's shared tensors into this host's shared memory, once per host."""
@@ -398,7 +436,8 @@ class Agent:
         for session in self.sessions.values():
             for process in session.ranks.values():
                 process.signal_tree(signal.SIGKILL)
-        self.server.close()
+        for server in (*self.retired, self.server):
+            server.close()
         for lid in list(self.sessions):
             self.end(lid)
         for _, relay in self.relays.values():

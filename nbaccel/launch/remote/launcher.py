@@ -24,6 +24,12 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.launchers.forkserver import refused_modules
+from nbaccel.launch.launchers.kernel_modules import (
+    PreloadSetting,
+    kernel_modules,
+    preload_setting,
+)
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.messages import Kind
 from nbaccel.launch.remote.options import RemoteOptions
@@ -53,8 +59,16 @@ class RemoteLauncher(ProcessLauncher):
     pickles_work = True
     local_memory = False
 
-    def __init__(self, preload: Iterable[str] = (), remote: RemoteOptions | None = None) -> None:
+    def __init__(
+        self,
+        preload: Iterable[str] = (),
+        remote: RemoteOptions | None = None,
+        setting: PreloadSetting | None = None,
+    ) -> None:
         super().__init__(preload)
+        #: what each host's fork server imports for the ranks beyond ``preload``: the modules
+        #: the kernel imported (less those its own server kept out), as ``setting`` says
+        self.setting = setting or preload_setting()
         if remote is None:
             raise ValueError(f"the {self.name} launcher needs the hosts (RemoteOptions).")
         self.options = remote
@@ -159,6 +173,7 @@ class RemoteLauncher(ProcessLauncher):
                 self._lost.pop(node, None)
             self._node_of = {h.id: node for node, h in enumerate(self.agents)}
         self.fleet.wait_ready([self.agents[n] for n in nodes], _START_TIMEOUT)
+        mirror = self.mirrored_modules()
         for node in nodes:
             self.fleet.hub.send(
                 self.agents[node].id,
@@ -168,8 +183,19 @@ class RemoteLauncher(ProcessLauncher):
                     "cwd": self.options.cwd,
                     "cwd_required": self.options.cwd_required,
                     "preload": sorted(set(self.preload)),
+                    "mirror": mirror,
                 },
             )
+
+    def mirrored_modules(self) -> list[str]:
+        """The modules each host's server imports for this launch's ranks (quietly: one a host
+        lacks is passed over there): what the setting adds, and the kernel's imported modules
+        when it mirrors them, less those kept out of this machine's server."""
+        exclude = (*self.setting.exclude, *refused_modules())
+        names = [m for m in self.setting.add if m not in exclude]
+        if self.setting.mirrors():
+            names += kernel_modules(exclude)
+        return list(dict.fromkeys(names))
 
     def _wait_for_launch(self, retry: bool) -> list[int]:
         """Every agent began the launch (READY); RuntimeError naming a host that cannot. With

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+from nbaccel.launch.launchers.kernel_modules import PreloadSetting
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.launcher import RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions
@@ -30,7 +31,12 @@ class RayLauncher(RemoteLauncher):
 
     name = LaunchKind.RAY
 
-    def __init__(self, preload: Iterable[str] = (), remote: RemoteOptions | None = None) -> None:
+    def __init__(
+        self,
+        preload: Iterable[str] = (),
+        remote: RemoteOptions | None = None,
+        setting: PreloadSetting | None = None,
+    ) -> None:
         from nbaccel.launch.remote.ray.allocation import find
 
         if remote is None or remote.ray is None:
@@ -40,7 +46,7 @@ class RayLauncher(RemoteLauncher):
         self.allocation = find(remote.allocation)
         if self.allocation is None:  # released since the plan was made (a pool's restart)
             remote = self._placed_again(remote)
-        super().__init__(preload, remote)
+        super().__init__(preload, remote, setting)
 
     # ------------------------------------------------------------------ placement
     @classmethod
