@@ -1,7 +1,8 @@
 """A kernel's ranks start with what the kernel imported (real kernel, real fork server, real
 ranks): a library imported in the notebook is imported once, in the fork server, and inherited by
 the ranks; one that starts a thread at import is kept out and named, and the launch goes on; a
-module edited on ``sys.path`` is seen fresh by the next launch."""
+module edited on ``sys.path`` is seen fresh by the next launch; a ``%%distributed`` pool's ranks
+start with them as well."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def test_ranks_start_with_the_kernels_libraries_kept_safe_and_fresh(tmp_path):
             LAUNCH,
             "from nbaccel.launch.launchers.forkserver import preload_report\n"
             "print('OUT ' + json.dumps(preload_report()))",
+            "%load_ext nbaccel",
+            "%%distributed -n 2\nimport os, kernel_lib\n"
+            "print('POOL', kernel_lib.VERSION, kernel_lib.IMPORTED_IN == os.getppid())",
         ],
         timeout=180,
         env={"NBACCEL_PRELOAD": "auto"},
@@ -67,3 +71,6 @@ def test_ranks_start_with_the_kernels_libraries_kept_safe_and_fresh(tmp_path):
         assert rank["server"] != first[0]["server"]
     assert "kernel_lib" in report["preloaded"] and "threaded_lib" in report["refused"]
     assert report["server_rss"] > 0
+    # a %%distributed pool's ranks start with them too
+    pool = cell_text(nb.cells[6])
+    assert pool.count("POOL 2 True") == 2, pool
