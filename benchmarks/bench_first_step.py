@@ -16,8 +16,12 @@ both libraries (the same work happened).
 ``--order after``: the launcher is imported after torch and transformers (nbaccel's fork server
 then starts only when nbaccel is imported, and imports them from there).
 
-Workloads (b)-(e) of the design (DeepSpeed ZeRO-3, a 4-bit model, a new ``%%distributed`` pool,
-Ray) are not measured here yet. Results: benchmarks/results/first_step.json (with provenance).
+``--pool`` adds workload (d): a new ``%%distributed`` pool whose first cell imports transformers
+and takes a step, in a kernel that imported torch and transformers (nbaccel alone: its peer,
+nbdistributed, is measured only where installed, and is not yet). Workloads (b), (c) and (e) of
+the design (DeepSpeed ZeRO-3, a 4-bit model, Ray) are not measured here yet.
+
+Results: benchmarks/results/first_step.json (with provenance).
 """
 
 from __future__ import annotations
@@ -130,6 +134,70 @@ def one_kernel(lib: str, launches: int, order: str) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+POOL_CELL = """%%distributed -n 2 --cpu
+import json, os, time
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from nbaccel import Accelerator
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, vocab_size=32000)
+model = LlamaForCausalLM(config)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(1))
+loss = model(input_ids=ids, labels=ids).loss
+accelerator.backward(loss)
+optimizer.step()
+print("STEP", json.dumps({"at": time.time(), "loss": float(loss)}))
+"""
+
+
+def pool_kernel() -> dict:
+    """Workload (d): a new ``%%distributed`` pool whose first cell imports transformers and
+    steps, in a kernel that imported torch and transformers: call to the last first step."""
+    from kernel import cell_errors, cell_text, run_notebook
+
+    nb = run_notebook(
+        [
+            "import time, json\nfrom nbaccel import notebook_launcher\n" + IMPORTS,
+            "%load_ext nbaccel",
+            "called = time.time()",
+            POOL_CELL,
+            "print('CALLED', called)",
+        ],
+        timeout=600,
+        shutdown=True,
+    )
+    for cell in nb.cells:
+        if cell_errors(cell):
+            raise RuntimeError(f"pool: {cell_text(cell)[-2000:]}")
+    steps = [
+        json.loads(line.split("STEP ", 1)[1])
+        for line in cell_text(nb.cells[3]).splitlines()
+        if "STEP " in line
+    ]
+    called = float(cell_text(nb.cells[4]).split()[-1])
+    return {"first_step_s": max(s["at"] for s in steps) - called, "ranks": len(steps)}
+
+
+def measure_pool(kernels: int = 3) -> dict:
+    """Workload (d) over ``kernels`` fresh kernels (nbaccel; nbdistributed when installed)."""
+    import importlib.util
+
+    runs = []
+    for index in range(kernels):
+        runs.append(pool_kernel())
+        print(f"[first_step] pool kernel {index + 1}: {runs[-1]['first_step_s']:.2f} s", flush=True)
+    peer = None if importlib.util.find_spec("nbdistributed") else "nbdistributed is not installed"
+    return {
+        "nbaccel_first_step_s": statistics.median(r["first_step_s"] for r in runs),
+        "runs": runs,
+        "peer": peer or "not measured",
+    }
+
+
 def measure(kernels: int = 3, later: int = 2, order: str = "first") -> dict:
     """``kernels`` fresh kernels per library, alternating; medians and ratios."""
     runs: dict[str, list[dict]] = {lib: [] for lib in LIBRARIES}
@@ -192,9 +260,14 @@ def main() -> int:
         default="first",
         help="the launcher imported before (first) or after torch and transformers",
     )
+    parser.add_argument(
+        "--pool", action="store_true", help="also workload (d): a new %%%%distributed pool"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     result = measure(args.kernels, args.later, args.order)
+    if args.pool:
+        result["pool"] = measure_pool(args.kernels)
     from provenance import stamp
 
     result["provenance"] = stamp()
@@ -211,6 +284,10 @@ def main() -> int:
     ):
         ours, peer = result["nbaccel"][key], result["accelerate"][key]
         print(f"{label:26s} {ours:9.2f} {peer:11.2f} {ours / peer:6.2f}x")
+    if "pool" in result:
+        pool = result["pool"]
+        print(f"new %%distributed pool + first cell: {pool['nbaccel_first_step_s']:.2f} s "
+              f"(peer: {pool['peer']})")  # fmt: skip
     print(f"fork server RSS: {result['nbaccel']['server_rss_mib']} MiB; same losses: "
           f"{result['same_losses']}; load {result['load_average']}; wrote {out}")  # fmt: skip
     return 0
