@@ -433,6 +433,8 @@ class _ProcessWide:
         self.refused: dict[str, str] = {}
         #: lines for the next launch's output (what was kept out, and why)
         self.notices: list[str] = []
+        #: len(sys.modules) when the kernel's modules were last sent (see mirror_kernel_modules)
+        self.scanned = 0
 
 
 _process_wide = _ProcessWide()
@@ -518,7 +520,12 @@ def mirror_kernel_modules(setting: PreloadSetting | None = None) -> None:
     server = _process_wide.server
     if server is None or not server.alive() or not setting.mirrors():
         return
-    get_forkserver((), setting)
+    # after every cell, a warm %%distributed one too: scan sys.modules (tens of ms with
+    # transformers imported) only when it grew, look at the user files' dates always (a few)
+    size = len(sys.modules)
+    if size != _process_wide.scanned or server.unsafe or server.stale():
+        get_forkserver((), setting)
+        _process_wide.scanned = size
 
 
 def mirror_soon(name: str) -> None:
