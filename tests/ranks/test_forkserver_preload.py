@@ -14,7 +14,11 @@ import sys
 import pytest
 from recorder import Recorder
 
-from nbaccel.launch.launchers.forkserver import preload_report, shutdown_forkserver
+from nbaccel.launch.launchers.forkserver import (
+    get_forkserver,
+    preload_report,
+    shutdown_forkserver,
+)
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import run_function
@@ -26,7 +30,10 @@ LIBRARIES = {
         "threading.Thread(target=time.sleep, args=(30,), daemon=True, name='poller').start()\n"
     ),
     "socket_at_import_lib": "import socket\nCONNECTION = socket.socket()\n",
-    "recorder_lib": "import os\nIMPORTED_IN = os.getpid()\nVERSION = 1\n",
+    "recorder_lib": (
+        "import os\nIMPORTED_IN = os.getpid()\nVERSION = 1\n"
+        "FLAG = os.environ.get('RECORDER_LIB_FLAG')\n"  # read at import, as HF_HOME is
+    ),
 }
 
 
@@ -57,6 +64,7 @@ def _start():
         "pid": os.getpid(),
         "server": os.getppid(),
         "version": recorder_lib.VERSION,
+        "flag": recorder_lib.FLAG,
         "inherited": sorted(m for m in inherited if m.endswith("_lib")),
     }
 
@@ -66,7 +74,9 @@ def _launch(words, shown=None):
     return run_function(plan, _start, renderer=shown or Recorder()).values()
 
 
-def test_unsafe_imports_are_kept_out_and_named_and_the_launch_goes_on(libraries):
+def test_unsafe_imports_are_kept_out_and_named_and_the_launch_goes_on(libraries, monkeypatch):
+    get_forkserver()  # started before the variable below is set
+    monkeypatch.setenv("RECORDER_LIB_FLAG", "set after the server started")
     shown = Recorder()
     values = _launch(["off", *LIBRARIES], shown)  # off: only these, not pytest's modules
     assert len(values) == 2
@@ -74,6 +84,7 @@ def test_unsafe_imports_are_kept_out_and_named_and_the_launch_goes_on(libraries)
         # imported once, in the server the ranks were forked from, not in the rank
         assert value["imported_in"] == value["server"] != value["pid"]
         assert value["inherited"] == ["recorder_lib"]
+        assert value["flag"] == "set after the server started"  # the kernel's os.environ
     notices = "\n".join(shown.notices)
     for name, why in [
         ("cuda_at_import_lib", "initialised CUDA"),

@@ -143,6 +143,7 @@ class ForkServer:
         self._stamps: dict[str, tuple[str, int]] = {}  # the user files of what was mirrored
         self._unstamped: set[str] = set()
         self._pids: set[int] = set()  # its ranks still running
+        self._sent_environ = dict(os.environ)  # what the server started with
         if fork:
             self._proc: Any = ForkedServerProcess(sorted(preload))
         else:
@@ -281,7 +282,10 @@ class ForkServer:
         missing = [m for m in modules if m not in self.mirrored and m not in self.preloaded]
         if missing:
             with self._lock:
-                options = {"path": list(sys.path), "quiet": quiet}
+                options: dict[str, Any] = {"path": list(sys.path), "quiet": quiet}
+                environ = dict(os.environ)
+                if environ != self._sent_environ:  # set before an import reads it (HF_HOME...)
+                    options["environ"] = self._sent_environ = environ
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing, options))
             self.mirrored.update(missing)
             self._unstamped.update(missing)

@@ -3,16 +3,17 @@
 Protocol on the server's stdin/stdout pipes (private to the kernel): length-prefixed pickles of
 tuples led by a :class:`~nbaccel.launch.wire.protocol.ServerMessage`:
   driver -> server: (SPAWN, request_id, spec_bytes) | (PRELOAD, modules)
+                    | (PRELOAD, modules, {"path": [...], "quiet": bool, "environ": {...}}):
+                    imports with the kernel's ``sys.path`` (and its ``os.environ`` when it
+                    changed); quiet: a module that fails to import is passed over without a
+                    word (the kernel's own modules, mirrored: see ``kernel_modules``)
   server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
                     | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
+                    | (PRELOADED, top_level_names, seconds): what a PRELOAD imported anew
+                    | (UNSAFE, [(module, why), ...]): those imports made forking unsafe
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
 the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
 workers and exits at once; SIGTERM does the same.
-  (PRELOAD, modules, {"path": sys.path or None, "quiet": bool}) imports with the kernel's
-  ``sys.path``; quiet: a module that fails to import is passed over without a word (the
-  kernel's own modules, mirrored: see ``kernel_modules``).
-  server -> driver: (PRELOADED, top_level_names, seconds) what a PRELOAD imported anew;
-  (UNSAFE, [(module, why), ...]) those modules' imports made forking unsafe.
 A module whose import makes forking unsafe (initialises CUDA, as a library doing
 ``torch.cuda.init()`` at import, or one that torch's backend autoload pulls in: every forked rank
 would fail with "Cannot re-initialize CUDA in forked subprocess"; starts a thread, which the ranks
@@ -270,6 +271,9 @@ def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Re
         options = request[2] if len(request) > 2 else {}
         if options.get("path"):
             sys.path[:] = options["path"]  # the kernel's, now: folders added since the start
+        if "environ" in options:  # the kernel's variables now, as its imports read them
+            os.environ.clear()
+            os.environ.update(options["environ"])
         before, started = {_top(m) for m in sys.modules}, time.perf_counter()
         _preload(request[1], quiet=bool(options.get("quiet")))
         new = sorted({_top(m) for m in sys.modules} - before)
