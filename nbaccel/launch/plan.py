@@ -152,6 +152,9 @@ class LaunchPlan:
     #: what the fork server imports for the ranks beyond torch (the ``preload=`` words; None:
     #: ``NBACCEL_PRELOAD``, else the notebook's imported libraries)
     preload: tuple[str, ...] | None = None
+    #: a one-shot launch with start_method="auto": its ranks may fork from the kernel while the
+    #: fork server still imports the kernel's libraries (``ForkServerLauncher.prepare``)
+    fork_while_importing: bool = False
     line_prefix: str | None = None  # template of each output line's prefix (RankLabels)
     #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
     remote: RemoteOptions | None = None
@@ -216,6 +219,7 @@ class LaunchPlan:
             defaulted=defaulted,
             extra_env=dict(extra_env or {}),
             preload=request.preload,
+            fork_while_importing=front == Front.LAUNCHER and request.start_method == "auto",
             line_prefix=request.log_line_prefix_template,
         )
 
@@ -270,7 +274,10 @@ class LaunchPlan:
         if self.remote is not None:
             return {"remote": self.remote, "setting": preload_setting(self.preload)}
         if self.kind == LaunchKind.FORKSERVER:
-            return {"setting": preload_setting(self.preload)}
+            return {
+                "setting": preload_setting(self.preload),
+                "fork_while_importing": self.fork_while_importing,
+            }
         return {}
 
     # ------------------------------------------------------------------ what it is

@@ -28,6 +28,7 @@ from typing import Any
 
 from nbaccel.launch.host.processes import WorkerProcess, describe_exit
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.launchers.fork import ForkLauncher
 from nbaccel.launch.launchers.forkserver_loop import (
     ENGINE_PRELOAD,
     CudaInitializedInServer,
@@ -60,6 +61,7 @@ __all__ = [
     "preload_report",
     "refused_modules",
     "shutdown_forkserver",
+    "wait_preloaded",
     "warm_up",
     "warm_up_if_in_kernel",
 ]
@@ -143,6 +145,7 @@ class ForkServer:
         self._stamps: dict[str, tuple[str, int]] = {}  # the user files of what was mirrored
         self._unstamped: set[str] = set()
         self._pids: set[int] = set()  # its ranks still running
+        self._pending = 0  # modules sent to import that the server has not answered for yet
         self._sent_environ = dict(os.environ)  # what the server started with
         if fork:
             self._proc: Any = ForkedServerProcess(sorted(preload))
@@ -207,6 +210,7 @@ class ForkServer:
                 elif message[0] == ServerMessage.PRELOADED:
                     self.imported += [m for m in message[1] if _worth_naming(m, self.imported)]
                     self.import_seconds += message[2]
+                    self._pending -= message[3]
                 elif message[0] == ServerMessage.UNSAFE:
                     self.unsafe.update(message[1])
                 elif message[0] in (ServerMessage.FAILED, ServerMessage.REFUSED):
@@ -242,6 +246,10 @@ class ForkServer:
         if callback in self._listeners:
             self._listeners.remove(callback)
 
+    def importing(self) -> bool:
+        """True while the server is still importing (torch at its start, or modules sent)."""
+        return not self._ready or self._pending > 0
+
     def ready(self) -> bool:
         """True once the server has imported its preload and forks on request."""
         return self._ready
@@ -271,6 +279,8 @@ class ForkServer:
         missing = sorted(set(modules) - self.preloaded)
         if missing:
             with self._lock:
+                with self._cond:  # the reader thread counts the answers down
+                    self._pending += len(missing)
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
@@ -286,6 +296,8 @@ class ForkServer:
                 environ = dict(os.environ)
                 if environ != self._sent_environ:  # set before an import reads it (HF_HOME...)
                     options["environ"] = self._sent_environ = environ
+                with self._cond:  # the reader thread counts the answers down
+                    self._pending += len(missing)
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing, options))
             self.mirrored.update(missing)
             self._unstamped.update(missing)
@@ -549,6 +561,24 @@ def mirror_soon(name: str) -> None:
         _process_wide.lock.release()
 
 
+def wait_preloaded(timeout: float = 300.0) -> bool:
+    """Wait until the fork server has imported what it was sent (a server made unsafe, or
+    whose modules' files changed, replaced first); False when ``timeout`` seconds were not
+    enough. The next launch then forks its ranks from it with nothing left to wait for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        server = _process_wide.server
+        if server is None or not server.alive():
+            return True
+        if server.unsafe or server.stale():
+            get_forkserver((), preload_setting())  # its successor
+            continue
+        if not server.importing():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def refused_modules() -> dict[str, str]:
     """The modules kept out of this process's fork servers (their imports made forking
     unsafe), and why."""
@@ -596,13 +626,38 @@ class ForkServerLauncher(ProcessLauncher):
 
     name = LaunchKind.FORKSERVER
 
-    def __init__(self, preload: Iterable[str] = (), setting: PreloadSetting | None = None) -> None:
+    def __init__(
+        self,
+        preload: Iterable[str] = (),
+        setting: PreloadSetting | None = None,
+        fork_while_importing: bool = False,
+    ) -> None:
         super().__init__(preload)
         self.setting = setting or preload_setting()
+        #: a one-shot launch may fork its ranks from the kernel itself while the server still
+        #: imports the kernel's libraries, when the kernel has not used CUDA (see prepare)
+        self.fork_while_importing = fork_while_importing
         self._server: ForkServer | None = None
+        self._forked: ForkLauncher | None = None
 
     def prepare(self) -> None:
         self._server = get_forkserver(self.preload, self.setting)
+        # Waiting for the server would cost as long as the kernel's own imports took (seconds,
+        # when the notebook imported nbaccel after transformers); a fork of the kernel has them
+        # now. Only where that is safe: no CUDA in the kernel, and a launch whose ranks end
+        # with it (not a pool's).
+        if (
+            self.fork_while_importing
+            and self.setting.mirrors()
+            and self._server.importing()
+            and not _cuda_initialized_here()
+        ):
+            self._forked = ForkLauncher()
+            _process_wide.notices.append(
+                "the fork server is still importing the notebook's libraries: this launch's "
+                "ranks are forked from the notebook itself (it has not used CUDA); later "
+                "launches fork from the server."
+            )
 
     def _current(self) -> ForkServer:
         if self._server is None or not self._server.alive():
@@ -615,6 +670,8 @@ class ForkServerLauncher(ProcessLauncher):
     def start_many(
         self, specs: Sequence[WorkerSpec], while_waiting: Callable[[float], object] | None = None
     ) -> list[WorkerProcess]:
+        if self._forked is not None:
+            return self._forked.start_many(specs, while_waiting)
         data = [pickle.dumps(spec) for spec in specs]
         for _ in range(_MAX_GENERATIONS):
             server = self._current()
@@ -659,6 +716,11 @@ class ForkServerLauncher(ProcessLauncher):
     def remove_wakeup(self, callback: Callable[[], None]) -> None:
         if self._server is not None:
             self._server.remove_wakeup(callback)
+
+
+def _cuda_initialized_here() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def shutdown_forkserver() -> None:

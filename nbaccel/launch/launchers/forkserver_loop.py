@@ -9,7 +9,8 @@ tuples led by a :class:`~nbaccel.launch.wire.protocol.ServerMessage`:
                     word (the kernel's own modules, mirrored: see ``kernel_modules``)
   server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
                     | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
-                    | (PRELOADED, top_level_names, seconds): what a PRELOAD imported anew
+                    | (PRELOADED, top_level_names, seconds, count): what a PRELOAD of count
+                    modules imported anew
                     | (UNSAFE, [(module, why), ...]): those imports made forking unsafe
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
 the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
@@ -277,7 +278,8 @@ def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Re
         before, started = {_top(m) for m in sys.modules}, time.perf_counter()
         _preload(request[1], quiet=bool(options.get("quiet")))
         new = sorted({_top(m) for m in sys.modules} - before)
-        write_frame(stdout, (ServerMessage.PRELOADED, new, time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        write_frame(stdout, (ServerMessage.PRELOADED, new, seconds, len(request[1])))
         _tell_unsafe(stdout)
         return True
     if _preloaded.unsafe:

@@ -16,6 +16,7 @@ Both are off with ``NBACCEL_PRELOAD=off``; the engine's side is
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -33,9 +34,10 @@ class ImportWatcher:
     def __init__(self) -> None:
         self.seen: set[str] = set()
         self._main = threading.main_thread()
+        self._pid = os.getpid()  # a rank forked from the kernel inherits it: it keeps quiet
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name not in self.seen and _importing():
+        if name not in self.seen and os.getpid() == self._pid and _importing():
             self.seen.add(name)
             if threading.current_thread() is self._main and is_candidate(name):
                 try:
