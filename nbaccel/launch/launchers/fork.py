@@ -8,6 +8,7 @@ from multiprocessing import util as mp_util
 
 from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.launchers.base import ProcessLauncher
+from nbaccel.launch.launchers.forkserver_loop import note_inherited
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import WorkerSpec
 
@@ -29,6 +30,7 @@ class ForkLauncher(ProcessLauncher):
                 # their threads and state, and the child's queue feeders flush before exit
                 mp_util._finalizer_registry.clear()
                 mp_util._run_after_forkers()
+                note_inherited()
                 from nbaccel.launch.rank.worker import run_worker
 
                 code = run_worker(spec)

@@ -50,6 +50,7 @@ __all__ = [
     "CudaInitializedInServer",
     "cuda_refusal",
     "inherited_modules",
+    "note_inherited",
     "read_frame",
     "serve",
     "write_frame",
@@ -142,9 +143,10 @@ _preloaded = _Preloaded()
 
 
 def inherited_modules() -> frozenset[str] | None:
-    """In a rank forked by the server: the modules it had imported for it (what ``sys.modules``
-    held at the fork); None elsewhere. What a rank imports beyond them is its own start-up
-    cost, paid again by every rank of every launch."""
+    """In a rank forked by the server (or from the kernel, ``start_method="fork"``): the
+    modules it had imported for it (what ``sys.modules`` held at the fork); None elsewhere.
+    What a rank imports beyond them is its own start-up cost, paid again by every rank of
+    every launch."""
     return _preloaded.inherited
 
 
@@ -187,6 +189,11 @@ def _hazard() -> str | None:
     if _sockets() - _preloaded.sockets:
         return "its import opened a socket, which every forked rank would share"
     return None
+
+
+def note_inherited() -> None:
+    """In a rank just forked (from the kernel itself): what it inherited is what it holds."""
+    _preloaded.inherited = frozenset(sys.modules)
 
 
 def _preload(
