@@ -126,6 +126,11 @@ NBACCEL_SHM_DIR (setting)
 NBACCEL_HUGE_PAGES (setting)
     `0`: the fork server does not collapse its memory into huge pages.
 
+NBACCEL_PRELOAD (setting)
+    What ranks start with imported besides torch, when a launch does not pass `preload=`:
+    `auto` (default: in a notebook kernel, the libraries it imported, preloaded in the fork
+    server), `on`, `off`, module names to add (`peft,mylib`), `-name` to keep one out.
+
 NBACCEL_NO_WARMUP (setting)
     `1`: `import nbaccel` in a kernel does not start the fork server in the background (it
     starts at the first launch).

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
-from nbaccel.launch.launchers.kernel_modules import check_preload
+from nbaccel.launch.launchers.kernel_modules import PRELOAD_HELP, check_preload
 from nbaccel.launch.megatron_options import PREFIX, megatron_environment
 from nbaccel.launch.megatron_options import megatron_option as _megatron
 from nbaccel.launch.option_spec import Front, Option, option
@@ -227,11 +227,7 @@ class LaunchRequest:
     )  # fmt: skip
     cpu: bool = option(False, "CPU ranks (gloo), even with GPUs", _LOCAL, check=_flag("cpu"))
     preload: bool | str | Sequence[str] | None = option(
-        None, "what ranks start with imported besides torch: auto (the libraries the notebook "
-        "imported, preloaded in the fork server), off, or module names to add (-name keeps one "
-        "out); default: NBACCEL_PRELOAD, else auto", _LOCAL, check=check_preload,
-        metavar="auto|off|M,...",
-    )  # fmt: skip
+        None, PRELOAD_HELP, _LOCAL, check=check_preload, metavar="auto|off|M,...")  # fmt: skip
     backend: str | None = option(
         None, "process-group backend of the pool (gloo, nccl...; default: the device's)",
         Front.MAGIC, check=_text("backend"), metavar="B",

@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "ENV_VARIABLE",
     "KERNEL_MACHINERY",
+    "PRELOAD_HELP",
     "PreloadSetting",
     "changed_files",
     "check_preload",
@@ -39,6 +40,12 @@ __all__ = [
 
 #: the variable read when a launch does not pass ``preload=``
 ENV_VARIABLE = "NBACCEL_PRELOAD"
+#: the ``preload`` launch option's help (``LaunchRequest``)
+PRELOAD_HELP = (
+    "what ranks start with imported besides torch: auto (the libraries the notebook imported, "
+    "preloaded in the fork server), off, or module names to add (-name keeps one out); "
+    "default: NBACCEL_PRELOAD, else auto"
+)
 
 #: top-level packages of the kernel's own machinery, never worth a rank's start (and some of
 #: them start threads or open sockets when used): left out of the mirror without a word
