@@ -50,7 +50,7 @@ def _where():
 
     inherited = inherited_modules() or ()
     return (
-        remote_recorder_lib.IMPORTED_IN == os.getppid(),  # imported by the host's server
+        os.getppid() == remote_recorder_lib.IMPORTED_IN,  # imported by the host's server
         "remote_thread_lib" in inherited,
     )
 
