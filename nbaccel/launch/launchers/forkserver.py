@@ -78,8 +78,6 @@ class _ProcessWide:
         self.refused: dict[str, str] = {}
         #: lines for the next launch's output (what was kept out, and why)
         self.notices: list[str] = []
-        #: len(sys.modules) when the kernel's modules were last sent (see mirror_kernel_modules)
-        self.scanned = 0
 
 
 _process_wide = _ProcessWide()
@@ -152,8 +150,11 @@ def get_forkserver(
             server.preload(front)
         if setting is not None:
             server.mirror([m for m in setting.add if m not in refused], quiet=False)
-            if setting.mirrors():
+            # a scan of sys.modules takes tens of ms with transformers imported: only when it
+            # grew since this server was last told (a no-op launch costs a fork, not a scan)
+            if setting.mirrors() and server.scanned != (len(sys.modules), setting.exclude):
                 server.mirror(kernel_modules((*setting.exclude, *refused)))
+                server.scanned = (len(sys.modules), setting.exclude)
         return server
 
 
@@ -165,12 +166,10 @@ def mirror_kernel_modules(setting: PreloadSetting | None = None) -> None:
     server = _process_wide.server
     if server is None or not server.alive() or not setting.mirrors():
         return
-    # after every cell, a warm %%distributed one too: scan sys.modules (tens of ms with
-    # transformers imported) only when it grew, look at the user files' dates always (a few)
-    size = len(sys.modules)
-    if size != _process_wide.scanned or server.unsafe or server.stale():
+    # after every cell, a warm %%distributed one too: scan sys.modules only when it grew
+    # (get_forkserver), look at the user files' dates always (a few)
+    if server.scanned != (len(sys.modules), setting.exclude) or server.unsafe or server.stale():
         get_forkserver((), setting)
-        _process_wide.scanned = size
 
 
 def mirror_soon(name: str) -> None:

@@ -110,6 +110,8 @@ class ForkServer:
         #: module -> why: the imports that made forking it unsafe
         self.unsafe: dict[str, str] = {}
         self.announced = False  # the launch summary named what ranks start with
+        #: (len(sys.modules), exclusions) when the kernel's modules were last sent to it
+        self.scanned: tuple[int, frozenset[str]] | None = None
         self._stamps: dict[str, tuple[str, int]] = {}  # the user files of what was mirrored
         self._unstamped: set[str] = set()
         self._pids: set[int] = set()  # its ranks still running
