@@ -267,15 +267,14 @@ class ForkServerLauncher(ProcessLauncher):
 
     def prepare(self) -> None:
         self._server = get_forkserver(self.preload, self.setting)
-        # A server still catching up with the kernel (its torch, and the libraries the kernel
-        # had when nbaccel was imported after them) would make this launch wait as long as the
-        # kernel's own imports took; a fork of the kernel has them now. Only where that is
-        # safe: no CUDA in the kernel, and a launch whose ranks end with it (not a pool's).
-        # Later imports (a cell's) are waited for: the server is a cell behind at most.
+        # Waiting for the server would cost as long as the kernel's own imports took (seconds,
+        # when the notebook imported nbaccel after transformers); a fork of the kernel has them
+        # now. Only where that is safe: no CUDA in the kernel, and a launch whose ranks end
+        # with it (not a pool's).
         if (
             self.fork_while_importing
             and self.setting.mirrors()
-            and not self._server.caught_up
+            and self._server.importing()
             and not _cuda_initialized_here()
         ):
             self._forked = ForkLauncher()

@@ -116,9 +116,6 @@ class ForkServer:
         self._unstamped: set[str] = set()
         self._pids: set[int] = set()  # its ranks still running
         self._pending = 0  # modules sent to import that the server has not answered for yet
-        #: the server has once imported everything it was sent (the kernel's modules at its
-        #: start, torch): until then it is catching up with the kernel
-        self.caught_up = False
         self._sent_environ = dict(os.environ)  # what the server started with
         if fork:
             self._proc: Any = ForkedServerProcess(sorted(preload))
@@ -177,7 +174,6 @@ class ForkServer:
             with self._cond:
                 if message[0] == ServerMessage.READY:
                     self._ready = True
-                    self.caught_up = self._pending == 0
                 elif message[0] == ServerMessage.STARTED:
                     self._started[message[1]] = message[2]
                     self._pids.add(message[2])
@@ -185,7 +181,6 @@ class ForkServer:
                     self.imported += [m for m in message[1] if _worth_naming(m, self.imported)]
                     self.import_seconds += message[2]
                     self._pending -= message[3]
-                    self.caught_up = self.caught_up or (self._ready and self._pending == 0)
                 elif message[0] == ServerMessage.UNSAFE:
                     self.unsafe.update(message[1])
                 elif message[0] in (ServerMessage.FAILED, ServerMessage.REFUSED):

@@ -3,8 +3,9 @@
 Two hooks, installed when nbaccel is imported in a Jupyter kernel:
 
 - an import watcher (first on ``sys.meta_path``, finding nothing itself): when the kernel starts
-  importing a library (``import transformers``), the server starts importing it too, on
-  another core, at once; by the time the cell ends both are done;
+  importing a library (``import transformers``, ``from transformers import LlamaForCausalLM``),
+  the server starts importing it too, on another core, at once; by the time the cell ends both
+  are done;
 - after each cell (IPython's ``post_run_cell``): the server imports whatever else the kernel
   now holds (submodules reached lazily, ``transformers.models.llama``...), and is replaced by a
   fresh one when one of the kernel's files changed or an import made it unsafe to fork.
@@ -27,9 +28,8 @@ __all__ = ["ImportWatcher", "install"]
 
 
 class ImportWatcher:
-    """A ``sys.meta_path`` entry that finds nothing: it sees the kernel's main thread begin
-    importing a library (a top-level name: its submodules, often reached lazily mid-cell, wait
-    for the end of the cell) and has the fork server import it meanwhile."""
+    """A ``sys.meta_path`` entry that finds nothing: it sees the kernel's main thread begin an
+    import and has the fork server import the same module meanwhile."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
@@ -37,7 +37,7 @@ class ImportWatcher:
         self._pid = os.getpid()  # a rank forked from the kernel inherits it: it keeps quiet
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if "." not in name and name not in self.seen and os.getpid() == self._pid and _importing():
+        if name not in self.seen and os.getpid() == self._pid and _importing():
             self.seen.add(name)
             if threading.current_thread() is self._main and is_candidate(name):
                 try:
