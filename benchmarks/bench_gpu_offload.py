@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         "nbaccel_stream_bytes_per_s": stream_rate,
         "fraction_of_pinned_bandwidth": stream_rate / bandwidth if bandwidth else None,
     }  # fmt: skip
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, not from its folder
     from provenance import stamp  # the date, commit and machine of this run
 
     result["provenance"] = stamp()
