@@ -92,6 +92,7 @@ def infer_auto_device_map(
     *,
     offload_aware: bool = False,
     scan: ModelScan | None = None,
+    absent_gpus: str = "plan",
 ) -> dict[str, int | str]:
     """Map module names to devices, filling GPUs in order, then cpu, then disk (Accelerate's map).
 
@@ -102,6 +103,8 @@ def infer_auto_device_map(
     size of the layers actually offloaded (running + prefetched) free on the execution device,
     and never leave a device empty while a later layer fits on it. ``scan``: the model's sizes
     when the caller already has them (same ``dtype``s; see ``get_device_map``).
+    ``max_memory`` keys naming GPUs this machine does not have are planned for (a map for a
+    machine that has them) or, with ``absent_gpus="drop"``, left out; said in one line.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""))
@@ -109,7 +112,7 @@ def infer_auto_device_map(
         no_split_module_classes = [no_split_module_classes]
     no_split = set(no_split_module_classes or ())
     with no_gc():
-        budgets = get_max_memory(max_memory)
+        budgets = get_max_memory(max_memory, absent_gpus=absent_gpus)
         if scan is None:
             scan = ModelScan(model, dtype, special_dtypes, whole=no_split)
         fill = greedy_fill(
@@ -251,9 +254,12 @@ def get_device_map(
     no_split_module_classes: list[str] | None = None,
     dtype: torch.dtype | str | None = None,
     offload_buffers: bool = False,
+    *,
+    absent_gpus: str = "plan",
 ) -> dict[str, int | str] | None:
     """Turn ``"auto" | "balanced" | "balanced_low_0" | "sequential"`` or a single device into a
-    checked device map; a dict is normalised and checked."""
+    checked device map; a dict is normalised and checked. ``absent_gpus``: what the plan does with
+    ``max_memory``'s GPUs that this machine does not have (see ``infer_auto_device_map``)."""
     if device_map is None:
         return None
     if isinstance(device_map, str) and device_map in DEVICE_MAP_STRINGS:
@@ -262,7 +268,7 @@ def get_device_map(
         with no_gc():  # one scan of the model serves the budgets and the map
             scan = ModelScan(model, dtype, whole=set(no_split_module_classes or ()))
         if device_map == "sequential":
-            budgets = get_max_memory(max_memory)
+            budgets = get_max_memory(max_memory, absent_gpus=absent_gpus)
         else:
             budgets = get_balanced_memory(
                 model,
@@ -271,6 +277,7 @@ def get_device_map(
                 dtype=dtype,
                 low_zero=device_map == "balanced_low_0",
                 scan=scan,
+                absent_gpus=absent_gpus,
             )
         return infer_auto_device_map(
             model,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from nbaccel.bigmodel.absent_devices import MemoryBudgets, resolve_absent
 from nbaccel.bigmodel.module_sizes import ModelScan, no_gc
 from nbaccel.bigmodel.size_walk import leaf_bytes
 from nbaccel.distributed.host_memory import available_memory
@@ -57,15 +58,22 @@ def _device_rank(key: int | str) -> tuple[int, int]:
     return (0, key) if isinstance(key, int) else (order[key], 0)
 
 
-def get_max_memory(max_memory: Mapping[int | str, int | str] | None = None) -> dict[int | str, int]:
+def get_max_memory(
+    max_memory: Mapping[int | str, int | str] | None = None, *, absent_gpus: str = "plan"
+) -> dict[int | str, int]:
     """Memory budget per device in bytes, ordered GPU ids first, then mps, cpu and disk.
 
     Without ``max_memory`` the free memory of every visible GPU and the available RAM are used
     (RAM within a cgroup limit, where one applies: a container's is the budget, not the host's).
-    Strings like ``"10GiB"`` or ``"5GB"`` are parsed; GPU ids need not exist (planning only).
+    Strings like ``"10GiB"`` or ``"5GB"`` are parsed. A key naming a device this machine does
+    not have (GPU 1 on a one-GPU machine, any GPU on a laptop) is kept, planning for a machine
+    that has it (``absent_gpus="plan"``), or left out (``"drop"``, Accelerate's way); one
+    warning line names it either way (:mod:`nbaccel.bigmodel.absent_devices`).
     """
+    if isinstance(max_memory, MemoryBudgets):  # checked already by the planner calling this one
+        return MemoryBudgets(max_memory)
     if max_memory is None:
-        found: dict[int | str, int] = {}
+        found = MemoryBudgets()
         if torch.cuda.is_available():
             for i in range(torch.cuda.device_count()):
                 found[i] = torch.cuda.mem_get_info(i)[0]
@@ -82,7 +90,8 @@ def get_max_memory(max_memory: Mapping[int | str, int | str] | None = None) -> d
             parsed[norm] = convert_file_size_to_int(value)
         except ValueError as err:
             raise ValueError(f"max_memory[{key!r}]: {err}") from None
-    return {k: parsed[k] for k in sorted(parsed, key=_device_rank)}
+    ordered = {k: parsed[k] for k in sorted(parsed, key=_device_rank)}
+    return resolve_absent(ordered, absent_gpus)
 
 
 def _leaves(names) -> list[str]:
@@ -100,6 +109,7 @@ def get_balanced_memory(
     low_zero: bool = False,
     *,
     scan: ModelScan | None = None,
+    absent_gpus: str = "plan",
 ) -> dict[int | str, int]:
     """Lower the GPU budgets so a sequential device map spreads the model evenly over the GPUs.
 
@@ -109,9 +119,10 @@ def get_balanced_memory(
     ``low_zero`` GPU 0 only receives what does not fit on the others (room for generation
     outputs). A single GPU with no ``max_memory`` given keeps 10% free. ``scan``: the model's
     sizes when the caller has them (a device map planned next reads the same scan).
+    ``absent_gpus``: see :func:`get_max_memory`.
     """
     user_set = max_memory is not None
-    budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
+    budgets = get_max_memory(max_memory, absent_gpus=absent_gpus)
     gpus = sorted(k for k in budgets if isinstance(k, int) and budgets[k] > 0)
     count = len(gpus) + (1 if budgets.get("mps", 0) > 0 else 0)
     if count == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
@@ -93,6 +94,10 @@ def test_widgets_notebook_stores_live_widgets():
     assert "[rank 0] rank 0: training 600 steps" in texts[1]
     assert "600/600" in texts[1]  # the final progress state, exact
     assert "Device map of Sequential" in texts[2]
+    for gpu in ("cuda:0", "cuda:1"):  # planned for, here or not: the notebook plans for a cluster
+        assert f"{gpu} [" in texts[2]
+    if torch.cuda.device_count() == 0:  # GPUs this machine lacks are named in one line
+        assert texts[2].count("max_memory names cuda:0, cuda:1, which this machine does not") == 1
     assert "Memory estimate for Sequential" in texts[3]
     assert "fit: 60 logged steps" in texts[4]
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]

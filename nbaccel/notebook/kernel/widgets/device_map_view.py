@@ -51,19 +51,21 @@ def _observed_map(model: nn.Module) -> dict[str, Any]:
 
 
 def _resolve_map(
-    model: nn.Module, device_map: Any, max_memory: Mapping | None, dtype: Any
+    model: nn.Module, device_map: Any, budgets: Mapping | None, dtype: Any
 ) -> dict[str, Any]:
+    """The map to show: given, the model's own, where its tensors are, or planned on ``budgets``
+    (``max_memory`` checked already, or None for this machine's free memory)."""
     from nbaccel.bigmodel.device_map import get_device_map
 
     if device_map is None:
         device_map = getattr(model, "hf_device_map", None)
     if device_map is None:
         on_meta = all(p.device.type == "meta" for p in model.parameters())
-        if max_memory is None and not on_meta:
+        if budgets is None and not on_meta:
             return _observed_map(model)
         device_map = "auto"
     no_split = getattr(model, "_no_split_modules", None)
-    return dict(get_device_map(model, device_map, max_memory, no_split, dtype=dtype))
+    return dict(get_device_map(model, device_map, budgets, no_split, dtype=dtype))
 
 
 _QUANTIZED_LABELS = {"Int8Params": "int8", "Int8Tensor": "int8 (torchao)"}
@@ -118,13 +120,20 @@ class DeviceMapView:
         device_map: Mapping[str, Any] | str | None = None,
         max_memory: Mapping[int | str, int | str] | None = None,
         dtype: Any = None,
+        *,
+        absent_gpus: str = "plan",
     ) -> None:
+        from nbaccel.bigmodel.absent_devices import absent_devices
         from nbaccel.bigmodel.memory_budgets import get_max_memory
         from nbaccel.bigmodel.module_sizes import compute_module_sizes
 
-        budgets = get_max_memory(max_memory)  # a bad max_memory is an error before any work
+        # A bad max_memory is an error before any work; absent GPUs are said here, once.
+        budgets = get_max_memory(max_memory, absent_gpus=absent_gpus)
         self.model = model
-        self.device_map = _resolve_map(model, device_map, max_memory, dtype)
+        given = budgets if max_memory is not None else None
+        self.device_map = _resolve_map(model, device_map, given, dtype)
+        #: devices in the plan that this machine does not have (absent_gpus="plan")
+        self.planned_absent = [d for d in absent_devices(budgets) if d in self.device_map.values()]
         self.sizes = compute_module_sizes(model, dtype=dtype)
         self.entries: dict[Any, list[tuple[str, int]]] = {}
         for name, device in self.device_map.items():
@@ -161,6 +170,8 @@ class DeviceMapView:
     def text(self, width: int = 30) -> str:
         total = self.sizes.get("", 0)
         lines = [f"Device map of {type(self.model).__name__} ({human_bytes(total)})"]
+        if self.planned_absent:
+            lines.append(f"  {self._planned_text()}")
         for device in self.devices:
             used, cap = self.used(device), self.capacity.get(device)
             filled = int(round(width * used / cap)) if cap else width
@@ -173,6 +184,11 @@ class DeviceMapView:
                 if size or len(self.entries[device]) == 1:
                     lines.append(f"{'':12}{name or '(whole model)'}: {human_bytes(size)}")
         return "\n".join(lines)
+
+    def _planned_text(self) -> str:
+        names = ", ".join(_label(d) for d in self.planned_absent)
+        them = "them" if len(self.planned_absent) > 1 else "it"
+        return f"{names}: not on this machine; the map is for a machine that has {them}"
 
     def __repr__(self) -> str:
         return self.text()
@@ -246,6 +262,11 @@ class DeviceMapView:
         if offload and len(self.devices) > 1:
             what = " and ".join(_label(d) for d in offload)
             note = f'<div style="color:#c0392b">offloaded to {what}</div>'
+        if self.planned_absent:
+            note += (
+                '<div class="nbaccel-device-planned" style="color:#555">'
+                f"{html.escape(self._planned_text())}</div>"
+            )
         return (
             '<div class="nbaccel-device-map" style="font-size:13px">'
             f"<b>Device map</b> of <code>{type(self.model).__name__}</code> ({total})"
@@ -312,14 +333,18 @@ def show_device_map(
     device_map: Mapping[str, Any] | str | None = None,
     max_memory: Mapping[int | str, int | str] | None = None,
     dtype: Any = None,
+    *,
+    absent_gpus: str = "plan",
 ) -> DeviceMapView:
     """Show where ``model``'s modules are (or would be) placed, and return the view.
 
     ``device_map``: a dict, ``"auto"``/``"balanced"``/``"sequential"``, or None for the model's
     own ``hf_device_map``, else where its tensors are now (a ``meta`` model is planned with
-    ``"auto"``). ``max_memory`` sets the capacities (default: this machine's free memory).
+    ``"auto"``). ``max_memory`` sets the capacities (default: this machine's free memory). Its
+    GPUs that this machine does not have are planned for (plan on a laptop, run on the cluster)
+    or, with ``absent_gpus="drop"``, left out as loading here would; said in one line.
     """
-    view = DeviceMapView(model, device_map, max_memory, dtype)
+    view = DeviceMapView(model, device_map, max_memory, dtype, absent_gpus=absent_gpus)
     try:
         from IPython import get_ipython
         from IPython.display import display
