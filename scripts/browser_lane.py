@@ -149,8 +149,7 @@ def _run_and_check(page, images: Path, failures: list[str]) -> None:
     check(rows.count() == 2, "memory monitor: a row per rank", failures)
     check(page.locator(".nbaccel-sparkline").count() >= 2, "memory timelines drawn", failures)
     check(page.locator(".nbaccel-summary").count() >= 1, "static summary shown", failures)
-    devices = page.locator(".nbaccel-device-map .nbaccel-device")
-    check(devices.count() >= 3, f"device map bars ({devices.count()} devices)", failures)
+    _check_device_map(page, failures)
     check(page.locator(".nbaccel-module-tree details").count() > 0, "module tree", failures)
     check(page.locator(".nbaccel-memory-estimate table").count() == 1, "memory estimate", failures)
     tracker = page.locator(".jp-Cell").last.locator(".jp-OutputArea-output img")
@@ -167,6 +166,90 @@ def _run_and_check(page, images: Path, failures: list[str]) -> None:
     page.screenshot(path=str(images / "widgets-notebook.png"), full_page=False)
 
 
+#: the device map the notebook plans (two 40 MiB GPUs, 30 MiB of CPU), in bar order
+PLANNED = ["cuda:0", "cuda:1", "cpu", "disk"]
+#: the bar colours of those devices (nbaccel/notebook/kernel/widgets/device_map_view.py)
+BAR_COLOURS = {"cuda:0": "#2e86c1", "cuda:1": "#28b463", "cpu": "#e67e22", "disk": "#c0392b"}
+
+
+def _gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _check_device_map(page, failures: list[str]) -> None:
+    """The planned map's bars, and what the notebook says of GPUs this machine does not have."""
+    devices = page.locator(".nbaccel-device-map").first.locator(".nbaccel-device")
+    got = [devices.nth(i).get_attribute("data-device") for i in range(devices.count())]
+    check(got == PLANNED, f"device map bars {PLANNED} (got {got})", failures)
+    absent = [d for d in ("cuda:0", "cuda:1") if int(d[-1]) >= _gpus_here()]
+    note = page.locator(".nbaccel-device-map").first.locator(".nbaccel-device-planned")
+    lines = page.locator(".jp-OutputArea-output", has_text="max_memory names")
+    if absent:
+        names = ", ".join(absent)
+        check(
+            note.count() == 1 and note.first.inner_text().startswith(f"{names}: not on"),
+            f"the map marks {names} as not on this machine",
+            failures,
+        )
+        said = lines.first.inner_text().strip() if lines.count() else ""
+        check(
+            lines.count() == 1 and said.count("\n") == 0 and f"names {names}, which" in said,
+            f"one line under the cell names {names} (got {lines.count()}: {said!r})",
+            failures,
+        )
+    else:
+        quiet = note.count() == 0 and lines.count() == 0
+        check(quiet, "every planned GPU is here: no note", failures)
+
+
+def _hex(colour: str) -> tuple[int, int, int]:
+    return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))  # type: ignore[return-value]
+
+
+def check_pictures(images: Path, since: float, failures: list[str]) -> None:
+    """Each screenshot was written by this run, is a real picture (not blank, sensible size),
+    and the device map's shows a bar of each planned device's colour."""
+    from PIL import Image
+
+    for name in PICTURES:
+        path = images / name
+        fresh = path.exists() and path.stat().st_mtime >= since
+        check(fresh, f"{name} written by this run", failures)
+        if not fresh:
+            continue
+        with Image.open(path) as img:
+            rgb = img.convert("RGB")
+        colours = rgb.getcolors(maxcolors=1 << 16) or []
+        check(
+            rgb.width >= 200 and rgb.height >= 40 and len(colours) >= 8,
+            f"{name}: a picture ({rgb.width}x{rgb.height}, {len(colours)} colours)",
+            failures,
+        )
+        if name == "device-map.png":
+            seen = {c for _, c in colours}
+            for device, colour in BAR_COLOURS.items():
+                solid = _hex(colour)  # a bar segment is drawn at opacity 1 or 0.65 on white
+                light = tuple(round(0.65 * v + 0.35 * 255) for v in solid)
+                near = any(
+                    max(abs(a - b) for a, b in zip(c, want, strict=True)) <= 3
+                    for c in seen
+                    for want in (solid, light)
+                )
+                check(near, f"device-map.png shows a {device} bar ({colour})", failures)
+
+
+PICTURES = [
+    "widgets-live.png",
+    "widgets-launch.png",
+    "widgets-summary.png",
+    "device-map.png",
+    "tracker.png",
+    "widgets-notebook.png",
+]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chromium", default="/usr/bin/chromium")
@@ -175,6 +258,7 @@ def main() -> int:
     images = Path(args.images)
     images.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
+    started = time.time() - 1
     with tempfile.TemporaryDirectory(prefix="nbaccel-lab-") as tmp:
         root = Path(tmp)
         shutil.copy(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)  # the repo's copy stays clean
@@ -192,8 +276,10 @@ def main() -> int:
                 lab.wait(15)
             except subprocess.TimeoutExpired:
                 lab.kill()
-    print(f"\nbrowser lane: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}")
+    if not failures:
+        check_pictures(images, started, failures)
     print(f"screenshots in {images}")
+    print(f"browser lane: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}")
     return 1 if failures else 0
 
 

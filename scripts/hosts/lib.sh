@@ -50,9 +50,10 @@ nbh_apt_install() {
   if [ ! -e "$policy" ]; then
     printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && own_policy=1
   fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
-    >/dev/null
+  # DPkg::Lock::Timeout: wait for another apt (an unattended upgrade, a second lane) to finish.
+  apt-get -o DPkg::Lock::Timeout=600 update -qq </dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+    --no-install-recommends "${missing[@]}" </dev/null >/dev/null
   if [ "$own_policy" = 1 ]; then rm -f "$policy"; fi
 }
 

@@ -1,0 +1,204 @@
+"""Run the lanes one after the other and print one table: lane, result, tests, seconds.
+
+Run through ``scripts/test-lanes`` (``--help`` for the options). Each lane is its own
+``scripts/test-<lane>`` command, run with no standard input in its own process group, its output
+streamed as it comes. A lane that needs what this machine does not have (a CUDA GPU) is not
+started: the table says skipped and why. ``--ci`` runs the lanes sized for CI (the low-bit lane
+on a small Llama instead of the ~1B one) under a time limit each, and leaves out the lanes CI
+cannot run, each with its reason. Exits 1 when a lane failed or ran past its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|error).*?)\s*=*$")
+
+
+def _no_gpu() -> str | None:
+    """Why the GPU lane cannot run here, or None when a CUDA GPU answers."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "needs a CUDA GPU: no nvidia-smi on this machine"
+    done = subprocess.run([smi, "-L"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0 or "GPU" not in done.stdout:
+        return "needs a CUDA GPU: nvidia-smi lists none"
+    return None
+
+
+def _not_root() -> str | None:
+    return None if os.geteuid() == 0 else "needs root (network namespaces, sshd, slurmd)"
+
+
+@dataclass
+class Lane:
+    name: str
+    what: str
+    needs: object = None  # () -> reason it cannot run here, or None
+    ci_env: dict[str, str] = field(default_factory=dict)
+    ci_limit_s: int = 900
+    not_in_ci: str = ""  # why CI leaves it out ("" = CI runs it)
+
+    @property
+    def command(self) -> list[str]:
+        return ["bash", str(ROOT / "scripts" / f"test-{self.name}")]
+
+
+LANES = [
+    Lane("hosts", "ssh hosts in network namespaces", _not_root, ci_limit_s=900),
+    Lane("slurm", "one-node SLURM cluster", _not_root, ci_limit_s=600),
+    Lane("ray", "2-node Ray cluster on this machine", ci_limit_s=900),
+    Lane("deepspeed", "DeepSpeed on 2 CPU ranks, long tests included", ci_limit_s=1500),
+    Lane(
+        "lowbit",
+        "8-bit and nf4 Llama vs transformers (CI: the small Llama)",
+        ci_env={"NBACCEL_LOWBIT_SIZE": "small"},
+        ci_limit_s=600,
+    ),
+    Lane("parallel-8", "TP 2 x HSDP 2x2 on 8 ranks", ci_limit_s=900),
+    Lane("browser", "JupyterLab + headless Chromium, docs screenshots", ci_limit_s=600),
+    Lane("xla", "torch-xla on the CPU device", ci_limit_s=1500),
+    Lane("gpu", "tests marked gpu + offload benchmark", _no_gpu, ci_limit_s=600),
+]
+
+
+@dataclass
+class Row:
+    lane: str
+    result: str
+    detail: str
+    seconds: float
+
+
+def _run(lane: Lane, ci: bool, extra_env: dict[str, str]) -> Row:
+    env = {**os.environ, **extra_env, **(lane.ci_env if ci else {})}
+    limit = lane.ci_limit_s if ci else None
+    print(f"\n==== lane {lane.name}: {' '.join(lane.command)} ====", flush=True)
+    start = time.monotonic()
+    tail: deque[str] = deque(maxlen=200)
+    proc = subprocess.Popen(
+        lane.command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
+    )  # fmt: skip
+    stopped = threading.Event()
+    timer = threading.Timer(limit or 0, _stop_group, args=(proc, stopped))
+    timer.daemon = True
+    if limit is not None:
+        timer.start()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        tail.append(line.rstrip("\n"))
+    code = proc.wait()
+    timer.cancel()
+    timed_out = stopped.is_set()
+    seconds = time.monotonic() - start
+    detail = _summary(tail)
+    if timed_out:
+        return Row(lane.name, "FAILED", f"ran past its {limit} s limit; {detail}", seconds)
+    if code != 0:
+        return Row(lane.name, "FAILED", f"exit code {code}; {detail}", seconds)
+    return Row(lane.name, "passed", detail, seconds)
+
+
+def _stop_group(proc: subprocess.Popen, stopped: threading.Event) -> None:
+    """Past the limit: TERM the lane's process group (its traps take hosts down), then KILL."""
+    stopped.set()
+    print(f"\n(lanes: time limit reached, stopping process group {proc.pid})", flush=True)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _summary(lines: deque[str]) -> str:
+    """The lane's own verdict: its last pytest count line ('12 passed, 1 skipped'), else its last
+    line saying passed or failed, else its last line."""
+    for line in reversed(lines):
+        match = SUMMARY.match(line.strip())
+        if match:
+            return re.sub(r"\s+in [\d.]+s.*$", "", match.group(1))
+    for line in reversed(lines):
+        if re.search(r"passed|fail", line, re.IGNORECASE):
+            return line.strip()[-160:]
+    return next((line.strip()[-160:] for line in reversed(lines) if line.strip()), "")
+
+
+def _provenance() -> str:
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    ).stdout.strip() or "unknown"  # fmt: skip
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"{now}; commit {commit}; {platform.node()}: {os.cpu_count()} cores, "
+        f"{platform.system()} {platform.machine()}; load average now {load}"
+    )
+
+
+def _table(rows: list[Row]) -> str:
+    head = ("lane", "result", "seconds", "tests / reason")
+    cells = [(r.lane, r.result, f"{r.seconds:.0f}", r.detail) for r in rows]
+    widths = [max(len(c[i]) for c in [head, *cells]) for i in range(3)]
+    out = []
+    for c in [head, *cells]:
+        out.append("  ".join(c[i].ljust(widths[i]) for i in range(3)) + "  " + c[3])
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("lanes", nargs="*", help="lanes to run (default: all)")
+    parser.add_argument("--ci", action="store_true", help="CI's lanes, sized and time-limited")
+    parser.add_argument("--list", action="store_true", help="list the lanes and exit")
+    args = parser.parse_args()
+    known = {lane.name: lane for lane in LANES}
+    if args.list:
+        for lane in LANES:
+            ci = f"not in CI: {lane.not_in_ci}" if lane.not_in_ci else "in CI"
+            print(f"{lane.name:11} {lane.what} ({ci})")
+        return 0
+    unknown = [n for n in args.lanes if n not in known]
+    if unknown:
+        parser.error(f"unknown lane(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    chosen = [known[n] for n in args.lanes] if args.lanes else LANES
+    rows: list[Row] = []
+    for lane in chosen:
+        reason = lane.needs() if callable(lane.needs) else None
+        if reason is None and args.ci and lane.not_in_ci:
+            reason = f"left out of CI: {lane.not_in_ci}"
+        if reason is not None:
+            print(f"\n==== lane {lane.name}: skipped: {reason} ====", flush=True)
+            rows.append(Row(lane.name, "skipped", reason, 0.0))
+            continue
+        rows.append(_run(lane, args.ci, {}))
+    failed = [r for r in rows if r.result != "passed" and r.result != "skipped"]
+    passed = sum(r.result == "passed" for r in rows)
+    skipped = sum(r.result == "skipped" for r in rows)
+    print(f"\n==== lanes ({_provenance()}) ====")
+    print(_table(rows))
+    print(f"lanes: {passed} passed, {len(failed)} failed, {skipped} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
