@@ -108,7 +108,7 @@ def _run(lane: Lane, ci: bool, extra_env: dict[str, str]) -> Row:
     timer.cancel()
     timed_out = stopped.is_set()
     seconds = time.monotonic() - start
-    detail = _summary(tail)
+    detail = summary(tail)
     if timed_out:
         return Row(lane.name, "FAILED", f"ran past its {limit} s limit; {detail}", seconds)
     if code != 0:
@@ -129,7 +129,7 @@ def _stop_group(proc: subprocess.Popen, stopped: threading.Event) -> None:
         pass
 
 
-def _summary(lines: deque[str]) -> str:
+def summary(lines: deque[str] | list[str]) -> str:
     """The lane's own verdict: its last pytest count line ('12 passed, 1 skipped'), else its last
     line saying passed or failed, else its last line."""
     for line in reversed(lines):
@@ -155,7 +155,7 @@ def _provenance() -> str:
     )
 
 
-def _table(rows: list[Row]) -> str:
+def table(rows: list[Row]) -> str:
     head = ("lane", "result", "seconds", "tests / reason")
     cells = [(r.lane, r.result, f"{r.seconds:.0f}", r.detail) for r in rows]
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(3)]
@@ -180,24 +180,35 @@ def main() -> int:
     unknown = [n for n in args.lanes if n not in known]
     if unknown:
         parser.error(f"unknown lane(s) {', '.join(unknown)}: choose from {', '.join(known)}")
-    chosen = [known[n] for n in args.lanes] if args.lanes else LANES
+    rows = run_lanes([known[n] for n in args.lanes] if args.lanes else LANES, args.ci)
+    failed = sum(r.result == "FAILED" for r in rows)
+    passed = sum(r.result == "passed" for r in rows)
+    skipped = sum(r.result == "skipped" for r in rows)
+    print(f"\n==== lanes ({_provenance()}) ====")
+    print(table(rows))
+    print(f"lanes: {passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed else 0
+
+
+def skip_reason(lane: Lane, ci: bool) -> str | None:
+    """Why ``lane`` does not run here (what it needs and this machine lacks; CI leaving it out)."""
+    reason = lane.needs() if callable(lane.needs) else None
+    if reason is None and ci and lane.not_in_ci:
+        reason = f"left out of CI: {lane.not_in_ci}"
+    return reason
+
+
+def run_lanes(lanes: list[Lane], ci: bool) -> list[Row]:
+    """Each lane in turn, a row each: those that cannot run here are skipped with the reason."""
     rows: list[Row] = []
-    for lane in chosen:
-        reason = lane.needs() if callable(lane.needs) else None
-        if reason is None and args.ci and lane.not_in_ci:
-            reason = f"left out of CI: {lane.not_in_ci}"
+    for lane in lanes:
+        reason = skip_reason(lane, ci)
         if reason is not None:
             print(f"\n==== lane {lane.name}: skipped: {reason} ====", flush=True)
             rows.append(Row(lane.name, "skipped", reason, 0.0))
             continue
-        rows.append(_run(lane, args.ci, {}))
-    failed = [r for r in rows if r.result != "passed" and r.result != "skipped"]
-    passed = sum(r.result == "passed" for r in rows)
-    skipped = sum(r.result == "skipped" for r in rows)
-    print(f"\n==== lanes ({_provenance()}) ====")
-    print(_table(rows))
-    print(f"lanes: {passed} passed, {len(failed)} failed, {skipped} skipped")
-    return 1 if failed else 0
+        rows.append(_run(lane, ci, {}))
+    return rows
 
 
 if __name__ == "__main__":

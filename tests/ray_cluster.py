@@ -68,6 +68,9 @@ class RayCluster:
         try:
             self._node(head + common, 0)
             self._wait_port(port, timeout)
+            # The head's GCS listens before its raylet registers the head node; a node joining
+            # in between finds "no node info for head node" and exits (seen on a loaded machine).
+            self.wait_nodes(1, timeout)
             for index in range(1, len(self.cpus)):
                 self._node(
                     [_RAY, "start", f"--address={self.address}", "--num-gpus=0", *common], index
