@@ -32,6 +32,7 @@ def test_the_lane_verdict_is_its_last_count_line():
         "browser lane: passed"
     )
     assert lanes.summary(["", "nothing to count", ""]) == "nothing to count"
+    assert lanes.summary(["....", "..sF.  [ 40%]", ""]) == "no verdict printed"
 
 
 def test_a_lane_needing_what_is_missing_is_skipped_with_the_reason(capsys):
