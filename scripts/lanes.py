@@ -62,6 +62,8 @@ class Lane:
 #: where CI keeps DeepSpeed's JIT builds between runs on one machine (torch's own default is
 #: ~/.cache/torch_extensions; a fresh clone's .torch-extensions/ would build them every run)
 CI_EXTENSIONS = os.path.expanduser("~/.cache/nbaccel-torch-extensions")
+#: and the torch-xla lane's venv (torch 2.9 with its CUDA libraries: a few GB to download)
+CI_XLA_VENV = os.path.expanduser("~/.cache/nbaccel-xla-venv")
 
 LANES = [
     Lane("hosts", "ssh hosts in network namespaces", _not_root, ci_limit_s=900),
@@ -81,7 +83,12 @@ LANES = [
     ),
     Lane("parallel-8", "TP 2 x HSDP 2x2 on 8 ranks", ci_limit_s=600),
     Lane("browser", "JupyterLab + headless Chromium, docs screenshots", ci_limit_s=600),
-    Lane("xla", "torch-xla on the CPU device (first run: a few GB of wheels)", ci_limit_s=1800),
+    Lane(
+        "xla",
+        "torch-xla on the CPU device (first run: a few GB of wheels)",
+        ci_env={"NBACCEL_XLA_VENV": CI_XLA_VENV},
+        ci_limit_s=1800,
+    ),
     Lane("gpu", "tests marked gpu + offload benchmark", _no_gpu, ci_limit_s=300),
 ]
 
