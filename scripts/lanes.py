@@ -101,8 +101,8 @@ class Row:
     seconds: float
 
 
-def _run(lane: Lane, ci: bool, extra_env: dict[str, str]) -> Row:
-    env = {**os.environ, **extra_env, **(lane.ci_env if ci else {})}
+def _run(lane: Lane, ci: bool) -> Row:
+    env = {**os.environ, **(lane.ci_env if ci else {})}
     limit = lane.ci_limit_s if ci else None
     print(f"\n==== lane {lane.name}: {' '.join(lane.command)} ====", flush=True)
     start = time.monotonic()
@@ -116,13 +116,11 @@ def _run(lane: Lane, ci: bool, extra_env: dict[str, str]) -> Row:
     timer.daemon = True
     if limit is not None:
         timer.start()
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        tail.append(line.rstrip("\n"))
+    reader = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
+    reader.start()
     code = proc.wait()
     timer.cancel()
+    reader.join(30)  # a process the lane left behind may hold its output open: not waited for
     timed_out = stopped.is_set()
     seconds = time.monotonic() - start
     detail = summary(tail)
@@ -131,6 +129,14 @@ def _run(lane: Lane, ci: bool, extra_env: dict[str, str]) -> Row:
     if code != 0:
         return Row(lane.name, "FAILED", f"exit code {code}; {detail}", seconds)
     return Row(lane.name, "passed", detail, seconds)
+
+
+def _relay(stream, tail: deque[str]) -> None:
+    """The lane's output, printed as it comes; its last lines kept for the verdict."""
+    for line in stream:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        tail.append(line.rstrip("\n"))
 
 
 def _stop_group(proc: subprocess.Popen, stopped: threading.Event) -> None:
@@ -225,7 +231,7 @@ def run_lanes(lanes: list[Lane], ci: bool) -> list[Row]:
             print(f"\n==== lane {lane.name}: skipped: {reason} ====", flush=True)
             rows.append(Row(lane.name, "skipped", reason, 0.0))
             continue
-        rows.append(_run(lane, ci, {}))
+        rows.append(_run(lane, ci))
     return rows
 
 
