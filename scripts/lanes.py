@@ -176,16 +176,17 @@ def summary(lines: deque[str] | list[str]) -> str:
     return said[-1][-160:] if said else "no verdict printed"
 
 
-def _provenance() -> str:
+def _provenance(started: float) -> str:
+    """When (this run's start), which commit and which machine; the load as the table prints."""
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
         capture_output=True, text=True, stdin=subprocess.DEVNULL,
     ).stdout.strip() or "unknown"  # fmt: skip
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    start = datetime.datetime.fromtimestamp(started, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
-        f"{now}; commit {commit}; {platform.node()}: {os.cpu_count()} cores, "
-        f"{platform.system()} {platform.machine()}; load average now {load}"
+        f"started {start}; commit {commit}; {platform.node()}: {os.cpu_count()} cores, "
+        f"{platform.system()} {platform.machine()}; load average at the start {load}"
     )
 
 
@@ -214,11 +215,13 @@ def main() -> int:
     unknown = [n for n in args.lanes if n not in known]
     if unknown:
         parser.error(f"unknown lane(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    head = _provenance(time.time())  # the commit the lanes run on, read before they run
     rows = run_lanes([known[n] for n in args.lanes] if args.lanes else LANES, args.ci)
     failed = sum(r.result == "FAILED" for r in rows)
     passed = sum(r.result == "passed" for r in rows)
     skipped = sum(r.result == "skipped" for r in rows)
-    print(f"\n==== lanes ({_provenance()}) ====")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\n==== lanes ({head}; load average at the end {load}) ====")
     print(table(rows))
     print(f"lanes: {passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed else 0
