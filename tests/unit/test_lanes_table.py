@@ -57,3 +57,14 @@ def test_the_table_lines_up_its_columns():
     assert text[1].split()[:3] == ["hosts", "passed", "301"]
     assert text[2].index("skipped") == text[1].index("passed")
     assert text[2].endswith("needs a CUDA GPU: no nvidia-smi on this machine")
+
+
+def test_ci_leaves_out_the_tests_it_names_and_only_in_ci():
+    hosts = next(lane for lane in lanes.LANES if lane.name == "hosts")
+    assert hosts.argv(ci=False) == hosts.command
+    extra = hosts.argv(ci=True)[len(hosts.command) :]
+    assert extra[::2] == ["--deselect"] * len(hosts.ci_deselect)
+    assert extra[1::2] == list(hosts.ci_deselect)
+    for test, why in hosts.ci_deselect.items():
+        file, _, name = test.partition("::")
+        assert f"def {name}(" in (ROOT / file).read_text() and why
