@@ -201,6 +201,7 @@ def wait_preloaded(timeout: float = 300.0) -> bool:
         if server.unsafe or server.stale():
             get_forkserver((), preload_setting())  # its successor
             continue
+        server.release()
         if not server.importing():
             return True
         time.sleep(0.05)
@@ -278,11 +279,16 @@ class ForkServerLauncher(ProcessLauncher):
             and not _cuda_initialized_here()
         ):
             self._forked = ForkLauncher()
+            self._server.hold()  # its imports wait while these ranks start on the same cores
             _process_wide.notices.append(
                 "the fork server is still importing the notebook's libraries: this launch's "
                 "ranks are forked from the notebook itself (it has not used CUDA); later "
                 "launches fork from the server."
             )
+
+    def close(self) -> None:
+        if self._forked is not None and self._server is not None:
+            self._server.release()
 
     def _current(self) -> ForkServer:
         if self._server is None or not self._server.alive():

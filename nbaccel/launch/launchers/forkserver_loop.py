@@ -13,8 +13,9 @@ tuples led by a :class:`~nbaccel.launch.wire.protocol.ServerMessage`:
                     modules imported anew
                     | (UNSAFE, [(module, why), ...]): those imports made forking unsafe
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
-the ranks through the driver. When its stdin closes (the kernel closed it, or died), it kills its
-workers and exits at once; SIGTERM does the same.
+the ranks through the driver. A signal makes it step aside while ranks forked from the kernel
+itself start on the same cores (:mod:`.server_hold`). When its stdin closes (the kernel closed
+it, or died), it kills its workers and exits at once; SIGTERM does the same.
 A module whose import makes forking unsafe (initialises CUDA, as a library doing
 ``torch.cuda.init()`` at import, or one that torch's backend autoload pulls in: every forked rank
 would fail with "Cannot re-initialize CUDA in forked subprocess"; starts a thread, which the ranks
@@ -41,6 +42,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nbaccel.launch.host.log_store import reclaim_after
+from nbaccel.launch.launchers import server_hold
 from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
 from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.wire.protocol import ServerMessage
@@ -89,6 +91,7 @@ def read_frame(fd: int) -> Any:
 # ----------------------------------------------------------------------------- server side
 def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     signal.set_wakeup_fd(-1)
+    server_hold.remove()
     for fd in server_fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -320,6 +323,7 @@ def _read_requests(stdin: int) -> list[tuple]:
 def serve(preload: Iterable[str] = ENGINE_PRELOAD) -> None:
     """Run the fork server loop (called in the server process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server_hold.install()  # where the bootstrap has not already (a server forked from an agent)
     _preload(ENGINE_PRELOAD, strict=True, checked=False)
     _take_baseline()
     _preload(preload)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from nbaccel.launch.host.processes import describe_exit
+from nbaccel.launch.launchers import server_hold
 from nbaccel.launch.launchers.forkserver_loop import (
     ENGINE_PRELOAD,
     CudaInitializedInServer,
@@ -28,6 +29,7 @@ from nbaccel.launch.launchers.forkserver_loop import (
     write_frame,
 )
 from nbaccel.launch.launchers.kernel_modules import changed_files, file_stamps, is_candidate
+from nbaccel.launch.launchers.server_hold import HOLD_SIGNAL, RELEASE_SIGNAL, hold_signals_blocked
 from nbaccel.launch.wire.protocol import ServerMessage
 
 __all__ = ["ForkServer", "ForkedServerProcess", "ProcessStartError"]
@@ -47,18 +49,19 @@ class ForkedServerProcess:
     def __init__(self, preload: Iterable[str] = ()) -> None:
         to_server, from_driver = os.pipe()
         from_server, to_driver = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the server: its stdin/stdout are the pipes, nothing else of the parent's
-            code = 1
-            try:
-                os.dup2(to_server, 0)
-                os.dup2(to_driver, 1)
-                for fd in (to_server, from_driver, from_server, to_driver):
-                    os.close(fd)
-                serve(preload)
-                code = 0
-            finally:
-                os._exit(code)
+        with hold_signals_blocked():  # the server inherits the block (serve() lifts it)
+            pid = os.fork()
+            if pid == 0:  # the server: its stdin/stdout are the pipes, nothing else of the parent's
+                code = 1
+                try:
+                    os.dup2(to_server, 0)
+                    os.dup2(to_driver, 1)
+                    for fd in (to_server, from_driver, from_server, to_driver):
+                        os.close(fd)
+                    serve(preload)
+                    code = 0
+                finally:
+                    os._exit(code)
         os.close(to_server)
         os.close(to_driver)
         self.pid = pid
@@ -98,7 +101,11 @@ class ForkServer:
     def __init__(self, preload: Iterable[str] = (), fork: bool = False) -> None:
         bootstrap = (  # the stop button (SIGINT to the process group) must not hit the imports
             "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+            "import sys, json, importlib.util as u; sys.path[:] = json.loads(sys.argv[1]); "
+            # the hold first, by its file: `import nbaccel` imports torch, which it may hold
+            "s = u.spec_from_file_location(sys.argv[3], sys.argv[4]); "
+            "m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); "
+            "m.install(); "
             "from nbaccel.launch.launchers.forkserver_loop import serve; "
             "serve(json.loads(sys.argv[2]))"
         )
@@ -116,27 +123,31 @@ class ForkServer:
         self._unstamped: set[str] = set()
         self._pids: set[int] = set()  # its ranks still running
         self._pending = 0  # modules sent to import that the server has not answered for yet
+        self.held = False  # its imports wait for the ranks forked from the kernel (hold())
         self._sent_environ = dict(os.environ)  # what the server started with
         if fork:
             self._proc: Any = ForkedServerProcess(sorted(preload))
         else:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    bootstrap,
-                    json.dumps(sys.path),
-                    json.dumps(sorted(preload)),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                close_fds=True,
-                # A session of its own: the stop button (SIGINT to the kernel's process group)
-                # reaches the ranks through the driver, never the server's imports; and the
-                # kernel's shutdown, which signals and then waits on its process group, does
-                # not wait on the server and its ranks (they end when the kernel's pipe closes).
-                start_new_session=True,
-            )
+            with hold_signals_blocked():
+                self._proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        bootstrap,
+                        json.dumps(sys.path),
+                        json.dumps(sorted(preload)),
+                        server_hold.MODULE,
+                        server_hold.__file__,
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    close_fds=True,
+                    # A session of its own: the stop button (SIGINT to the kernel's process group)
+                    # reaches the ranks through the driver, never the server's imports; and the
+                    # kernel's shutdown, which signals and then waits on its process group, does
+                    # not wait on the server and its ranks (they end when the kernel's pipe closes).
+                    start_new_session=True,
+                )
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
@@ -223,6 +234,27 @@ class ForkServer:
     def ready(self) -> bool:
         """True once the server has imported its preload and forks on request."""
         return self._ready
+
+    def hold(self) -> None:
+        """Pause the server's imports (at the next module; for at most ``HOLD_AT_MOST``
+        seconds) so that ranks forked from the kernel meanwhile have the cores to themselves."""
+        if HOLD_SIGNAL is not None and not self.held and self._signal(HOLD_SIGNAL):
+            self.held = True
+
+    def release(self) -> None:
+        """Let the server's imports go on (after :meth:`hold`)."""
+        if self.held and RELEASE_SIGNAL is not None:
+            self.held = False
+            self._signal(RELEASE_SIGNAL)
+
+    def _signal(self, number: int) -> bool:
+        if self._proc.poll() is not None:
+            return False
+        try:
+            os.kill(self.pid, number)
+        except ProcessLookupError:
+            return False
+        return True
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         started = time.monotonic()
@@ -311,6 +343,7 @@ class ForkServer:
         did start are killed first (nothing of a refused batch survives). ``while_waiting(timeout)``
         replaces the wait for each answer (it must return once :meth:`add_wakeup`'s callbacks
         are called, or after ``timeout`` seconds)."""
+        self.release()
         self.wait_ready()
         with self._lock:
             first = self._next_id
@@ -384,6 +417,7 @@ class ForkServer:
         A server still importing torch cannot read its stdin yet: it is killed at once rather
         than waited for (the kernel's shutdown must not wait on an import).
         """
+        self.release()
         try:
             self._proc.stdin.close()
         except OSError:
