@@ -182,9 +182,44 @@ def build_pipeline(
             split_spec={name: SplitPoint.BEGINNING for name in split_points},
         )
     stage = pipe.build_stage(state.process_index, device=state.device)
+    _contiguous_transfers(stage)
     schedule = ScheduleGPipe(stage, num_chunks)
     schedule.nbaccel_output_spec = spec.get("out")
     return schedule
+
+
+def _contiguous_transfers(stage: Any) -> None:
+    """Make what ``stage`` sends and receives between ranks contiguous.
+
+    The traced program keeps each activation's strides, and torch's stage allocates its receive
+    buffers with them: an expanded tensor passed between stages (BERT's extended attention
+    mask, stride 0 along the batch) gives a non-contiguous send and receive, which gloo and NCCL
+    refuse ("input tensor has to be contiguous"). The values are the same either way; the next
+    stage's code does not depend on the strides it receives."""
+    prepare = getattr(stage, "_prepare_forward_infra", None)
+    sends = getattr(stage, "get_fwd_send_ops", None)
+    if prepare is None or sends is None or not hasattr(stage, "args_recv_info"):
+        return  # another torch: as it comes
+
+    def prepare_contiguous(*args: Any, **kwargs: Any) -> Any:
+        result = prepare(*args, **kwargs)
+        for infos in stage.args_recv_info.values():
+            for info in infos:
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor) and not buffer.is_contiguous():
+                    fresh = torch.empty(buffer.shape, dtype=buffer.dtype, device=buffer.device)
+                    info.buffer = fresh.requires_grad_(buffer.requires_grad)
+        return result
+
+    def contiguous_sends(*args: Any, **kwargs: Any) -> Any:
+        ops = sends(*args, **kwargs)
+        for op in ops:
+            if not op.tensor.is_contiguous():
+                op.tensor = op.tensor.contiguous()
+        return ops
+
+    stage._prepare_forward_infra = prepare_contiguous
+    stage.get_fwd_send_ops = contiguous_sends
 
 
 @contextlib.contextmanager

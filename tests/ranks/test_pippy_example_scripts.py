@@ -1,5 +1,5 @@
-"""Accelerate's pipeline-inference examples in their shape (inference/pippy/llama.py and
-gpt2.py; import swapped, small models from a config) run by ``nbaccel launch`` on 2 CPU ranks:
+"""Accelerate's pipeline-inference examples in their shape (inference/pippy/llama.py, gpt2.py
+and bert.py; import swapped, small models from a config) run by ``nbaccel launch`` on 2 CPU ranks:
 the example batch is traced whole as one micro-batch, a larger call is split and padded into
 micro-batches, and the last rank's ``output[0]`` (the model's own output type) equals the unsplit
 model's in one process. An encoder-decoder model (t5.py) is refused with the reason."""
@@ -25,7 +25,7 @@ import pippy_llama  # noqa: E402
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
 def test_pippy_example_gives_the_unsplit_output(tmp_path, kind):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "logits.pt"
