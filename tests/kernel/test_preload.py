@@ -85,3 +85,43 @@ def test_ranks_start_with_the_kernels_libraries_kept_safe_and_fresh(tmp_path):
     # a %%distributed pool's ranks start with them too
     pool = cell_text(nb.cells[7])
     assert pool.count("POOL 2 True") == 2, pool
+
+
+STAMP = (
+    "import os, time\n"
+    "with open(os.environ['STAMP_LIB_OUT'], 'a') as out:\n"
+    "    out.write(f'{os.getpid()} {time.time()}\\n')\n"
+)
+
+
+def test_the_server_steps_aside_while_ranks_forked_from_the_kernel_run(tmp_path):
+    """nbaccel imported after the libraries: the server starts with them to import, the first
+    launch forks its ranks from the kernel, and the server's imports wait until it ends."""
+    (tmp_path / "slow_lib.py").write_text(SLOW.replace("3", "2"))
+    (tmp_path / "stamp_lib.py").write_text(STAMP)
+    out = tmp_path / "stamps"
+    nb = run_notebook(
+        [
+            f"import json, os, sys, time\nsys.path.insert(0, {str(tmp_path)!r})\n"
+            f"os.environ['STAMP_LIB_OUT'] = {str(out)!r}\n"
+            "import slow_lib, stamp_lib\nfrom nbaccel import notebook_launcher\n"
+            "print('OUT', os.getpid())",
+            "def busy():\n    import time\n    time.sleep(6)\n    return time.time()\n"
+            "ends = notebook_launcher(busy, num_processes=2, cpu=True)\n"
+            "print('OUT ' + json.dumps(ends))",
+            "from nbaccel.launch.launchers.forkserver import wait_preloaded, preload_report\n"
+            "wait_preloaded()\nprint('OUT ' + json.dumps(preload_report()['preloaded']))",
+        ],
+        timeout=180,
+        env={"NBACCEL_PRELOAD": "auto"},
+    )
+    for cell in nb.cells:
+        assert not cell_errors(cell), cell_text(cell)
+    kernel, ends = _out(nb.cells[0]), _out(nb.cells[1])
+    assert "ranks are forked from the notebook itself" in cell_text(nb.cells[1])
+    assert "stamp_lib" in _out(nb.cells[2])
+    stamps = [line.split() for line in out.read_text().splitlines()]
+    in_server = [float(at) for pid, at in stamps if int(pid) != kernel]
+    assert len(in_server) == 1, stamps  # the kernel's import, then the server's (once)
+    # the server imported it only once the launch's ranks had ended (it was held meanwhile)
+    assert in_server[0] >= max(ends), (in_server, ends)
