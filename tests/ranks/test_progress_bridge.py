@@ -172,7 +172,10 @@ def test_a_quick_calls_closing_sample_is_left_out_only_when_nothing_moved() -> N
         grown = samples(_keep_mib, 64)
         assert grown and grown[-1].rss >= base.rss + 60 * 2**20
         time.sleep(1.1)
-        assert len(samples(int)) == 1  # a sample older than a second is renewed at a call's end
+        # a sample older than a second is renewed at a call's end (on a loaded machine the
+        # call may outlast the watcher's first in-call sample: that one may come first)
+        renewed = samples(int)
+        assert renewed and renewed[-1].time >= grown[-1].time + 1.0
     finally:
         pool_module.shutdown_pool()
         pool.shutdown()
