@@ -397,7 +397,9 @@ def _measure(kernels: int, later: int, order: str, workload: str, saved: str | N
     }
     for lib, reports in runs.items():
         firsts = [r["calls"][0]["first_step_s"] for r in reports]
-        laters = [statistics.median(c["first_step_s"] for c in r["calls"][1:]) for r in reports]
+        laters = [
+            statistics.median(c["first_step_s"] for c in r["calls"][1:]) for r in reports if later
+        ]
         result[lib] = {
             "first_launch_s": statistics.median(firsts),
             "later_launch_s": statistics.median(laters) if later else None,
