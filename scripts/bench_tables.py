@@ -41,10 +41,13 @@ KNOWN: dict[str, tuple[str, str, str]] = {
     "first_step.json": (
         "Time to the first optimizer step of real work",
         "python benchmarks/bench_first_step.py",
-        "A small Llama (transformers) prepared with the library's own `Accelerator` and stepped "
-        "with AdamW on 2 CPU ranks, in fresh kernels that imported torch and transformers: the "
-        "time from the `notebook_launcher` call to the last rank's first optimizer step, on a "
-        "kernel's first launch and on later ones, medians over kernels, beside Accelerate.",
+        "Real work on 2 CPU ranks in fresh kernels that imported its libraries: the time from "
+        "the launch call to the last rank's first step, on a kernel's first launch and on later "
+        "ones, medians over kernels. (a) a small Llama (transformers) prepared with the "
+        "library's own `Accelerator` and stepped with AdamW, (b) a DeepSpeed ZeRO-3 engine "
+        "built and stepped, (c) a 4-bit (nf4) model loaded and run forward, each beside "
+        "Accelerate's `notebook_launcher`; (d) a new `%%distributed` pool and its first cell, "
+        "beside nbdistributed.",
     ),
     "launcher.json": (
         "Launch cost against Accelerate's notebook_launcher",
