@@ -26,6 +26,7 @@ import fcntl
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ import zmq
 
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import WorkerProcess
-from nbaccel.launch.launchers.forkserver import ENGINE_PRELOAD, CudaInitializedInServer, ForkServer
+from nbaccel.launch.remote.host_server import HostServer
 from nbaccel.launch.remote.messages import (
     CONFIG_VAR,
     HEARTBEAT,
@@ -137,12 +138,11 @@ class Agent:
         self.watch_stdin = watch_stdin
         self.start_dir = os.getcwd()
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
         # forked from this process, which imported torch already (one import per host, not two);
         # before any thread or socket of the agent exists
-        self.server = ForkServer(config.get("preload", ()), fork=True)
-        #: servers replaced after an import made them unsafe (their ranks may still run)
-        self.retired: list[ForkServer] = []
-        self.kept_out: dict[str, str] = {}  # modules whose import made a server unsafe here
+        self.servers = HostServer(config.get("preload", ()), self._wake)
         self.context = zmq.Context()
         self.link = self.context.socket(zmq.DEALER)
         self.link.setsockopt(zmq.LINGER, 0)
@@ -157,9 +157,6 @@ class Agent:
         self.relays: dict[int, tuple[str, Relay]] = {}  # sid -> (lid, its connection)
         self.sids = itertools.count(1)
         self.dying: list[WorkerProcess] = []  # killed at their launch's end, not yet reaped
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
-        self.server.add_wakeup(self._wake)
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
         # launch id -> its ranks' bytes sent to the kernel, and those the kernel acknowledged
@@ -180,14 +177,14 @@ class Agent:
 
     # ------------------------------------------------------------------ lifecycle
     def hello(self) -> None:
-        self.server.wait_ready()
+        self.servers.wait_ready()
         self.send(
             Kind.HELLO,
             {
                 "hostname": socket.gethostname(),
                 "addr": _route_address(self.config["hub"]),
                 "pid": os.getpid(),
-                "server_pid": self.server.pid,
+                "server_pid": self.servers.server.pid,
                 "environ": dict(os.environ),
                 "sys_path": list(sys.path),
                 "shm": _shm_dir(),
@@ -317,13 +314,14 @@ class Agent:
             # the kernel's own folder: it may not exist here
             notes.append(f"no {cwd} on this host ({why}): the ranks run in {self.start_dir}")
             cwd = self.start_dir
-        self.server.preload(header.get("preload", ()))
-        # the kernel's imported modules, imported here too while the launch gets ready
-        self.server.mirror(
-            [m for m in header.get("mirror", ()) if not self._kept_out(m)], stamp=False
+        # the kernel's imported modules, imported here too while the launch gets ready (by a
+        # new server when the current one was made unsafe, or a file it imported changed)
+        self.servers.begin(
+            header.get("preload", ()), header.get("mirror", ()), header.get("sys_path", ())
         )
         session = Session(lid, os.path.join(self.private, f"launch-{len(self.sessions)}-{lid}"))
         self.sessions[lid] = session
+        self.tell(lid)
         self.send(
             Kind.READY,
             {
@@ -349,47 +347,37 @@ class Agent:
     def spawn(self, session: Session, rank: int, spec_bytes: bytes) -> None:
         lid = session.lid
         try:
-            try:
-                pid = self.server.spawn(spec_bytes)
-            except CudaInitializedInServer:
-                if not self._renew_server():
-                    raise
-                pid = self.server.spawn(spec_bytes)
+            pid = self.servers.spawn(spec_bytes, self._keep_alive)
         except RuntimeError as exc:
             session.reported.add(rank)
+            self.tell(lid)
             self.send(
                 Kind.EXITED,
                 {"lid": lid, "rank": rank, "code": 1, "at": time.time(), "detail": str(exc)},
             )
             return
-        session.ranks[rank] = WorkerProcess(pid, "agent", server=self.server)
+        finally:
+            self.last_heard = time.monotonic()  # busy here, not deaf: the kernel's pings wait
+        self.tell(lid)
+        session.ranks[rank] = WorkerProcess(pid, "agent", server=self.servers.server)
         self.send(Kind.STARTED, {"lid": lid, "rank": rank, "pid": pid})
 
-    def _kept_out(self, module: str) -> bool:
-        """``module`` (or a package above it) made a server of this host unsafe to fork."""
-        return any(module == m or module.startswith(m + ".") for m in self.kept_out)
+    def tell(self, lid: str) -> None:
+        """Send the host server's news (a module kept out, a file changed) to launch ``lid``:
+        the notebook shows each line once, naming this host."""
+        for text in self.servers.take_notices():
+            self.send(Kind.LOG, {"lid": lid, "text": text})
 
-    def _renew_server(self) -> bool:
-        """Replace a server that an import made unsafe to fork by a fresh one without those
-        modules (this process has threads and sockets now: the new one is a new interpreter);
-        False when torch itself was the culprit."""
-        old = self.server
-        if not old.unsafe or set(old.unsafe) & set(ENGINE_PRELOAD):
-            return False
-        self.kept_out.update(old.unsafe)
-        for module, why in old.unsafe.items():
-            print(f"[nbaccel agent] {module} is not preloaded here: {why}", file=sys.stderr)
-        self.retired.append(old)
-        self.server = ForkServer(sorted(m for m in old.front if not self._kept_out(m)))
-        self.server.add_wakeup(self._wake)
-        self.server.mirror([m for m in old.mirrored if not self._kept_out(m)], stamp=False)
-        deadline = time.monotonic() + 120
-        while not self.server.ready() and self.server.alive() and time.monotonic() < deadline:
-            if time.monotonic() - self.last_sent > HEARTBEAT / 2:
-                self.send(Kind.PING)  # its import of torch must not pass for a lost host
-            time.sleep(0.05)
-        self.last_heard = time.monotonic()  # busy here, not deaf: the kernel's pings wait queued
-        return True
+    def _keep_alive(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s for the fork server (importing the kernel's modules, or a
+        new server importing torch), pinging the kernel meanwhile: a host busy starting its
+        ranks must not pass for a lost one."""
+        if time.monotonic() - self.last_sent > HEARTBEAT / 2:
+            self.send(Kind.PING)
+        ready, _, _ = select.select([self.wake_r], [], [], timeout)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 4096)
 
     def store(self, session: Session, name: str, data: bytes) -> None:
         """Write the work's shared tensors into this host's shared memory, once per host."""
@@ -436,8 +424,7 @@ class Agent:
         for session in self.sessions.values():
             for process in session.ranks.values():
                 process.signal_tree(signal.SIGKILL)
-        for server in (*self.retired, self.server):
-            server.close()
+        self.servers.close()
         for lid in list(self.sessions):
             self.end(lid)
         for _, relay in self.relays.values():

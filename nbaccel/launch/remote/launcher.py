@@ -18,6 +18,7 @@ import os
 import pickle
 import secrets
 import socket
+import sys
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
@@ -184,6 +185,7 @@ class RemoteLauncher(ProcessLauncher):
                     "cwd_required": self.options.cwd_required,
                     "preload": sorted(set(self.preload)),
                     "mirror": mirror,
+                    "sys_path": list(sys.path),  # where the kernel found them
                 },
             )
 

@@ -63,7 +63,8 @@ class Kind(bytes, Enum):
     EXITED = b"exited"  # {lid, rank, code, at, detail}
     LOG = b"log"  # {lid, text}: something the agent wants the notebook to see (a notice)
     # kernel -> agent
-    BEGIN = b"begin"  # {lid, cwd, cwd_required, preload}: a launch starts using this host
+    BEGIN = b"begin"  # {lid, cwd, cwd_required, preload, mirror, sys_path}: a launch starts
+    # using this host; its server imports preload and mirror (the kernel's modules)
     WORK = b"work"  # {lid, name} + the shared tensors' bytes: written once into the host's
     # /dev/shm, always before the message (a spawn, a call on a tunnelled stream) that uses it
     SPAWN = b"spawn"  # {lid, rank} + the pickled WorkerSpec, handed to the fork server as is
