@@ -18,8 +18,10 @@ then starts only when nbaccel is imported, and imports them from there).
 
 ``--pool`` adds workload (d): a new ``%%distributed`` pool whose first cell imports transformers
 and takes a step, in a kernel that imported torch and transformers (nbaccel alone: its peer,
-nbdistributed, is measured only where installed, and is not yet). Workloads (b), (c) and (e) of
-the design (DeepSpeed ZeRO-3, a 4-bit model, Ray) are not measured here yet.
+nbdistributed, is measured only where installed, and is not yet). Workloads (b) and (c) of the
+design (DeepSpeed ZeRO-3, a 4-bit model) are not measured yet; (e), Ray nodes against Ray Train,
+is ``bench_ray.py --first-step``, and ssh hosts ``bench_hosts.py --first-step`` (both reuse this
+workload's function).
 
 Results: benchmarks/results/first_step.json (with provenance).
 """

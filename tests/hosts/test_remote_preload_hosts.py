@@ -132,3 +132,35 @@ def test_an_edited_module_is_seen_fresh_by_the_next_launch_on_the_hosts(ssh_host
         assert "a fresh server imports the files as they are now" in lines[0], lines
     assert "fresh servers: True" in texts[4], texts
     assert "same servers: True" in texts[5] and not _notices(texts[5], "changed since"), texts
+
+
+def test_a_module_imported_after_a_launch_reaches_the_hosts_before_the_next_one(
+    ssh_hosts, modules_folder
+):
+    """The kernel's hook after each cell sends what it imported to the warm agents: their
+    servers import it while the user types, and the next launch's ranks fork with it."""
+    (modules_folder / "lane_later_lib.py").write_text(
+        "import os, time\nIMPORTED_AT = time.time()\nIMPORTED_IN = os.getpid()\n"
+    )
+    later = textwrap.dedent(
+        """
+        def later():
+            import os, socket, time
+            import lane_later_lib
+            return (socket.gethostname(), os.getppid() == lane_later_lib.IMPORTED_IN,
+                    lane_later_lib.IMPORTED_AT < CALLED)
+        """
+    )
+    cells = [
+        _setup(modules_folder) + later,
+        "first = launch()",  # the agents are up
+        "import lane_later_lib",  # after this cell, the hook tells the agents
+        "import time; time.sleep(3)",  # the user types
+        "CALLED = time.time()\n"
+        "print('LATER', notebook_launcher(later, num_processes=2, hosts=['nbh1:1', 'nbh2:1']))",
+    ]
+    nb = _run_notebook(cells, timeout=300, env=ENV, shutdown=True)
+    texts = [cell_text(c) for c in nb.cells]
+    assert not any(cell_errors(c) for c in nb.cells), texts
+    # imported by each host's server, before the launch began
+    assert "LATER [('nbh1', True, True), ('nbh2', True, True)]" in texts[4], texts[4]

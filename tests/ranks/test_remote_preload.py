@@ -148,3 +148,30 @@ def test_a_module_on_the_kernels_path_only_is_imported_by_each_hosts_server(
         assert run_function(plan, _imported_by_server, renderer=Recorder()).values() == [True] * 2
     finally:
         sys.modules.pop("path_only_lib", None)
+
+
+def _between():
+    import os
+
+    import between_lib
+
+    return os.getppid() == between_lib.IMPORTED_IN
+
+
+def test_modules_sent_between_launches_are_imported_before_the_next_one(libraries):
+    """What the kernel imports after a launch reaches the hosts' servers at once (the kernel's
+    hook after each cell sends it): the next launch's ranks fork with it, though that launch
+    does not ask for it."""
+    from nbaccel.launch.remote.warm import warm_agents
+
+    (libraries / "between_lib.py").write_text("import os\nIMPORTED_IN = os.getpid()\n")
+    _launch(["remote_recorder_lib"])  # the agents are up
+    warm_agents("127.0.0.1").mirror(("a scan", 1), lambda: ["between_lib"])
+    layout = parse_hosts(["pre-a:1", "pre-b:1"], None)
+    remote = RemoteOptions(kind=KIND, layout=layout, python=sys.executable, cwd="/")
+    request = LaunchRequest(num_processes=2, cpu=True, preload=["off", "remote_recorder_lib"])
+    plan = LaunchPlan.create(Front.LAUNCHER, request, remote=remote)
+    try:
+        assert run_function(plan, _between, renderer=Recorder()).values() == [True, True]
+    finally:
+        sys.modules.pop("between_lib", None)

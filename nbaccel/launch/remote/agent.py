@@ -11,7 +11,10 @@ on this host costs a fork per rank, not an ``import torch``. A session's ranks c
 notebook's channel exactly as local ranks do, through a Unix socket in the session's private
 directory that the agent tunnels to the kernel; the launch's HMAC handshake runs end to end
 through the tunnel. Large tensors of the work arrive once per host and are written to this
-host's /dev/shm, where every rank maps them.
+host's /dev/shm, where every rank maps them. The server imports the kernel's modules when a
+launch begins, and between launches (``MIRROR``); its generations (a module kept out, a file
+that changed) are :mod:`.host_server`'s, and what they have to say reaches the notebook as the
+launch's notices (``LOG``).
 
 No orphans: when the kernel's connection is lost (ssh's stdin closes, or no message for
 ``wire.LOST_AFTER`` seconds) the agent kills its ranks and exits; when the agent itself dies,
@@ -39,6 +42,12 @@ import zmq
 
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import WorkerProcess
+from nbaccel.launch.remote.agent_session import (
+    Session,
+    directory_error,
+    machine_id,
+    shm_dir,
+)
 from nbaccel.launch.remote.host_server import HostServer
 from nbaccel.launch.remote.messages import (
     CONFIG_VAR,
@@ -77,56 +86,6 @@ def relay_flags(relay: Relay, reading: bool = True) -> int:
     window is full), output while bytes wait to be written."""
     wanted = zmq.POLLIN if reading and not relay.ending else 0
     return wanted | (zmq.POLLOUT if relay.wants_write else 0)
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _directory_error(path: str) -> str | None:
-    """Why ``path`` cannot be a working directory here (None: it can)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    return None
-
-
-class Session:
-    """One launch's share of this host: its ranks, its channel entrance, its files."""
-
-    def __init__(self, lid: str, private: str) -> None:
-        self.lid = lid
-        self.private = private
-        os.makedirs(private, mode=0o700)
-        self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.entrance_path = os.path.join(private, "channel")
-        self.entrance.bind(self.entrance_path)
-        os.chmod(self.entrance_path, 0o600)
-        self.entrance.listen(256)
-        self.ranks: dict[int, WorkerProcess] = {}
-        self.reported: set[int] = set()
-        self.files: dict[str, int] = {}  # path -> fd holding its lock (see transport's sweep)
-
-    def unlink(self, path: str) -> None:
-        """Remove one of the launch's shared files (every rank mapped it)."""
-        if path in self.files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.close(self.files.pop(path))
-
-    def close(self) -> list[WorkerProcess]:
-        """Kill what is left of the ranks; remove the entrance, the files, the folder. The
-        killed ranks come back, to be polled until the fork server reports them gone."""
-        killed = [p for p in self.ranks.values() if p.poll() is None]
-        for process in killed:
-            process.signal_tree(signal.SIGKILL)
-        self.entrance.close()
-        for path in list(self.files):
-            self.unlink(path)
-        shutil.rmtree(self.private, ignore_errors=True)
-        return killed
 
 
 class Agent:
@@ -187,8 +146,9 @@ class Agent:
                 "server_pid": self.servers.server.pid,
                 "environ": dict(os.environ),
                 "sys_path": list(sys.path),
-                "shm": _shm_dir(),
+                "shm": shm_dir(),
                 "cpus": os.cpu_count() or 1,
+                "machine": machine_id(),
             },
         )
 
@@ -283,6 +243,8 @@ class Agent:
             self.begin(header)
         elif kind == Kind.END:
             self.end(str(header["lid"]))
+        elif kind == Kind.MIRROR:
+            self.servers.mirror(header.get("modules", ()), header.get("sys_path", ()))
         elif (session := self.sessions.get(str(header.get("lid")))) is not None:
             if kind == Kind.SPAWN:
                 self.spawn(session, int(header["rank"]), payload)
@@ -296,7 +258,7 @@ class Agent:
                     process.signal(int(header["signal"]))
             elif kind == Kind.UNLINK:
                 for name in header["names"]:
-                    session.unlink(os.path.join(_shm_dir(), os.path.basename(name)))
+                    session.unlink(os.path.join(shm_dir(), os.path.basename(name)))
         return True
 
     # ------------------------------------------------------------------ launches
@@ -305,7 +267,7 @@ class Agent:
         lid = str(header["lid"])
         cwd = header.get("cwd") or self.start_dir
         notes = []
-        why = _directory_error(cwd)
+        why = directory_error(cwd)
         if why is not None:
             if header.get("cwd_required"):  # asked for: a clear error
                 error = f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: {why}"
@@ -381,7 +343,7 @@ class Agent:
 
     def store(self, session: Session, name: str, data: bytes) -> None:
         """Write the work's shared tensors into this host's shared memory, once per host."""
-        path = os.path.join(_shm_dir(), os.path.basename(name))
+        path = os.path.join(shm_dir(), os.path.basename(name))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)  # ours until unlinked: another launch's sweep skips it
         try:

@@ -80,6 +80,14 @@ class HostServer:
         for on this host's ``sys.path``, then on the kernel's other entries (``kernel_path``:
         where they exist here, a shared filesystem, they find the notebook's own modules, as
         the ranks do)."""
+        self.mirror(mirror, kernel_path)
+        self.server.preload(m for m in preload if not self.is_kept_out(m))
+
+    def mirror(self, modules: Iterable[str], kernel_path: Iterable[str] = ()) -> None:
+        """Have the server import the kernel's ``modules`` (see :meth:`begin`), a server made
+        unsafe or stale replaced first. Also between launches (the kernel sends what it
+        imported after a cell): the next launch then forks at once, and hears of a replaced
+        server then."""
         self._close_idle_retired()
         self.path = list(sys.path) + [p for p in kernel_path if p not in sys.path]
         if not self._renew_unsafe():
@@ -91,9 +99,8 @@ class HostServer:
                     f"{them}: a fresh server imports the files as they are now."
                 )
                 self._replace()
-        self.server.preload(m for m in preload if not self.is_kept_out(m))
         self.server.mirror(
-            [m for m in mirror if not self.is_kept_out(m)], stamp=False, path=self.path
+            [m for m in modules if not self.is_kept_out(m)], stamp=False, path=self.path
         )
 
     def spawn(self, spec_bytes: bytes, keep_alive: KeepAlive) -> int:

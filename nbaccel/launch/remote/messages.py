@@ -72,6 +72,8 @@ class Kind(bytes, Enum):
     UNLINK = b"unlink"  # {lid, names}: every rank mapped those shared tensors; remove the files
     END = b"end"  # {lid}: the launch is over: kill what is left of its ranks, free its files
     QUIT = b"quit"  # the kernel is ending: stop every rank and exit
+    MIRROR = b"mirror"  # {modules, sys_path}: what the kernel imported since, for the host's
+    # server to import between launches (the kernel's hook after a cell)
     # both ways
     OPEN = b"open"  # {lid, sid}: a rank opened a connection to its launch's channel
     DATA = b"data"  # {sid} (+ {lid} from an agent: whose window) + bytes of that connection
