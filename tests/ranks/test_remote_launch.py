@@ -270,6 +270,23 @@ def test_later_launches_reuse_the_agents_and_a_dead_one_is_restarted_with_a_noti
     assert "h2: its agent ended (agent h2 exited with code -9); starting a new agent" in err
 
 
+class _LaterKind:
+    """A message kind of a later nbaccel (``encode`` needs only its value)."""
+
+    value = b"a-later-kind"
+
+
+def test_an_agent_passes_over_a_message_kind_it_does_not_know():
+    from nbaccel.launch.remote.warm import warm_agents
+
+    first = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    fleet = warm_agents("127.0.0.1")
+    for handle in fleet.live():
+        fleet.hub.send(handle.id, _LaterKind(), {"lid": "none"})
+    again = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    assert again.values() == first.values()  # the same agents and servers: none ended
+
+
 def _raise_on_last():
     import os
 

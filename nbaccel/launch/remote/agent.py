@@ -64,6 +64,9 @@ from nbaccel.launch.remote.relay import Relay
 __all__ = ["main"]
 
 _EXIT_KERNEL_LOST = 75
+#: what this agent understands beyond the first version's messages (the kernel sends those
+#: only to agents that say so: an agent of an older nbaccel on a host is served as before)
+FEATURES = ("mirror",)
 
 
 def _log(text: str) -> None:
@@ -149,6 +152,7 @@ class Agent:
                 "shm": shm_dir(),
                 "cpus": os.cpu_count() or 1,
                 "machine": machine_id(),
+                "features": list(FEATURES),
             },
         )
 
@@ -226,7 +230,10 @@ class Agent:
     def handle(self, frames: list) -> bool:
         """Act on one message from the kernel; False to stop."""
         self.last_heard = time.monotonic()
-        kind, header, payload = decode(frames)
+        try:
+            kind, header, payload = decode(frames)
+        except ValueError:  # a kind this agent does not know (a newer kernel): not for it
+            return True
         if kind in (Kind.DATA, Kind.CLOSE):
             _, relay = self.relays.get(header["sid"], (None, None))
             if relay is not None and kind == Kind.DATA:

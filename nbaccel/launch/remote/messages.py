@@ -57,7 +57,8 @@ class Kind(bytes, Enum):
     """What a message is (its first frame)."""
 
     # agent -> kernel
-    HELLO = b"hello"  # the agent is up (once): its host's address, environment, paths, pid
+    HELLO = b"hello"  # the agent is up (once): its host's address, environment, paths, pid,
+    # machine (boot id), features (the later kinds it understands, such as "mirror")
     READY = b"ready"  # {lid, port, cwd, entrance, private, notes} or {lid, error}
     STARTED = b"started"  # {lid, rank, pid}
     EXITED = b"exited"  # {lid, rank, code, at, detail}

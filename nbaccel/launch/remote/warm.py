@@ -223,10 +223,11 @@ class WarmAgents:
             return [h for h in self._agents.values() if not h.lost]
 
     def mirror(self, scan: Hashable, modules: Callable[[], list[str]]) -> None:
-        """Send ``modules()`` (the kernel's, with its ``sys.path``) to every live agent, for its
-        server to import before the next launch; nothing when ``scan`` (the kernel's modules)
-        and the agents are what they were at the last call."""
-        handles = [h for h in self.live() if h.hello is not None]
+        """Send ``modules()`` (the kernel's, with its ``sys.path``) to every live agent that
+        understands it (an older nbaccel's does not), for its server to import before the next
+        launch; nothing when ``scan`` (the kernel's modules) and the agents are what they were
+        at the last call."""
+        handles = [h for h in self.live() if "mirror" in (h.hello or {}).get("features", ())]
         key = (scan, frozenset(h.id for h in handles))
         if not handles or key == self.mirrored_for:
             return
