@@ -161,9 +161,11 @@ for attempt in range({repeats}):
     trainer.fit()
     returned = time.time() - called
     out = [json.load(open(os.path.join(folder, f"rank{{i}}.json"))) for i in range(4)]
+    shutil.rmtree(folder, ignore_errors=True)
     fits.append({{"first_step_s": max(r["first_step"] for r in out) - called,
                  "fit_s": returned, "imports_s": max(r["imports_s"] for r in out),
                  "losses": [r["losses"] for r in out], "load": os.getloadavg()[0]}})
+shutil.rmtree(storage, ignore_errors=True)
 four = figures["2 nodes x 2 ranks"]  # local: that shape's runs, 4 ranks
 train_first = statistics.median(f["first_step_s"] for f in fits)
 print(json.dumps(dict(
