@@ -60,6 +60,10 @@ processes by name pattern, ``pkill -f worker.py``, across the machine).
 server then starts only when nbaccel is imported, and imports them from there); workloads
 (a)-(c), written to ``first_step_after.json``.
 
+Workload (e), ranks on 2 Ray nodes against Ray Train's ``TorchTrainer.fit``, is
+``bench_ray.py --first-step``; the same ranks on ssh hosts, ``bench_hosts.py --first-step`` (both
+reuse this workload's function).
+
 Results: benchmarks/results/first_step.json (with provenance and the machine's load average).
 """
 

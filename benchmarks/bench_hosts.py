@@ -13,10 +13,20 @@ Run as root with the hosts lane up (``sudo bash scripts/hosts/up 2``), then
 Results go to benchmarks/results/hosts.json. Never run in CI. ``measure_cross_host()`` measures
 the launch figures alone (first, warm, one host, ratio) for ``benchmarks/gate``;
 ``hosts_lane_up()`` says whether it can run here.
+
+``--first-step`` (:func:`measure_first_step`) times real work instead: the workload of
+``bench_first_step.py`` (the notebook imports torch and transformers; the launched function
+builds a small Llama, prepares it with nbaccel's ``Accelerator`` and takes 3 AdamW steps), from
+the ``notebook_launcher`` call to the last rank's first optimizer step, on 2 hosts x 1 rank and
+2 hosts x 2 ranks against the same ranks on this machine. The first launch on the hosts starts
+their agents (each imports torch, then the notebook's modules); the warm launches after it are
+measured against local launches of the same ranks, alternated, medians of ``--repeats``.
+Results: benchmarks/results/hosts_first_step.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -123,6 +133,89 @@ print(json.dumps(dict(
 """
 
 
+FIRST_STEP_LAYOUTS = {"2 hosts x 1 rank": ["nbh1:1", "nbh2:1"], "2 hosts x 2 ranks": HOSTS}
+
+#: the helper every first-step benchmark's kernel defines (``bench_ray`` too): launch the
+#: workload, read back each rank's figures (written to a folder every host sees)
+FIRST_STEP_HELPER = """
+import json, os, shutil, statistics, tempfile, time
+from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.launchers.forkserver import wait_preloaded
+
+def first_step(n, **where):
+    folder = tempfile.mkdtemp(prefix="first-step-", dir="/var/tmp")
+    called = time.time()
+    notebook_launcher(train, args=(folder,), num_processes=n, renderer=Renderer(), **where)
+    out = [json.load(open(os.path.join(folder, f"rank{i}.json"))) for i in range(n)]
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"first_step_s": max(r["first_step"] for r in out) - called,
+            "imports_s": max(r["imports_s"] for r in out),
+            "losses": [r["losses"] for r in out], "load": os.getloadavg()[0]}
+
+def summary(remote, local):
+    median = lambda runs: statistics.median(r["first_step_s"] for r in runs)
+    return {"remote_s": median(remote), "local_s": median(local),
+            "ratio": median(remote) / median(local),
+            "remote_all": [round(r["first_step_s"], 3) for r in remote],
+            "local_all": [round(r["first_step_s"], 3) for r in local],
+            "rank_imports_s": max(r["imports_s"] for r in remote),
+            "same_losses": all(a["losses"] == b["losses"] for a, b in zip(remote, local)),
+            "load": [round(r["load"], 2) for r in remote + local]}
+"""
+
+
+def first_step_cells() -> list[str]:
+    """The notebook's top (the launcher, torch and transformers imported, as
+    ``bench_first_step.py`` does) and the launched function, with the helper."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_first_step import FUNCTION, IMPORTS
+
+    return [
+        "from nbaccel import notebook_launcher\n" + IMPORTS,
+        FUNCTION.format(lib="nbaccel") + FIRST_STEP_HELPER,
+    ]
+
+
+FIRST_STEP_RUN = """
+wait_preloaded()  # the local fork server has imported the notebook's modules
+local_first = first_step({n0})
+t0 = time.perf_counter()
+remote_first = first_step({n0}, hosts={hosts0!r})  # starts the agents
+agents_started_s = time.perf_counter() - t0
+figures = {{}}
+for name, hosts in {layouts!r}.items():
+    n = sum(int(h.split(":")[1]) for h in hosts)
+    remote, local = [], []
+    for _ in range({repeats}):
+        remote.append(first_step(n, hosts=hosts))
+        local.append(first_step(n))
+    figures[name] = summary(remote, local)
+print(json.dumps(dict(first_launch_on_hosts_s=remote_first["first_step_s"],
+                      first_local_launch_s=local_first["first_step_s"], warm=figures)))
+"""
+
+
+def measure_first_step(repeats: int = 3) -> dict:
+    """Time to the first optimizer step of ``bench_first_step``'s workload, warm launches on
+    the hosts lane against the same ranks on this machine, in one fresh kernel; needs the
+    hosts lane (:func:`hosts_lane_up`)."""
+    first = FIRST_STEP_LAYOUTS["2 hosts x 1 rank"]
+    run = FIRST_STEP_RUN.format(
+        n0=len(first), hosts0=first, layouts=FIRST_STEP_LAYOUTS, repeats=repeats
+    )
+    loads = [os.getloadavg()[0]]
+    result = _run([*first_step_cells(), run], warm_up=True)
+    loads.append(os.getloadavg()[0])
+    result["repeats"] = repeats
+    result["load_average"] = {"start": loads[0], "end": loads[1]}
+    result["setup"] = (
+        "hosts lane: network namespaces on this machine, sharing its cores; a small Llama "
+        "(hidden 256, 2 layers, vocabulary 32000) prepared with nbaccel's Accelerator, 3 AdamW "
+        "steps, gloo; the same ranks on this machine forked from the kernel's fork server"
+    )
+    return result
+
+
 def hosts_lane_up() -> bool:
     """Whether the namespace hosts answer over ssh (``sudo bash scripts/hosts/up 2``)."""
     if not Path(SSH_CONFIG).is_file():
@@ -133,15 +226,24 @@ def hosts_lane_up() -> bool:
     return probe.returncode == 0
 
 
-def _run(sources: list[str]) -> dict:
-    """Run ``sources`` as the cells of one fresh kernel; the JSON its last cell printed."""
+def _run(sources: list[str], warm_up: bool = False) -> dict:
+    """Run ``sources`` as the cells of one fresh kernel; the JSON its last cell printed.
+    ``warm_up``: the kernel starts its fork server when nbaccel is imported, as a notebook's
+    does (else at its first local launch)."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in sources]
     env = {**os.environ, "NBACCEL_RENDERER": "text", "NBACCEL_NO_WARMUP": "1"}
+    if warm_up:
+        env.pop("NBACCEL_NO_WARMUP")
     client = NotebookClient(nb, timeout=900, kernel_name="python3")
     with client.setup_kernel(env=env):
         for index, cell in enumerate(nb.cells):
             client.execute_cell(cell, index)
+            errors = [o for o in cell.outputs if o.output_type == "error"]
+            if errors:
+                raise RuntimeError(
+                    f"cell {index}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+                )
     out = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     return json.loads(out.strip().splitlines()[-1])
 
@@ -158,6 +260,24 @@ def measure_cross_host(repeats: int = REPEATS) -> dict:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--first-step",
+        action="store_true",
+        help="time the first optimizer step of real work instead (hosts_first_step.json)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="warm launches per layout")
+    args = parser.parse_args()
+    if args.first_step:
+        import torch  # noqa: F401 - the stamp names its version
+        from provenance import stamp
+
+        result = measure_first_step(args.repeats)
+        result["provenance"] = stamp()
+        path = ROOT / "benchmarks" / "results" / "hosts_first_step.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return 0
     result = _run([SETUP, FIRST, LAUNCH.format(repeats=REPEATS), POOL, FAULTS])
     result["ratio_remote_to_local"] = result["remote_launch_s"] / result["local_launch_s"]
     result["machine"] = f"{os.cpu_count()} cores; hosts are network namespaces on this machine"

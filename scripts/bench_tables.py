@@ -150,6 +150,20 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "sudo bash scripts/hosts/up 2 && python benchmarks/bench_hosts.py",
         "Launches on 2 hosts x 2 ranks over ssh against the same 4 ranks on one host.",
     ),
+    "hosts_first_step.json": (
+        "Many hosts: time to the first optimizer step",
+        "sudo bash scripts/hosts/up 2 && python benchmarks/bench_hosts.py --first-step",
+        "The workload of `bench_first_step.py` (a small Llama, nbaccel's `Accelerator`, AdamW) "
+        "on 2 hosts x 1 rank and 2 hosts x 2 ranks over ssh, warm agents, against the same ranks "
+        "on one host: the time from the call to the last rank's first optimizer step, medians.",
+    ),
+    "ray_first_step.json": (
+        "Ray: time to the first optimizer step",
+        "python benchmarks/bench_ray.py --first-step",
+        "The workload of `bench_first_step.py` on a 2-node Ray cluster on this machine, warm "
+        "launches against the same ranks on one host, and 4 ranks against Ray Train's "
+        "`TorchTrainer.fit()` of the same function.",
+    ),
 }
 
 _SIGNIFICANT = 4

@@ -210,6 +210,40 @@ def test_agents_run_ranks_host_by_host(capsys):
     assert not still
 
 
+def _rendezvous_and_threads():
+    import importlib
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    waits = []
+    for _ in range(3):  # init again after a destroy, as a later cell of a pool may
+        if os.environ["RANK"] == "0":
+            time.sleep(0.2)  # rank 1 comes first, and finds no store yet
+        started = time.monotonic()
+        dist.init_process_group("gloo")
+        waits.append(time.monotonic() - started)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        dist.destroy_process_group()
+    handler = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers["env"]
+    patient = getattr(handler, "nbaccel_patient", False)
+    return total.item(), torch.get_num_threads(), patient, min(waits)
+
+
+def test_a_rank_before_rank_0_joins_at_once_and_hosts_of_one_machine_share_its_cores():
+    plan = local_plan(["h1:1", "h2:1"])
+    values = run_function(plan, _rendezvous_and_threads, renderer=TextRenderer()).values()
+    # both "hosts" are this machine (one boot id): its cores are shared by their 2 ranks
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert [v[:3] for v in values] == [(2.0, threads, True)] * 2
+    # rank 1 waited for rank 0's store (0.2 s), not for torch's next try, which comes 0.5 to
+    # 1.5 s after the first
+    assert values[1][3] < 0.45, values
+
+
 def _lineage():
     import os
 
@@ -234,6 +268,23 @@ def test_later_launches_reuse_the_agents_and_a_dead_one_is_restarted_with_a_noti
     assert third[0] == first[0] and third[1][1] != first[1][1]
     err = capsys.readouterr().err
     assert "h2: its agent ended (agent h2 exited with code -9); starting a new agent" in err
+
+
+class _LaterKind:
+    """A message kind of a later nbaccel (``encode`` needs only its value)."""
+
+    value = b"a-later-kind"
+
+
+def test_an_agent_passes_over_a_message_kind_it_does_not_know():
+    from nbaccel.launch.remote.warm import warm_agents
+
+    first = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    fleet = warm_agents("127.0.0.1")
+    for handle in fleet.live():
+        fleet.hub.send(handle.id, _LaterKind(), {"lid": "none"})
+    again = run_function(local_plan(["h1:1", "h2:1"]), _lineage, renderer=TextRenderer())
+    assert again.values() == first.values()  # the same agents and servers: none ended
 
 
 def _raise_on_last():

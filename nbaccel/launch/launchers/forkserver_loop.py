@@ -9,8 +9,10 @@ tuples led by a :class:`~nbaccel.launch.wire.protocol.ServerMessage`:
                     word (the kernel's own modules, mirrored: see ``kernel_modules``)
   server -> driver: (READY,) | (STARTED, request_id, pid) | (FAILED, request_id, why)
                     | (REFUSED, request_id, reason) | (EXITED, pid, returncode, at)
-                    | (PRELOADED, top_level_names, seconds, count): what a PRELOAD of count
-                    modules imported anew
+                    | (PRELOADED, top_level_names, seconds, count[, stamps]): what a PRELOAD of
+                    count modules imported anew; with ``{"stamps": True}`` among its options,
+                    also ``{module: (file, mtime_ns)}`` of the user files it imported (a host's
+                    server: the kernel cannot see that host's files, its agent compares them)
                     | (UNSAFE, [(module, why), ...]): those imports made forking unsafe
 The server runs in a session of its own and ignores SIGINT: the notebook's stop button reaches
 the ranks through the driver. A signal makes it step aside while ranks forked from the kernel
@@ -44,6 +46,7 @@ from typing import Any
 from nbaccel.launch.host.log_store import reclaim_after
 from nbaccel.launch.launchers import server_hold
 from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
+from nbaccel.launch.launchers.kernel_modules import file_stamps, is_candidate
 from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
 from nbaccel.launch.wire.protocol import ServerMessage
 
@@ -285,11 +288,15 @@ def _handle(request: tuple, stdout: int, server_fds: tuple[int, ...], reaper: Re
         if "environ" in options:  # the kernel's variables now, as its imports read them
             os.environ.clear()
             os.environ.update(options["environ"])
-        before, started = {_top(m) for m in sys.modules}, time.perf_counter()
+        held, started = set(sys.modules), time.perf_counter()
         _preload(request[1], quiet=bool(options.get("quiet")))
-        new = sorted({_top(m) for m in sys.modules} - before)
+        new = sorted({_top(m) for m in sys.modules} - {_top(m) for m in held})
         seconds = time.perf_counter() - started
-        write_frame(stdout, (ServerMessage.PRELOADED, new, seconds, len(request[1])))
+        answer: tuple = (ServerMessage.PRELOADED, new, seconds, len(request[1]))
+        if options.get("stamps"):
+            imported = [m for m in list(sys.modules) if m not in held and is_candidate(m)]
+            answer += (file_stamps(imported),)
+        write_frame(stdout, answer)
         _tell_unsafe(stdout)
         return True
     if _preloaded.unsafe:

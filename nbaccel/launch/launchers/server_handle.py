@@ -96,9 +96,13 @@ class ForkServer:
     """Driver-side handle: start the server, ask it for workers, learn their exit codes.
 
     ``fork=True`` forks the server from this process (see :class:`ForkedServerProcess`).
+    ``own_stamps=True``: the server notes the files of the modules it mirrors itself (a host's
+    agent, whose kernel is on another machine), for :meth:`stale`.
     """
 
-    def __init__(self, preload: Iterable[str] = (), fork: bool = False) -> None:
+    def __init__(
+        self, preload: Iterable[str] = (), fork: bool = False, own_stamps: bool = False
+    ) -> None:
         bootstrap = (  # the stop button (SIGINT to the process group) must not hit the imports
             "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "import sys, json, importlib.util as u; sys.path[:] = json.loads(sys.argv[1]); "
@@ -120,6 +124,7 @@ class ForkServer:
         #: (len(sys.modules), exclusions) when the kernel's modules were last sent to it
         self.scanned: tuple[int, frozenset[str]] | None = None
         self._stamps: dict[str, tuple[str, int]] = {}  # the user files of what was mirrored
+        self.own_stamps = own_stamps
         self._unstamped: set[str] = set()
         self._pids: set[int] = set()  # its ranks still running
         self._pending = 0  # modules sent to import that the server has not answered for yet
@@ -192,6 +197,8 @@ class ForkServer:
                     self.imported += [m for m in message[1] if _worth_naming(m, self.imported)]
                     self.import_seconds += message[2]
                     self._pending -= message[3]
+                    if len(message) > 4:  # the files the server itself imported (own_stamps)
+                        self._stamps.update(message[4])
                 elif message[0] == ServerMessage.UNSAFE:
                     self.unsafe.update(message[1])
                 elif message[0] in (ServerMessage.FAILED, ServerMessage.REFUSED):
@@ -286,15 +293,26 @@ class ForkServer:
                 write_frame(self._proc.stdin.fileno(), (ServerMessage.PRELOAD, missing))
             self.preloaded.update(missing)
 
-    def mirror(self, modules: Iterable[str], quiet: bool = True, stamp: bool = True) -> None:
-        """Have the server import ``modules``, the kernel's (once each, with the kernel's
-        ``sys.path``; ``quiet``: one that fails is left to the ranks without a word), and
-        (``stamp``) note the files of those the kernel holds, to see them change
-        (:meth:`stale`)."""
+    def mirror(
+        self,
+        modules: Iterable[str],
+        quiet: bool = True,
+        stamp: bool = True,
+        path: Iterable[str] | None = None,
+    ) -> None:
+        """Have the server import ``modules``, the kernel's (once each, with ``path``, by
+        default this process's ``sys.path``; ``quiet``: one that fails is left to the ranks
+        without a word), and (``stamp``) note the files of those the kernel holds, to see them
+        change (:meth:`stale`)."""
         missing = [m for m in modules if m not in self.mirrored and m not in self.preloaded]
         if missing:
             with self._lock:
-                options: dict[str, Any] = {"path": list(sys.path), "quiet": quiet}
+                options: dict[str, Any] = {
+                    "path": list(sys.path if path is None else path),
+                    "quiet": quiet,
+                }
+                if self.own_stamps:
+                    options["stamps"] = True
                 environ = dict(os.environ)
                 if environ != self._sent_environ:  # set before an import reads it (HF_HOME...)
                     options["environ"] = self._sent_environ = environ
@@ -310,7 +328,7 @@ class ForkServer:
 
     def stale(self) -> list[str]:
         """The mirrored modules whose file changed since the server imported them."""
-        return changed_files(self._stamps)
+        return changed_files(dict(self._stamps))  # a copy: the reader thread may add to it
 
     def rss(self) -> int | None:
         """The server's resident memory in bytes (None where ``/proc`` is missing)."""

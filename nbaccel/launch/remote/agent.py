@@ -11,7 +11,10 @@ on this host costs a fork per rank, not an ``import torch``. A session's ranks c
 notebook's channel exactly as local ranks do, through a Unix socket in the session's private
 directory that the agent tunnels to the kernel; the launch's HMAC handshake runs end to end
 through the tunnel. Large tensors of the work arrive once per host and are written to this
-host's /dev/shm, where every rank maps them.
+host's /dev/shm, where every rank maps them. The server imports the kernel's modules when a
+launch begins, and between launches (``MIRROR``); its generations (a module kept out, a file
+that changed) are :mod:`.host_server`'s, and what they have to say reaches the notebook as the
+launch's notices (``LOG``).
 
 No orphans: when the kernel's connection is lost (ssh's stdin closes, or no message for
 ``wire.LOST_AFTER`` seconds) the agent kills its ranks and exits; when the agent itself dies,
@@ -26,6 +29,7 @@ import fcntl
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -38,7 +42,13 @@ import zmq
 
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import WorkerProcess
-from nbaccel.launch.launchers.forkserver import ENGINE_PRELOAD, CudaInitializedInServer, ForkServer
+from nbaccel.launch.remote.agent_session import (
+    Session,
+    directory_error,
+    machine_id,
+    shm_dir,
+)
+from nbaccel.launch.remote.host_server import HostServer
 from nbaccel.launch.remote.messages import (
     CONFIG_VAR,
     HEARTBEAT,
@@ -54,6 +64,9 @@ from nbaccel.launch.remote.relay import Relay
 __all__ = ["main"]
 
 _EXIT_KERNEL_LOST = 75
+#: what this agent understands beyond the first version's messages (the kernel sends those
+#: only to agents that say so: an agent of an older nbaccel on a host is served as before)
+FEATURES = ("mirror",)
 
 
 def _log(text: str) -> None:
@@ -78,56 +91,6 @@ def relay_flags(relay: Relay, reading: bool = True) -> int:
     return wanted | (zmq.POLLOUT if relay.wants_write else 0)
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _directory_error(path: str) -> str | None:
-    """Why ``path`` cannot be a working directory here (None: it can)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    return None
-
-
-class Session:
-    """One launch's share of this host: its ranks, its channel entrance, its files."""
-
-    def __init__(self, lid: str, private: str) -> None:
-        self.lid = lid
-        self.private = private
-        os.makedirs(private, mode=0o700)
-        self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.entrance_path = os.path.join(private, "channel")
-        self.entrance.bind(self.entrance_path)
-        os.chmod(self.entrance_path, 0o600)
-        self.entrance.listen(256)
-        self.ranks: dict[int, WorkerProcess] = {}
-        self.reported: set[int] = set()
-        self.files: dict[str, int] = {}  # path -> fd holding its lock (see transport's sweep)
-
-    def unlink(self, path: str) -> None:
-        """Remove one of the launch's shared files (every rank mapped it)."""
-        if path in self.files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.close(self.files.pop(path))
-
-    def close(self) -> list[WorkerProcess]:
-        """Kill what is left of the ranks; remove the entrance, the files, the folder. The
-        killed ranks come back, to be polled until the fork server reports them gone."""
-        killed = [p for p in self.ranks.values() if p.poll() is None]
-        for process in killed:
-            process.signal_tree(signal.SIGKILL)
-        self.entrance.close()
-        for path in list(self.files):
-            self.unlink(path)
-        shutil.rmtree(self.private, ignore_errors=True)
-        return killed
-
-
 class Agent:
     """One host's side of the kernel's launches."""
 
@@ -137,12 +100,11 @@ class Agent:
         self.watch_stdin = watch_stdin
         self.start_dir = os.getcwd()
         self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
         # forked from this process, which imported torch already (one import per host, not two);
         # before any thread or socket of the agent exists
-        self.server = ForkServer(config.get("preload", ()), fork=True)
-        #: servers replaced after an import made them unsafe (their ranks may still run)
-        self.retired: list[ForkServer] = []
-        self.kept_out: dict[str, str] = {}  # modules whose import made a server unsafe here
+        self.servers = HostServer(config.get("preload", ()), self._wake)
         self.context = zmq.Context()
         self.link = self.context.socket(zmq.DEALER)
         self.link.setsockopt(zmq.LINGER, 0)
@@ -157,9 +119,6 @@ class Agent:
         self.relays: dict[int, tuple[str, Relay]] = {}  # sid -> (lid, its connection)
         self.sids = itertools.count(1)
         self.dying: list[WorkerProcess] = []  # killed at their launch's end, not yet reaped
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
-        self.server.add_wakeup(self._wake)
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
         # launch id -> its ranks' bytes sent to the kernel, and those the kernel acknowledged
@@ -180,18 +139,20 @@ class Agent:
 
     # ------------------------------------------------------------------ lifecycle
     def hello(self) -> None:
-        self.server.wait_ready()
+        self.servers.wait_ready()
         self.send(
             Kind.HELLO,
             {
                 "hostname": socket.gethostname(),
                 "addr": _route_address(self.config["hub"]),
                 "pid": os.getpid(),
-                "server_pid": self.server.pid,
+                "server_pid": self.servers.server.pid,
                 "environ": dict(os.environ),
                 "sys_path": list(sys.path),
-                "shm": _shm_dir(),
+                "shm": shm_dir(),
                 "cpus": os.cpu_count() or 1,
+                "machine": machine_id(),
+                "features": list(FEATURES),
             },
         )
 
@@ -269,7 +230,10 @@ class Agent:
     def handle(self, frames: list) -> bool:
         """Act on one message from the kernel; False to stop."""
         self.last_heard = time.monotonic()
-        kind, header, payload = decode(frames)
+        try:
+            kind, header, payload = decode(frames)
+        except ValueError:  # a kind this agent does not know (a newer kernel): not for it
+            return True
         if kind in (Kind.DATA, Kind.CLOSE):
             _, relay = self.relays.get(header["sid"], (None, None))
             if relay is not None and kind == Kind.DATA:
@@ -286,6 +250,8 @@ class Agent:
             self.begin(header)
         elif kind == Kind.END:
             self.end(str(header["lid"]))
+        elif kind == Kind.MIRROR:
+            self.servers.mirror(header.get("modules", ()), header.get("sys_path", ()))
         elif (session := self.sessions.get(str(header.get("lid")))) is not None:
             if kind == Kind.SPAWN:
                 self.spawn(session, int(header["rank"]), payload)
@@ -299,7 +265,7 @@ class Agent:
                     process.signal(int(header["signal"]))
             elif kind == Kind.UNLINK:
                 for name in header["names"]:
-                    session.unlink(os.path.join(_shm_dir(), os.path.basename(name)))
+                    session.unlink(os.path.join(shm_dir(), os.path.basename(name)))
         return True
 
     # ------------------------------------------------------------------ launches
@@ -308,7 +274,7 @@ class Agent:
         lid = str(header["lid"])
         cwd = header.get("cwd") or self.start_dir
         notes = []
-        why = _directory_error(cwd)
+        why = directory_error(cwd)
         if why is not None:
             if header.get("cwd_required"):  # asked for: a clear error
                 error = f"[nbaccel agent {socket.gethostname()}] cannot enter cwd={cwd!r}: {why}"
@@ -317,13 +283,14 @@ class Agent:
             # the kernel's own folder: it may not exist here
             notes.append(f"no {cwd} on this host ({why}): the ranks run in {self.start_dir}")
             cwd = self.start_dir
-        self.server.preload(header.get("preload", ()))
-        # the kernel's imported modules, imported here too while the launch gets ready
-        self.server.mirror(
-            [m for m in header.get("mirror", ()) if not self._kept_out(m)], stamp=False
+        # the kernel's imported modules, imported here too while the launch gets ready (by a
+        # new server when the current one was made unsafe, or a file it imported changed)
+        self.servers.begin(
+            header.get("preload", ()), header.get("mirror", ()), header.get("sys_path", ())
         )
         session = Session(lid, os.path.join(self.private, f"launch-{len(self.sessions)}-{lid}"))
         self.sessions[lid] = session
+        self.tell(lid)
         self.send(
             Kind.READY,
             {
@@ -349,51 +316,41 @@ class Agent:
     def spawn(self, session: Session, rank: int, spec_bytes: bytes) -> None:
         lid = session.lid
         try:
-            try:
-                pid = self.server.spawn(spec_bytes)
-            except CudaInitializedInServer:
-                if not self._renew_server():
-                    raise
-                pid = self.server.spawn(spec_bytes)
+            pid = self.servers.spawn(spec_bytes, self._keep_alive)
         except RuntimeError as exc:
             session.reported.add(rank)
+            self.tell(lid)
             self.send(
                 Kind.EXITED,
                 {"lid": lid, "rank": rank, "code": 1, "at": time.time(), "detail": str(exc)},
             )
             return
-        session.ranks[rank] = WorkerProcess(pid, "agent", server=self.server)
+        finally:
+            self.last_heard = time.monotonic()  # busy here, not deaf: the kernel's pings wait
+        self.tell(lid)
+        session.ranks[rank] = WorkerProcess(pid, "agent", server=self.servers.server)
         self.send(Kind.STARTED, {"lid": lid, "rank": rank, "pid": pid})
 
-    def _kept_out(self, module: str) -> bool:
-        """``module`` (or a package above it) made a server of this host unsafe to fork."""
-        return any(module == m or module.startswith(m + ".") for m in self.kept_out)
+    def tell(self, lid: str) -> None:
+        """Send the host server's news (a module kept out, a file changed) to launch ``lid``:
+        the notebook shows each line once, naming this host."""
+        for text in self.servers.take_notices():
+            self.send(Kind.LOG, {"lid": lid, "text": text})
 
-    def _renew_server(self) -> bool:
-        """Replace a server that an import made unsafe to fork by a fresh one without those
-        modules (this process has threads and sockets now: the new one is a new interpreter);
-        False when torch itself was the culprit."""
-        old = self.server
-        if not old.unsafe or set(old.unsafe) & set(ENGINE_PRELOAD):
-            return False
-        self.kept_out.update(old.unsafe)
-        for module, why in old.unsafe.items():
-            print(f"[nbaccel agent] {module} is not preloaded here: {why}", file=sys.stderr)
-        self.retired.append(old)
-        self.server = ForkServer(sorted(m for m in old.front if not self._kept_out(m)))
-        self.server.add_wakeup(self._wake)
-        self.server.mirror([m for m in old.mirrored if not self._kept_out(m)], stamp=False)
-        deadline = time.monotonic() + 120
-        while not self.server.ready() and self.server.alive() and time.monotonic() < deadline:
-            if time.monotonic() - self.last_sent > HEARTBEAT / 2:
-                self.send(Kind.PING)  # its import of torch must not pass for a lost host
-            time.sleep(0.05)
-        self.last_heard = time.monotonic()  # busy here, not deaf: the kernel's pings wait queued
-        return True
+    def _keep_alive(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s for the fork server (importing the kernel's modules, or a
+        new server importing torch), pinging the kernel meanwhile: a host busy starting its
+        ranks must not pass for a lost one."""
+        if time.monotonic() - self.last_sent > HEARTBEAT / 2:
+            self.send(Kind.PING)
+        ready, _, _ = select.select([self.wake_r], [], [], timeout)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 4096)
 
     def store(self, session: Session, name: str, data: bytes) -> None:
         """Write the work's shared tensors into this host's shared memory, once per host."""
-        path = os.path.join(_shm_dir(), os.path.basename(name))
+        path = os.path.join(shm_dir(), os.path.basename(name))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)  # ours until unlinked: another launch's sweep skips it
         try:
@@ -436,8 +393,7 @@ class Agent:
         for session in self.sessions.values():
             for process in session.ranks.values():
                 process.signal_tree(signal.SIGKILL)
-        for server in (*self.retired, self.server):
-            server.close()
+        self.servers.close()
         for lid in list(self.sessions):
             self.end(lid)
         for _, relay in self.relays.values():

@@ -18,16 +18,15 @@ import os
 import pickle
 import secrets
 import socket
+import sys
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.launchers.forkserver import refused_modules
 from nbaccel.launch.launchers.kernel_modules import (
     PreloadSetting,
-    kernel_modules,
     preload_setting,
 )
 from nbaccel.launch.remote.hosts import Host
@@ -35,7 +34,13 @@ from nbaccel.launch.remote.messages import Kind
 from nbaccel.launch.remote.options import RemoteOptions
 from nbaccel.launch.remote.process import RemoteProcess
 from nbaccel.launch.remote.reachable import check_local_address
-from nbaccel.launch.remote.warm import AgentHandle, AgentProcess, WarmAgents, warm_agents
+from nbaccel.launch.remote.warm import (
+    AgentHandle,
+    AgentProcess,
+    WarmAgents,
+    kernel_mirror,
+    warm_agents,
+)
 from nbaccel.launch.wire.channel import Address
 from nbaccel.launch.wire.spec import WorkerSpec
 from nbaccel.launch.wire.transport import Packed
@@ -105,8 +110,17 @@ class RemoteLauncher(ProcessLauncher):
         """Start ``host``'s agent with ``config`` (kept off argv: its secret key is in it)."""
 
     def rank_threads(self, node: int, cpus: int) -> int:
-        """torch threads of each rank on ``node`` (its host has ``cpus`` cores): a fair share."""
-        return max(1, cpus // self.layout.hosts[node].slots)
+        """torch threads of each rank on ``node`` (its host has ``cpus`` cores): a fair share
+        of the machine. Hosts that are one machine (containers or namespaces of one kernel:
+        their agents saw the same boot id) share its cores among all their ranks."""
+        machine = (self.agents[node].hello or {}).get("machine")
+        ranks = sum(
+            host.slots
+            for other, host in enumerate(self.layout.hosts)
+            if other == node
+            or (machine and (self.agents[other].hello or {}).get("machine") == machine)
+        )
+        return max(1, cpus // ranks)
 
     def node_env(self, node: int) -> dict[str, str]:
         """Variables every rank of ``node`` gets from the launcher (Ray: its GPUs)."""
@@ -184,18 +198,14 @@ class RemoteLauncher(ProcessLauncher):
                     "cwd_required": self.options.cwd_required,
                     "preload": sorted(set(self.preload)),
                     "mirror": mirror,
+                    "sys_path": list(sys.path),  # where the kernel found them
                 },
             )
 
     def mirrored_modules(self) -> list[str]:
-        """The modules each host's server imports for this launch's ranks (quietly: one a host
-        lacks is passed over there): what the setting adds, and the kernel's imported modules
-        when it mirrors them, less those kept out of this machine's server."""
-        exclude = (*self.setting.exclude, *refused_modules())
-        names = [m for m in self.setting.add if m not in exclude]
-        if self.setting.mirrors():
-            names += kernel_modules(exclude)
-        return list(dict.fromkeys(names))
+        """The modules each host's server imports for this launch's ranks (``kernel_mirror``
+        of the launch's setting)."""
+        return kernel_mirror(self.setting)
 
     def _wait_for_launch(self, retry: bool) -> list[int]:
         """Every agent began the launch (READY); RuntimeError naming a host that cannot. With

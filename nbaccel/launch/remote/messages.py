@@ -57,13 +57,15 @@ class Kind(bytes, Enum):
     """What a message is (its first frame)."""
 
     # agent -> kernel
-    HELLO = b"hello"  # the agent is up (once): its host's address, environment, paths, pid
+    HELLO = b"hello"  # the agent is up (once): its host's address, environment, paths, pid,
+    # machine (boot id), features (the later kinds it understands, such as "mirror")
     READY = b"ready"  # {lid, port, cwd, entrance, private, notes} or {lid, error}
     STARTED = b"started"  # {lid, rank, pid}
     EXITED = b"exited"  # {lid, rank, code, at, detail}
     LOG = b"log"  # {lid, text}: something the agent wants the notebook to see (a notice)
     # kernel -> agent
-    BEGIN = b"begin"  # {lid, cwd, cwd_required, preload}: a launch starts using this host
+    BEGIN = b"begin"  # {lid, cwd, cwd_required, preload, mirror, sys_path}: a launch starts
+    # using this host; its server imports preload and mirror (the kernel's modules)
     WORK = b"work"  # {lid, name} + the shared tensors' bytes: written once into the host's
     # /dev/shm, always before the message (a spawn, a call on a tunnelled stream) that uses it
     SPAWN = b"spawn"  # {lid, rank} + the pickled WorkerSpec, handed to the fork server as is
@@ -71,6 +73,8 @@ class Kind(bytes, Enum):
     UNLINK = b"unlink"  # {lid, names}: every rank mapped those shared tensors; remove the files
     END = b"end"  # {lid}: the launch is over: kill what is left of its ranks, free its files
     QUIT = b"quit"  # the kernel is ending: stop every rank and exit
+    MIRROR = b"mirror"  # {modules, sys_path}: what the kernel imported since, for the host's
+    # server to import between launches (the kernel's hook after a cell)
     # both ways
     OPEN = b"open"  # {lid, sid}: a rank opened a connection to its launch's channel
     DATA = b"data"  # {sid} (+ {lid} from an agent: whose window) + bytes of that connection

@@ -18,12 +18,19 @@ from __future__ import annotations
 import atexit
 import contextlib
 import subprocess
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.launch.launchers.forkserver import refused_modules
+from nbaccel.launch.launchers.kernel_modules import (
+    PreloadSetting,
+    kernel_modules,
+    preload_setting,
+)
 from nbaccel.launch.remote.hub import Hub
 from nbaccel.launch.remote.messages import Kind
 
@@ -31,7 +38,9 @@ __all__ = [
     "AgentHandle",
     "AgentProcess",
     "WarmAgents",
+    "kernel_mirror",
     "live_agents",
+    "mirror_to_agents",
     "shutdown_agents",
     "warm_agents",
 ]
@@ -114,6 +123,8 @@ class WarmAgents:
         self._by_id: dict[int, AgentHandle] = {}
         self._sessions: dict[str, SessionCallback] = {}
         self._closed = False
+        #: what the agents were last sent between launches: (scan of sys.modules, agent ids)
+        self.mirrored_for: Hashable = None
         self.hub = Hub(address, self._on_event)
 
     # ------------------------------------------------------------------ launches
@@ -211,6 +222,20 @@ class WarmAgents:
         with self._lock:
             return [h for h in self._agents.values() if not h.lost]
 
+    def mirror(self, scan: Hashable, modules: Callable[[], list[str]]) -> None:
+        """Send ``modules()`` (the kernel's, with its ``sys.path``) to every live agent that
+        understands it (an older nbaccel's does not), for its server to import before the next
+        launch; nothing when ``scan`` (the kernel's modules) and the agents are what they were
+        at the last call."""
+        handles = [h for h in self.live() if "mirror" in (h.hello or {}).get("features", ())]
+        key = (scan, frozenset(h.id for h in handles))
+        if not handles or key == self.mirrored_for:
+            return
+        self.mirrored_for = key
+        header = {"modules": modules(), "sys_path": list(sys.path)}
+        for handle in handles:
+            self.hub.send(handle.id, Kind.MIRROR, header)
+
     # ------------------------------------------------------------------ events
     def _on_event(self, agent: int, kind: Any, header: dict[str, Any]) -> None:
         """Called on the hub's thread."""
@@ -290,6 +315,31 @@ def warm_agents(address: str) -> WarmAgents:
         if fleet is None:
             fleet = _fleets[address] = WarmAgents(address)
         return fleet
+
+
+def kernel_mirror(setting: PreloadSetting) -> list[str]:
+    """The modules each host's server imports for the kernel's ranks (quietly: one a host lacks
+    is passed over there): what ``setting`` adds, and the kernel's imported modules when it
+    mirrors them, less those kept out of this machine's server."""
+    exclude = (*setting.exclude, *refused_modules())
+    names = [m for m in setting.add if m not in exclude]
+    if setting.mirrors():
+        names += kernel_modules(exclude)
+    return list(dict.fromkeys(names))
+
+
+def mirror_to_agents(setting: PreloadSetting | None = None) -> None:
+    """Have every live agent's server import what the kernel imported since it was last told
+    (the kernel's hook after each cell, as for its own fork server): a warm launch after a new
+    ``import transformers`` then forks on every host at once. Starts no agent."""
+    setting = setting or preload_setting()
+    if not setting.mirrors():
+        return
+    with _fleets_lock:
+        fleets = list(_fleets.values())
+    scan = (len(sys.modules), setting.exclude, len(refused_modules()))
+    for fleet in fleets:
+        fleet.mirror(scan, lambda: kernel_mirror(setting))
 
 
 def live_agents() -> list[AgentHandle]:

@@ -118,5 +118,6 @@ class ServerMessage(Word):
     FAILED = "failed"  # server -> driver: (FAILED, request_id, why) the fork was refused
     EXITED = "exited"  # server -> driver: (EXITED, pid, returncode)
     REFUSED = "refused"  # server -> driver: (REFUSED, request_id, reason) no fork (unsafe)
-    PRELOADED = "preloaded"  # server -> driver: (PRELOADED, new top-levels, seconds, count)
+    PRELOADED = "preloaded"  # server -> driver: (PRELOADED, new top-levels, seconds, count[,
+    # stamps]): stamps, {module: (file, mtime_ns)}, when the PRELOAD asked for them
     UNSAFE = "unsafe"  # server -> driver: (UNSAFE, module, why) that import made forking unsafe

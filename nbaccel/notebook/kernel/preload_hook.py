@@ -8,7 +8,8 @@ Two hooks, installed when nbaccel is imported in a Jupyter kernel:
   are done;
 - after each cell (IPython's ``post_run_cell``): the server imports whatever else the kernel
   now holds (submodules reached lazily, ``transformers.models.llama``...), and is replaced by a
-  fresh one when one of the kernel's files changed or an import made it unsafe to fork.
+  fresh one when one of the kernel's files changed or an import made it unsafe to fork; so do
+  the servers of the kernel's warm agents on other hosts (``remote.warm.mirror_to_agents``).
 
 Both are off with ``NBACCEL_PRELOAD=off``; the engine's side is
 ``nbaccel.launch.launchers.kernel_modules`` and ``forkserver.get_forkserver``.
@@ -63,6 +64,9 @@ def _importing() -> bool:
 def _after_cell(*_: Any) -> None:
     try:
         mirror_kernel_modules()
+        warm = sys.modules.get("nbaccel.launch.remote.warm")  # agents only where it is loaded
+        if warm is not None:
+            warm.mirror_to_agents()
     except Exception as exc:  # a hook must not break the notebook
         print(f"[nbaccel] could not update the fork server's preload: {exc}", file=sys.stderr)
 
