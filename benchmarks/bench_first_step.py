@@ -96,16 +96,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 LLAMA = """LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, vocab_size=32000)"""
 
-FUNCTION = """
-def train(folder):
-    import json, os, time
-    started = time.time()
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from {lib} import Accelerator
-    imported = time.time() - started
-    accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
+#: the training of workloads (a) and (b): build the Llama, prepare it, take 3 AdamW steps, note
+#: the time of the first and the rank's unique memory then (no braces: it goes into templates)
+STEPS = """    torch.manual_seed(0)
     config = LLAMA
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -123,12 +116,24 @@ def train(folder):
             import psutil
             uss = psutil.Process().memory_full_info().uss
         losses.append(round(float(loss), 5))
+""".replace("LLAMA", LLAMA)
+
+FUNCTION = """
+def train(folder):
+    import json, os, time
+    started = time.time()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from {lib} import Accelerator
+    imported = time.time() - started
+    accelerator = Accelerator(cpu=True)
+STEPS
     result = {{"first_step": first, "losses": losses, "imports_s": imported, "uss": uss,
               "pid": os.getpid()}}
     # Accelerate's launcher returns nothing: both libraries' ranks leave their figures in files
     with open(os.path.join(folder, f"rank{{accelerator.process_index}}.json"), "w") as handle:
         json.dump(result, handle)
-""".replace("LLAMA", LLAMA)
+""".replace("STEPS\n", STEPS)
 
 DEEPSPEED_IMPORTS = """
 import os
@@ -193,31 +198,14 @@ def train(folder):
     + """
     plugin = DeepSpeedPlugin(hf_ds_config=CONFIG)
     accelerator = Accelerator(deepspeed_plugin=plugin{accelerator_kwargs})
-    torch.manual_seed(0)
-    config = LLAMA
-    model = LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    generator = torch.Generator().manual_seed(1 + accelerator.process_index)
-    first, losses, uss = None, [], None
-    for _ in range(3):
-        ids = torch.randint(0, 32000, (2, 64), generator=generator)
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        if first is None:
-            first = time.time()
-            import psutil
-            uss = psutil.Process().memory_full_info().uss
-        losses.append(round(float(loss), 5))
+STEPS
     engine = type(model).__module__ + "." + type(model).__name__
     result = {{"first_step": first, "losses": losses, "imports_s": imported, "uss": uss,
               "pid": os.getpid(), "engine": engine}}
     with open(os.path.join(folder, f"rank{{accelerator.process_index}}.json"), "w") as handle:
         json.dump(result, handle)
 """
-).replace("LLAMA", LLAMA)
+).replace("STEPS\n", STEPS)
 
 LOWBIT_IMPORTS = """
 import torch, transformers

@@ -238,13 +238,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.first_step:
         import torch  # noqa: F401 - the stamp names its version
-        from provenance import stamp
+        from provenance import write_results
 
-        result = measure_first_step(args.repeats)
-        result["provenance"] = stamp()
-        path = ROOT / "benchmarks" / "results" / "ray_first_step.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result, indent=2))
+        write_results("ray_first_step.json", measure_first_step(args.repeats))
         return 0
     import ray
 

@@ -80,3 +80,15 @@ def stamp() -> dict[str, str]:
     """``{"date", "commit", "machine"}`` of this run (the date in UTC, ISO 8601)."""
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     return {"date": now.isoformat(), "commit": commit(), "machine": machine()}
+
+
+def write_results(name: str, result: dict) -> Path:
+    """Stamp ``result`` (see :func:`stamp`) and write it to ``benchmarks/results/<name>``; print
+    it and return the path."""
+    import json
+
+    result["provenance"] = stamp()
+    path = Path(__file__).resolve().parent / "results" / name
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return path
