@@ -82,13 +82,6 @@ LANES = [
         "ssh hosts in network namespaces",
         _not_root,
         ci_limit_s=900,
-        ci_deselect={
-            "tests/hosts/test_remote_hosts.py::test_magic_pool_across_hosts": (
-                "the stop button during an output flood over ssh must bring both ranks back "
-                "within the pool's 0.5 + 1 s; on this machine under load it did not in 2 of 3 "
-                "runs (the pool restarted), a defect of the pool's stop, not of the lane"
-            ),
-        },
     ),
     Lane("slurm", "one-node SLURM cluster", _not_root, ci_limit_s=420),
     Lane(

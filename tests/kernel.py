@@ -76,6 +76,10 @@ def run_notebook(
             nb,
             km=manager,
             timeout=timeout,
+            # a cell's last output may trail its reply by seconds on a loaded machine (a flood
+            # of lines still queued for the front): wait for it rather than drop it silently
+            iopub_timeout=60,
+            raise_on_iopub_timeout=True,
             allow_errors=True,
             resources={"metadata": {"path": cwd or os.getcwd()}},
         )

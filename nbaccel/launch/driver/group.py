@@ -378,6 +378,10 @@ class WorkerGroup:
     def busy(self, rank: int) -> bool:
         return self._by_rank[rank].busy_since is not None
 
+    def output_at(self, ranks: Iterable[int]) -> float:
+        """When (monotonic) output last came from any of ``ranks`` (0.0: never)."""
+        return max((self._by_rank[r].output_at for r in ranks), default=0.0)
+
     def running_ranks(self) -> list[int]:
         """Ranks whose process has not ended (as its launcher knows it)."""
         return [r.rank for r in self._ranks if r.process is not None and r.process.poll() is None]

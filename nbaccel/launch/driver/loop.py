@@ -71,6 +71,10 @@ class Settle:
         cause_wait: when every failure so far is an echo (a collective that lost its peer),
             at most this long for the cause (the peer's crash or error) to be seen before the
             others are stopped: stopped, the cause would look like one of the stopped.
+        talking: after the stop button, a rank that is still sending output may have its answer
+            queued behind that output (a flood through a remote host's relay, a slow notebook
+            front): its grace is renewed while it keeps talking, up to this many seconds in
+            all. Silent ranks get their grace and no more.
     """
 
     failure_grace: float = 0.5
@@ -81,14 +85,16 @@ class Settle:
     dead_drain: float = 3.0
     stacks_wait: float = 0.3
     cause_wait: float = 5.0
+    talking: float = 0.0
 
 
 ONE_SHOT = Settle()
 #: seconds a one-shot rank gets to end after the stop button, per signal (SIGINT, then SIGTERM)
 STOP_GRACE = 0.6
 # A pool rank that has not reported its interrupt within half a second is SIGINTed once more and
-# given a second to come back (a long native op ends); after that the pool restarts it.
-POOL = Settle(disposable=False, interrupt_grace=0.5, recover=1.0)
+# given a second to come back (a long native op ends); after that the pool restarts it. A rank
+# whose output is still arriving gets its grace renewed, at most 15 s in all.
+POOL = Settle(disposable=False, interrupt_grace=0.5, recover=1.0, talking=15.0)
 
 
 def outcome_exception(
@@ -269,7 +275,10 @@ def _settle(
         return any(_own_failure(o) for o in got) or bool(group.dead_unreported(call_id))
 
     grace = {CallState.INTERRUPTED: policy.interrupt_grace, CallState.FAILED: policy.failure_grace}
-    group.pump_until(lambda: not pending() or deaf(), grace.get(state, 0.0))
+    if state == CallState.INTERRUPTED:
+        _pump_while_talking(group, lambda: not pending() or deaf(), pending, grace[state], policy)
+    else:
+        group.pump_until(lambda: not pending() or deaf(), grace.get(state, 0.0))
     if state == CallState.FAILED:
         # Only echoes so far: the rank that broke the collective has died or failed and says
         # so within moments (its exit status comes from its launcher, which may lag the echo
@@ -291,8 +300,33 @@ def _settle(
     listening = [rank for rank in stuck if rank not in deaf_ranks]
     if listening:  # a second SIGINT, and time to end a long native op, for those it can reach
         group.signal_all(signal.SIGINT, listening)
-        group.pump_until(lambda: not [r for r in pending() if r in listening], policy.recover)
+
+        def still() -> list[int]:
+            return [r for r in pending() if r in listening]
+
+        _pump_while_talking(group, lambda: not still(), still, policy.recover, policy)
     return pending()
+
+
+def _pump_while_talking(
+    group: WorkerGroup,
+    done: Callable[[], bool],
+    waited: Callable[[], list[int]],
+    grace: float,
+    policy: Settle,
+) -> bool:
+    """Pump until ``done()``: ``grace`` seconds, renewed while output of the ``waited()`` ranks
+    keeps arriving, at most ``policy.talking`` seconds in all; False when the time ran out.
+    Output, not events: a rank's memory samples come from its watcher thread, busy or not."""
+    start = time.monotonic()
+    last = start + max(grace, policy.talking)
+    while not done():
+        now = time.monotonic()
+        end = min(last, max(start, group.output_at(waited())) + grace)
+        if now >= end:
+            return False
+        group.pump(min(0.2, end - now))
+    return True
 
 
 def run_call(

@@ -8,6 +8,8 @@ output budget of the call is spent.
 
 from __future__ import annotations
 
+import time
+
 from nbaccel.launch.driver.lines import Piece
 from nbaccel.launch.driver.output_budget import OutputBudget
 from nbaccel.launch.driver.rank_connections import ConnectionTable
@@ -46,6 +48,7 @@ class OutputReader:
         except OSError:
             data = b""
         still_draining(state)
+        state.output_at = time.monotonic()
         if not data:
             self._connections.close_output(conn)
             state.streams_open.discard(stream)

@@ -48,6 +48,7 @@ class RankState:
     drain_deadline: float | None = None  # set when the process is seen dead; moved by reads
     drain_limit: float | None = None  # the latest the dead process's streams are waited for
     stopped: bool = False  # the driver signalled it to stop (its end is not a cause)
+    output_at: float = 0.0  # monotonic time output last came from the rank's streams
 
     @property
     def finished_io(self) -> bool:

@@ -28,6 +28,9 @@ def execute_notebook(path: str | Path, timeout: int = 600, allow_errors: bool = 
         timeout=timeout,
         kernel_name="python3",
         allow_errors=allow_errors,
+        # output may trail a cell's reply on a busy machine: wait for it, never drop it
+        iopub_timeout=60,
+        raise_on_iopub_timeout=True,
         store_widget_state=True,
         resources={"metadata": {"path": str(Path(path).parent)}},
     )
