@@ -11,6 +11,7 @@ node dying as a machine does. The nodes' workers inherit this process's environm
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -57,7 +58,35 @@ class RayCluster:
     processes: list[subprocess.Popen] = field(default_factory=list)
     node_manager_ports: list[int] = field(default_factory=list)  # by node: tells nodes apart
 
-    def start(self, timeout: float = 120.0) -> RayCluster:
+    def start(self, timeout: float = 120.0, attempts: int = 3) -> RayCluster:
+        """Start the nodes; again (at most ``attempts`` times in all) when a raylet aborted
+        because its dashboard agent, a Python process, did not write its port file within
+        Ray's fixed 15 s (a loaded machine; not a setting of Ray's)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(timeout)
+            except BaseException:
+                slow_agent = self._agent_too_slow()
+                self.stop()
+                if not slow_agent or attempt == attempts:
+                    raise
+                print(
+                    "RayCluster: a raylet gave up waiting for its dashboard agent's port file "
+                    f"(attempt {attempt} of {attempts}); starting the cluster again",
+                    file=sys.stderr,
+                )
+        raise AssertionError("unreachable")
+
+    def _agent_too_slow(self) -> bool:
+        pattern = os.path.join(self.root or "/nonexistent", "n*", "session_*", "logs", "raylet.*")
+        for path in glob.glob(pattern):
+            with contextlib.suppress(OSError), open(path, "rb") as log:
+                text = log.read()
+                if b"Timed out waiting for file" in text and b"_port" in text:
+                    return True
+        return False
+
+    def _start(self, timeout: float) -> RayCluster:
         self.root = tempfile.mkdtemp(prefix="nbray-", dir="/tmp")  # short: Ray's socket paths
         port = _free_port()
         self.address = f"127.0.0.1:{port}"
@@ -65,20 +94,14 @@ class RayCluster:
         head = [_RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
         head += [f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}"]
         head += [f"--num-gpus={self.gpus}"]
-        try:
-            self._node(head + common, 0)
-            self._wait_port(port, timeout)
-            # The head's GCS listens before its raylet registers the head node; a node joining
-            # in between finds "no node info for head node" and exits (seen on a loaded machine).
-            self.wait_nodes(1, timeout)
-            for index in range(1, len(self.cpus)):
-                self._node(
-                    [_RAY, "start", f"--address={self.address}", "--num-gpus=0", *common], index
-                )
-            self.wait_nodes(len(self.cpus), timeout)
-        except BaseException:
-            self.stop()
-            raise
+        self._node(head + common, 0)
+        self._wait_port(port, timeout)
+        # The head's GCS listens before its raylet registers the head node; a node joining
+        # in between finds "no node info for head node" and exits (seen on a loaded machine).
+        self.wait_nodes(1, timeout)
+        for index in range(1, len(self.cpus)):
+            self._node([_RAY, "start", f"--address={self.address}", "--num-gpus=0", *common], index)
+        self.wait_nodes(len(self.cpus), timeout)
         return self
 
     def _node(self, argv: list[str], index: int) -> None:
@@ -119,11 +142,21 @@ class RayCluster:
             "    time.sleep(0.2)\n"
             f"sys.exit(0 if sum(n['Alive'] for n in ray.nodes())>={count} else 1)\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, timeout=timeout + 60
+        asking = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
-        if done.returncode:
-            raise RuntimeError(f"the Ray cluster has not {count} nodes: {done.stderr[-2000:]!r}")
+        deadline = time.monotonic() + timeout + 60
+        while asking.poll() is None:
+            ended = [i for i, p in enumerate(self.processes) if p.poll() is not None]
+            if ended or time.monotonic() > deadline:  # a node gave up: no use waiting for it
+                asking.kill()
+                asking.wait()
+                why = f"node {ended[0]} ended: {self.log(ended[0])}" if ended else "timed out"
+                raise RuntimeError(f"the Ray cluster has not {count} nodes: {why}")
+            time.sleep(0.2)
+        if asking.returncode:
+            stderr = asking.stderr.read() if asking.stderr else b""
+            raise RuntimeError(f"the Ray cluster has not {count} nodes: {stderr[-2000:]!r}")
 
     def log(self, index: int) -> str:
         with (
@@ -157,6 +190,7 @@ class RayCluster:
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
         self.processes.clear()
+        self.node_manager_ports.clear()
         if self.root:
             shutil.rmtree(self.root, ignore_errors=True)
 
