@@ -6,9 +6,12 @@ The kernel gets the allocation's environment as a kernel started under ``salloc`
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -230,3 +233,54 @@ def test_kernel_death_ends_the_agent_step_and_its_ranks(allocation, tmp_path):
     procs = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
     _gone, alive = psutil.wait_procs(procs, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+_PRELOAD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {folder!r})
+    import slurm_plain_lib, slurm_thread_lib
+    from nbaccel import notebook_launcher
+
+    def where():
+        import socket
+        from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+        inherited = inherited_modules() or ()
+        return (socket.gethostname(), "slurm_plain_lib" in inherited,
+                "slurm_thread_lib" in inherited)
+
+    print("FIRST", notebook_launcher(where, launcher="slurm"))
+    """
+)
+
+
+def test_the_agents_server_starts_ranks_with_the_notebooks_modules(allocation, slurm_cluster):
+    """The agent's fork server on the allocation's node imports what the kernel imported: the
+    ranks start with the notebook's own module; one whose import starts a thread is kept out
+    and named once, in the launch's output."""
+    node = slurm_cluster.nodes[0]
+    folder = tempfile.mkdtemp(prefix="nbaccel-slurm-modules-", dir="/var/tmp")
+    try:
+        os.chmod(folder, 0o755)
+        with open(os.path.join(folder, "slurm_plain_lib.py"), "w") as plain:
+            plain.write("VALUE = 1\n")
+        with open(os.path.join(folder, "slurm_thread_lib.py"), "w") as threaded:
+            threaded.write(
+                "import threading, time\n"
+                "threading.Thread(target=time.sleep, args=(600,), daemon=True,\n"
+                "                 name='slurm-poller').start()\n"
+            )
+        nb = run_notebook([_PRELOAD.format(folder=folder)], timeout=240, env=allocation)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    text = cell_text(nb.cells[0])
+    assert not cell_errors(nb.cells[0]), text
+    assert f"FIRST [('{node}', True, False), ('{node}', True, False)]" in text, text
+    kept_out = [
+        line
+        for line in text.splitlines()
+        if line.startswith("[nbaccel]") and "slurm_thread_lib is not preloaded" in line
+    ]
+    assert len(kept_out) == 1 and node in kept_out[0], text
+    assert "its import started a thread ('slurm-poller')" in kept_out[0], kept_out
+    assert "NBACCEL_PRELOAD=-slurm_thread_lib" in kept_out[0], kept_out
