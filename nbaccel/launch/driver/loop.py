@@ -275,8 +275,11 @@ def _settle(
         return any(_own_failure(o) for o in got) or bool(group.dead_unreported(call_id))
 
     grace = {CallState.INTERRUPTED: policy.interrupt_grace, CallState.FAILED: policy.failure_grace}
+    talk_until = time.monotonic() + policy.talking  # the most that talking ranks are waited for
     if state == CallState.INTERRUPTED:
-        _pump_while_talking(group, lambda: not pending() or deaf(), pending, grace[state], policy)
+        _pump_while_talking(
+            group, lambda: not pending() or deaf(), pending, grace[state], talk_until
+        )
     else:
         group.pump_until(lambda: not pending() or deaf(), grace.get(state, 0.0))
     if state == CallState.FAILED:
@@ -304,7 +307,7 @@ def _settle(
         def still() -> list[int]:
             return [r for r in pending() if r in listening]
 
-        _pump_while_talking(group, lambda: not still(), still, policy.recover, policy)
+        _pump_while_talking(group, lambda: not still(), still, policy.recover, talk_until)
     return pending()
 
 
@@ -313,13 +316,13 @@ def _pump_while_talking(
     done: Callable[[], bool],
     waited: Callable[[], list[int]],
     grace: float,
-    policy: Settle,
+    talk_until: float,
 ) -> bool:
     """Pump until ``done()``: ``grace`` seconds, renewed while output of the ``waited()`` ranks
-    keeps arriving, at most ``policy.talking`` seconds in all; False when the time ran out.
-    Output, not events: a rank's memory samples come from its watcher thread, busy or not."""
+    keeps arriving, not past ``talk_until`` (monotonic); False when the time ran out. Output,
+    not events: a rank's memory samples come from its watcher thread, busy or not."""
     start = time.monotonic()
-    last = start + max(grace, policy.talking)
+    last = max(start + grace, talk_until)
     while not done():
         now = time.monotonic()
         end = min(last, max(start, group.output_at(waited())) + grace)
