@@ -14,7 +14,6 @@ import threading
 import pytest
 
 from nbaccel.launch.driver.render import Renderer
-from nbaccel.notebook.kernel import pool as pool_module
 
 # Each rank catches the stop button (and the pool's second SIGINT) and keeps working for 2.5 s,
 # far past the pool's 0.5 + 1 s grace, then reports the interrupt.
@@ -47,30 +46,27 @@ class _Notices(Renderer):
         self.lines += 1
 
 
-@pytest.fixture
-def pool():
-    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
-    yield pool
-    pool_module.shutdown_pool()
-    pool.shutdown()
-
-
 def _stop_in(seconds: float) -> threading.Timer:
     timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     return timer
 
 
-def test_a_rank_still_talking_after_the_stop_button_keeps_the_pool(pool) -> None:
+def _stop_a_late_cell(pool, work: str) -> tuple[_Notices, dict[int, int]]:
+    """Run a cell whose ranks answer the stop button 2.5 s late doing ``work``, press the stop
+    button 1 s in; what the cell's renderer got and the pool's pids before it."""
     pool.run_cell("kept = 41")
     pids = dict(pool.pids)
     seen = _Notices()
     timer = _stop_in(1.0)
     with pytest.raises(KeyboardInterrupt):
-        pool.run_cell(
-            _LATE.format(work="print('still going', flush=True); time.sleep(0.05)"), renderer=seen
-        )
+        pool.run_cell(_LATE.format(work=work), renderer=seen)
     timer.join()
+    return seen, pids
+
+
+def test_a_rank_still_talking_after_the_stop_button_keeps_the_pool(pool) -> None:
+    seen, pids = _stop_a_late_cell(pool, "print('still going', flush=True); time.sleep(0.05)")
     assert any("the pool and its names are kept" in n for n in seen.notices), seen.notices
     assert not any("restarting the pool" in n for n in seen.notices), seen.notices
     assert seen.lines > 20  # the output that kept the grace going reached the renderer
@@ -78,13 +74,7 @@ def test_a_rank_still_talking_after_the_stop_button_keeps_the_pool(pool) -> None
 
 
 def test_a_silent_late_rank_is_still_restarted(pool) -> None:
-    pool.run_cell("kept = 41")
-    pids = dict(pool.pids)
-    seen = _Notices()
-    timer = _stop_in(1.0)
-    with pytest.raises(KeyboardInterrupt):
-        pool.run_cell(_LATE.format(work="time.sleep(0.05)"), renderer=seen)
-    timer.join()
+    seen, pids = _stop_a_late_cell(pool, "time.sleep(0.05)")
     assert any("did not stop within" in n and "restarting the pool" in n for n in seen.notices), (
         seen.notices
     )

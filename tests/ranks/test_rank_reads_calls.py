@@ -15,9 +15,6 @@ import time
 import pytest
 from proc_threads import voluntary_switches
 
-from nbaccel.launch.driver.render import Renderer
-from nbaccel.notebook.kernel import pool as pool_module
-
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
 
 
@@ -31,14 +28,6 @@ def _watcher_thread() -> int:
 
 def _answer(x: int) -> int:
     return x + 1
-
-
-@pytest.fixture
-def pool():
-    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
-    yield pool
-    pool_module.shutdown_pool()
-    pool.shutdown()
 
 
 def test_calls_wake_no_thread_but_the_ranks_main_thread(pool):
