@@ -25,7 +25,8 @@ Counted: *wrong* (a step that should succeed returned something else), *misnamed
 the wrong type, or without its rank), *hung* (a step over 60 s, or a cell that timed out), and
 leaks at the end against the start: processes (the kernel's descendants other than the fork
 server and the pool's ranks, and every process a ``children`` step started that still runs),
-kernel fds, ``/dev/shm/nbaccel-*`` segments, temp folders, full-output logs (files, bytes),
+kernel fds (less IPython's history database, which IPython opens and closes itself),
+``/dev/shm/nbaccel-*`` segments, temp folders, full-output logs (files, bytes),
 live ipywidgets, and kernel RSS.
 """
 
@@ -144,6 +145,20 @@ def _lasting_shm():
     return len(lasting)
 
 
+def _fd_targets():
+    # what each of the kernel's fds points at (a leak's report names it), less IPython's own
+    # history database: its saving thread and sqlite open and close it on their own schedule
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not target.startswith(_ip.profile_dir.location + os.sep):
+            found[int(fd)] = target
+    return found
+
+
 def _rss_mb():
     return psutil.Process().memory_info().rss / 2**20
 
@@ -158,7 +173,7 @@ def resources():
     return {
         "procs": len(stray),
         "child_procs": len(children),
-        "fds": me.num_fds(),
+        "fds": len(_fd_targets()),
         "shm": _new_shm(),
         "tmp": len([f for f in os.listdir(tempfile.gettempdir())
                     if f.startswith(f"nbaccel-{me.pid}-")]),
@@ -240,7 +255,7 @@ _ip.run_cell_magic("distributed", "-n 2", _RANK)
 for _kind in KINDS:  # warm up: every code path has run once before the day is counted
     step(_kind)
 time.sleep(0.5)
-DAY = {"shm_before": _shm()}
+DAY = {"shm_before": _shm(), "fds_before": _fd_targets()}
 DAY.update({"before": resources(), "counts": collections.Counter(), "bad": collections.Counter(),
        "slowest": 0.0, "steps": 0, "kinds": collections.Counter(), "started": time.time(),
             "rss_by_kind": collections.Counter()})
@@ -274,6 +289,9 @@ def report():
         time.sleep(0.5)
         after = resources()
     after["shm"] = _lasting_shm()
+    fds_now = _fd_targets()
+    new_fds = {fd: target for fd, target in fds_now.items()
+               if DAY["fds_before"].get(fd) != target}
     return {
         "steps": DAY["steps"],
         "kinds": dict(DAY["kinds"]),
@@ -285,6 +303,7 @@ def report():
         "before": before,
         "after": after,
         "growth": {k: round(after[k] - before[k], 2) for k in before},
+        "new_fds": {str(fd): target for fd, target in sorted(new_fds.items())},
     }
 """
 )

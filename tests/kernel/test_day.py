@@ -25,5 +25,5 @@ def test_a_short_day_in_one_kernel(tmp_path):
     assert report["results"] == {"ok": 2 * len(KINDS)}, report["problems"]
     growth = report["growth"]
     for leak in ("procs", "fds", "shm", "tmp", "logs"):
-        assert growth[leak] <= 0, (leak, report)
+        assert growth[leak] <= 0, f"{leak} grew: {growth}; new fds {report['new_fds']}"
     assert growth["widgets"] <= 3 * 60, report  # at most the few live views
