@@ -8,26 +8,20 @@ import re
 
 import pytest
 
-from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.wire.unpicklable import ResultNotSendable
-from nbaccel.notebook.kernel import pool as pool_module
 
 
-def test_pulling_a_value_that_cannot_travel_names_it_and_says_what_to_do():
-    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
-    try:
-        pool.run_cell(
-            "import threading\n"
-            "gen = (i for i in range(3))\n"
-            "box = {'steps': 3, 'lock': threading.Lock()}\n"
-        )
-        with pytest.raises(ResultNotSendable) as generator:
-            pool.pull("gen", ranks=[1])
-        with pytest.raises(ResultNotSendable) as nested:
-            pool.pull("box")
-        after = pool.run_cell("box['steps'] + 1")
-    finally:
-        pool_module.shutdown_pool()
+def test_pulling_a_value_that_cannot_travel_names_it_and_says_what_to_do(pool):
+    pool.run_cell(
+        "import threading\n"
+        "gen = (i for i in range(3))\n"
+        "box = {'steps': 3, 'lock': threading.Lock()}\n"
+    )
+    with pytest.raises(ResultNotSendable) as generator:
+        pool.pull("gen", ranks=[1])
+    with pytest.raises(ResultNotSendable) as nested:
+        pool.pull("box")
+    after = pool.run_cell("box['steps'] + 1")
     text = str(generator.value)
     assert text.startswith("gen (generator) on rank 1 cannot be brought into the notebook")
     assert "cannot pickle 'generator' object" in text and "list(gen) of a generator" in text

@@ -122,27 +122,20 @@ def _sampler_thread() -> tuple[int, int]:
     return os.getpid(), sampler.native_id
 
 
-def test_an_idle_pools_memory_sampler_sleeps() -> None:
-    from nbaccel.notebook.kernel import pool as pool_module
-
-    pool = pool_module.start_pool(num_processes=2, renderer=Renderer())
-    try:
-        threads = pool.call(_sampler_thread)
-        assert sorted(threads) == [0, 1]
-        time.sleep(3.5)  # after a call the samplers look every 50 ms for 2 s, then sleep (margin)
-        before = {rank: voluntary_switches(*ids) for rank, ids in threads.items()}
-        time.sleep(1.0)  # an idle pool: its samplers wait for a call, they do not poll
-        for rank, ids in threads.items():
-            woke = voluntary_switches(*ids) - before[rank]
-            assert woke <= 2, (rank, woke)  # polling: ~20 a second
-        rec = Recorder()  # a call after the sleep wakes them: samples during it, and at its end
-        pool.call(_hold_memory, 1.2, renderer=rec)
-        for rank in (0, 1):
-            samples = [e for e in rec.events if e[1] == rank and e[2] == "memory"]
-            assert len(samples) >= 3, (rank, len(samples))  # ~0.05 s, ~0.55 s, ~1.05 s, the end
-    finally:
-        pool_module.shutdown_pool()
-        pool.shutdown()
+def test_an_idle_pools_memory_sampler_sleeps(pool) -> None:
+    threads = pool.call(_sampler_thread)
+    assert sorted(threads) == [0, 1]
+    time.sleep(3.5)  # after a call the samplers look every 50 ms for 2 s, then sleep (margin)
+    before = {rank: voluntary_switches(*ids) for rank, ids in threads.items()}
+    time.sleep(1.0)  # an idle pool: its samplers wait for a call, they do not poll
+    for rank, ids in threads.items():
+        woke = voluntary_switches(*ids) - before[rank]
+        assert woke <= 2, (rank, woke)  # polling: ~20 a second
+    rec = Recorder()  # a call after the sleep wakes them: samples during it, and at its end
+    pool.call(_hold_memory, 1.2, renderer=rec)
+    for rank in (0, 1):
+        samples = [e for e in rec.events if e[1] == rank and e[2] == "memory"]
+        assert len(samples) >= 3, (rank, len(samples))  # ~0.05 s, ~0.55 s, ~1.05 s, the end
 
 
 def _keep_mib(n: int) -> None:
