@@ -34,7 +34,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -44,6 +43,7 @@ from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.remote.agent_session import (
     Session,
+    agent_folder,
     directory_error,
     machine_id,
     shm_dir,
@@ -99,7 +99,7 @@ class Agent:
         self.name = str(config.get("name", socket.gethostname()))
         self.watch_stdin = watch_stdin
         self.start_dir = os.getcwd()
-        self.private = tempfile.mkdtemp(prefix=f"nbaccel-agent-{os.getpid()}-")
+        self.private = agent_folder()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         # forked from this process, which imported torch already (one import per host, not two);

@@ -16,7 +16,40 @@ import tempfile
 
 from nbaccel.launch.host.processes import WorkerProcess
 
-__all__ = ["Session", "directory_error", "machine_id", "shm_dir"]
+__all__ = ["Session", "agent_folder", "directory_error", "machine_id", "shm_dir"]
+
+_FOLDER_PREFIX = "nbaccel-agent-"
+
+
+def agent_folder() -> str:
+    """A new private folder (0700, in the temp dir) for this agent's launches.
+
+    An agent killed outright (SIGKILL) cannot remove its folder; the next agent on the host
+    removes such folders first: only its user's, only empty ones, only where the agent's
+    process is gone. Where another PID namespace shares this temp dir, a live agent's empty
+    folder may be taken for such: :class:`Session` makes it again for that agent's next launch.
+    """
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(_FOLDER_PREFIX) :].split("-", 1)[0]
+            if not (name.startswith(_FOLDER_PREFIX) and pid.isdigit()) or _alive(int(pid)):
+                continue
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_uid == os.getuid():
+                    os.rmdir(path)  # refused unless empty
+    return tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def machine_id() -> str:
@@ -49,6 +82,7 @@ class Session:
     def __init__(self, lid: str, private: str) -> None:
         self.lid = lid
         self.private = private
+        os.makedirs(os.path.dirname(private), mode=0o700, exist_ok=True)  # see agent_folder
         os.makedirs(private, mode=0o700)
         self.entrance = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.entrance_path = os.path.join(private, "channel")
