@@ -21,6 +21,7 @@ from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
 from nbaccel.launch.launchers.kernel_modules import preload_setting
+from nbaccel.launch.rank import allocator
 from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 
@@ -177,6 +178,7 @@ class LaunchPlan:
         without mixed precision: each cell sets its own (``%%distributed --mixed_precision``).
         """
         _refuse_nested_launch()
+        allocator.settings(os.environ)  # a malloc variable the ranks could not read: say so now
         request = request or LaunchRequest()
         if front == Front.MAGIC and request.mixed_precision != "no":
             request = dataclasses.replace(request, mixed_precision="no")  # a cell's, not the pool's

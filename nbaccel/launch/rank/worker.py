@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from nbaccel.launch.rank import notebook_state, rendezvous
+from nbaccel.launch.rank import allocator, notebook_state, rendezvous
 from nbaccel.launch.rank import watch as rank_watch
 from nbaccel.launch.wire.channel import Connection, connect
 from nbaccel.launch.wire.errors import describe_exception
@@ -141,6 +141,7 @@ def _prepare_process(spec: WorkerSpec) -> list[str]:
     import torch
 
     torch.set_num_threads(spec.threads)
+    allocator.apply(os.environ)  # freed memory kept for the next step
     rendezvous.install()  # init_process_group() does not sleep on torch's retry
     return notebook_state.apply(spec.notebook_state)
 
