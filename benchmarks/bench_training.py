@@ -1,12 +1,14 @@
 """Training steps per second on 2 gloo ranks: hand-written DDP vs nbaccel vs accelerate.
 
-Run: .venv/bin/python benchmarks/bench_training.py   (needs `pip install -c constraints.txt
-"accelerate==1.15.0"`). Both ranks build the three loops once, then interleave them in short
-chunks of steps (rotating the order each round), so that load from other processes on the machine
-hits all three alike. Reported: median steps/s per loop, and the median over rounds of the paired
-per-round ratios (the robust figure on a noisy machine). Results go to
-benchmarks/results/training.json. Two models: a small transformer encoder and the MLP of
-ANCHORS.md (256-1024-1024-10), AdamW, batch 16 per rank, one thread per rank. Never run in CI.
+Run: .venv/bin/python benchmarks/bench_training.py [--kept-memory]
+(needs `pip install -c constraints.txt "accelerate==1.15.0"`). Both ranks build the three loops
+once, then interleave them in short chunks of steps (rotating the order each round), so that
+load from other processes on the machine hits all three alike. Reported: median steps/s per
+loop, and the median over rounds of the paired per-round ratios (the robust figure on a noisy
+machine). Results go to benchmarks/results/training.json. Two models: a small transformer
+encoder and the MLP of ANCHORS.md (256-1024-1024-10), AdamW, batch 16 per rank, one thread per
+rank. ``--kept-memory`` runs the MLP with the ranks' malloc tuning off and on, alternating (3 each),
+to results/training_kept_memory.json. Never run in CI.
 """
 
 from __future__ import annotations
@@ -201,7 +203,70 @@ def measure(
     return report
 
 
+def measure_kept_memory(repeat: int = 3) -> dict:
+    """The MLP workload with the ranks' malloc tuning off (``NBACCEL_KEEP_FREED_MEMORY=0``:
+    glibc's defaults, as in Accelerate's ranks) and on (the default), alternating: each loop's
+    median steps/s, and the minor page faults per step of a plain loop (median of the runs)."""
+    import os
+
+    from nbaccel.testing import run_on_ranks
+
+    runs: dict[str, list[dict]] = {"glibc defaults": [], "kept (default)": []}
+    for _ in range(repeat):
+        for label, flag in (("glibc defaults", "0"), ("kept (default)", "1")):
+            os.environ["NBACCEL_KEEP_FREED_MEMORY"] = flag
+            try:
+                result = run_on_ranks(_rank_main, args=("mlp", None), timeout=900)[0]
+                faults = run_on_ranks(_faults_per_step, timeout=300)
+            finally:
+                del os.environ["NBACCEL_KEEP_FREED_MEMORY"]
+            medians = {k: statistics.median(v) for k, v in result["steps_per_s"].items()}
+            runs[label].append({"steps_per_s": medians, "faults_per_step": max(faults)})
+    report = {}
+    for label, entries in runs.items():
+        report[label] = {
+            "steps_per_s": {
+                loop: statistics.median(e["steps_per_s"][loop] for e in entries)
+                for loop in entries[0]["steps_per_s"]
+            },
+            "faults_per_step": statistics.median(e["faults_per_step"] for e in entries),
+        }
+        print(f"== mlp, {label}: {report[label]}")
+    return report
+
+
+def _faults_per_step() -> int:
+    """Minor page faults of the median step of a plain MLP loop (zero_grad after the step)."""
+    import resource
+
+    import torch
+
+    torch.set_num_threads(1)
+    model, data, loss_fn, _ = _mlp()
+    model = model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data[:BATCH]
+    faults = []
+    for i in range(26):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i >= 5:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return sorted(faults)[len(faults) // 2]
+
+
 def main() -> None:
+    if "--kept-memory" in sys.argv:
+        report = measure_kept_memory()
+        out = ROOT / "benchmarks" / "results" / "training_kept_memory.json"
+        from provenance import stamp
+
+        report["provenance"] = stamp()
+        out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}")
+        return
     report = measure()
     out = ROOT / "benchmarks" / "results" / "training.json"
     out.parent.mkdir(parents=True, exist_ok=True)
