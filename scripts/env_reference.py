@@ -126,6 +126,10 @@ NBACCEL_SHM_DIR (setting)
 NBACCEL_HUGE_PAGES (setting)
     `0`: the fork server does not collapse its memory into huge pages.
 
+NBACCEL_KEEP_FREED_MEMORY (setting)
+    `0`: ranks keep glibc's own malloc thresholds instead of keeping freed memory (blocks up to
+    32 MiB from the heap, up to 128 MiB free kept at its top) for their next step.
+
 NBACCEL_PRELOAD (setting)
     What ranks start with imported besides torch, when a launch does not pass `preload=`:
     `auto` (default: in a notebook kernel, the libraries it imported, preloaded in the fork
