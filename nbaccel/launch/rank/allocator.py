@@ -5,7 +5,7 @@ optimizer's temporaries, activations. glibc gives a freed block at the top of it
 the system once more than a threshold is free there (128 KiB at first, raised as it sees large
 frees), and a block over its mmap threshold gets a mapping of its own, unmapped when freed. The
 next step then faults in every 4 KiB page it touches again. On a 2-rank CPU step of a small MLP
-(1.3 M parameters, AdamW) that was about 3,000 page faults and 3-4 ms of a 16 ms step, or none,
+(1.3 M parameters, AdamW) that was 2,000-3,000 page faults and 3-4 ms of a 16 ms step, or none,
 depending only on where the loop calls ``zero_grad``. Ranks forked from the fork server never
 read the notebook's ``MALLOC_*_`` variables either: glibc reads them when a process starts.
 
