@@ -127,8 +127,8 @@ NBACCEL_HUGE_PAGES (setting)
     `0`: the fork server does not collapse its memory into huge pages.
 
 NBACCEL_KEEP_FREED_MEMORY (setting)
-    `0`: ranks keep glibc's own malloc thresholds instead of keeping freed memory (blocks up to
-    32 MiB from the heap, up to 128 MiB free kept at its top) for their next step.
+    `0`: ranks keep glibc's own malloc thresholds instead of keeping freed memory (blocks under
+    8 MiB from the heap, up to 32 MiB free kept at its top) for their next step.
 
 NBACCEL_PRELOAD (setting)
     What ranks start with imported besides torch, when a launch does not pass `preload=`:

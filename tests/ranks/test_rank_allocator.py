@@ -58,7 +58,7 @@ def test_a_ranks_training_steps_fault_in_nothing(monkeypatch):
 def test_the_notebooks_malloc_variables_reach_the_ranks(monkeypatch):
     monkeypatch.delenv("NBACCEL_KEEP_FREED_MEMORY", raising=False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # give back every free page at once
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(32 << 20))  # as nbaccel sets it
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(8 << 20))  # as nbaccel sets it
     assert max(_launch()) > 500
 
 

@@ -13,7 +13,7 @@ DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": 
 @pytest.mark.parametrize("flag", ["", "1", "yes", "on"])
 def test_ranks_keep_freed_memory_by_default(flag):
     assert settings({"NBACCEL_KEEP_FREED_MEMORY": flag}) == DEFAULTS
-    assert MMAP_THRESHOLD == 32 << 20 and TRIM_THRESHOLD == 128 << 20
+    assert MMAP_THRESHOLD == 8 << 20 and TRIM_THRESHOLD == 32 << 20
 
 
 @pytest.mark.parametrize(

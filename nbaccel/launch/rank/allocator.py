@@ -9,8 +9,11 @@ next step then faults in every 4 KiB page it touches again. On a 2-rank CPU step
 depending only on where the loop calls ``zero_grad``. Ranks forked from the fork server never
 read the notebook's ``MALLOC_*_`` variables either: glibc reads them when a process starts.
 
-So each rank, before the user's code runs, sets (``mallopt``): blocks up to 32 MiB come from the
-heap, and up to 128 MiB free at its top is kept for reuse. Where the notebook's environment has
+So each rank, before the user's code runs, sets (``mallopt``): blocks under 8 MiB come from the
+heap, and up to 32 MiB free at its top is kept for reuse. Larger blocks (an embedding table, its
+gradient) keep a mapping of their own, given back when freed as glibc does: a rank's unique
+memory after its first step stays what it was (a small Llama: 312 MiB, against 468 MiB with
+32 MiB / 128 MiB). Where the notebook's environment has
 its own ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_MMAP_MAX_``, those apply instead, as in a freshly started process. Nothing is set under
 ``NBACCEL_KEEP_FREED_MEMORY=0``, where ``GLIBC_TUNABLES`` tunes ``glibc.malloc``, where another
@@ -38,10 +41,10 @@ _VARIABLES = {
     "MALLOC_MMAP_MAX_": _M_MMAP_MAX,
 }
 _MIB = 1 << 20
-#: blocks under this come from the heap (glibc's largest mmap threshold on 64-bit systems)
-MMAP_THRESHOLD = 32 * _MIB
+#: blocks under this come from the heap
+MMAP_THRESHOLD = 8 * _MIB
 #: free memory kept at the top of the heap
-TRIM_THRESHOLD = 128 * _MIB
+TRIM_THRESHOLD = 32 * _MIB
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
