@@ -258,17 +258,10 @@ def _faults_per_step() -> int:
 
 
 def main() -> None:
-    if "--kept-memory" in sys.argv:
-        report = measure_kept_memory()
-        out = ROOT / "benchmarks" / "results" / "training_kept_memory.json"
-        from provenance import stamp
-
-        report["provenance"] = stamp()
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}")
-        return
-    report = measure()
-    out = ROOT / "benchmarks" / "results" / "training.json"
+    kept_memory = "--kept-memory" in sys.argv
+    report = measure_kept_memory() if kept_memory else measure()
+    name = "training_kept_memory.json" if kept_memory else "training.json"
+    out = ROOT / "benchmarks" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     from provenance import stamp  # the date, commit and machine of this run
 
