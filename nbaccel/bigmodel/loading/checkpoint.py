@@ -13,10 +13,10 @@ What is mapped and what is copied: a safetensors tensor bound for the CPU in the
 stored in becomes the parameter as it is, a view of the file's private memory map (its pages are
 read when first touched, shared with the page cache, copied only if written to). A tensor whose
 dtype changes is cast from the mapping into new memory and its mapped pages are released. A
-tensor bound for a GPU is streamed through pinned staging buffers
-(:class:`~nbaccel.bigmodel.host_to_device.HostToDevice`), its mapped pages released after. A
-load that fails (a corrupt or truncated file, a shape that does not fit, a file changed while
-it was read) puts back every tensor it had replaced, so no half-loaded model is left in use.
+tensor bound for a GPU is streamed through pinned staging buffers (:class:`HostToDevice`), its
+mapped pages released after. A load that fails (a corrupt or truncated file, a shape that does
+not fit, a file changed while it was read) puts back every tensor it had replaced, so no
+half-loaded model is left in use.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import nn
 
 from nbaccel.bigmodel import offload as _offload
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
-from nbaccel.bigmodel.host_to_device import HostToDevice
+from nbaccel.bigmodel.loading.host_to_device import HostToDevice
 from nbaccel.bigmodel.offload import save_offload_index
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.planning.device_map import _lookup, get_device_map
