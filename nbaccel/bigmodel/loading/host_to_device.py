@@ -23,7 +23,7 @@ class HostToDevice:
     """
 
     def __init__(
-        self, device: torch.device | str, buffer_bytes: int = 64 << 20, buffers: int = 2
+        self, device: torch.device | str, buffer_bytes: int = 32 << 20, buffers: int = 2
     ) -> None:
         self.device = torch.device(device)
         self.accelerated = self.device.type == "cuda"
