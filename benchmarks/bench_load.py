@@ -16,6 +16,7 @@ peak host RSS of the streamed load.
     python benchmarks/bench_load.py --size 0.25b --modes fp32,nf4      # a quick look
     python benchmarks/bench_load.py                                     # 1B, every mode
     python benchmarks/bench_load.py --gpu --size 0.5b --modes fp32      # the GPU lane
+    python benchmarks/bench_load.py --gpu --size tiny                   # no CUDA: a dry run
 
 Writes ``benchmarks/results/load.json`` (``load_gpu.json`` with ``--gpu``).
 """
@@ -266,6 +267,30 @@ def measure(size: str, modes: list[str], repeats: int, cache: Path, device: str 
     return {"size": size, "device": device, "repeats": repeats, "modes": rows}
 
 
+def dry_run(cache: Path, size: str) -> dict:
+    """Without CUDA: the GPU path's staging steps onto the CPU (every tensor of the checkpoint
+    through :class:`HostToDevice`'s buffers), checked against the file; a smoke run, no figures
+    to quote."""
+    import torch
+
+    from nbaccel.bigmodel.loading.host_to_device import HostToDevice
+    from nbaccel.storage.safetensors_file import SafetensorsFile
+
+    folder = checkpoint(cache, size)
+    warm_page_cache(folder)
+    stream, moved, start = HostToDevice("cpu"), 0, time.perf_counter()
+    for path in sorted(folder.glob("*.safetensors")):
+        handle = SafetensorsFile(path)
+        for name in handle.entries:
+            src = handle.view(name)
+            if not torch.equal(stream.copy(src), src):
+                raise RuntimeError(f"{path}: {name} differs after staging")
+            moved += src.numel() * src.element_size()
+    stream.finish()
+    seconds = time.perf_counter() - start
+    return {"dry_run": True, "bytes": moved, "seconds": round(seconds, 3)}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         lib, mode, folder, device, out = sys.argv[2:7]
@@ -285,6 +310,12 @@ def main() -> None:
         parser.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
     device = "cuda:0" if args.gpu else "cpu"
     if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: a dry run of the staging path on the CPU (nothing written)")
+            print(json.dumps(dry_run(Path(args.cache_dir), args.size)))
+            return
         modes = [m for m in modes if m in ("fp32", "bf16")] or ["fp32"]
     result = measure(args.size, modes, args.repeats, Path(args.cache_dir), device)
     sys.path.insert(0, str(ROOT / "benchmarks"))
