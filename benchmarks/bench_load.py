@@ -248,6 +248,7 @@ def measure(size: str, modes: list[str], repeats: int, cache: Path, device: str 
                 for k in ("load_s", "load_forward_s", "peak_rss_mb")
             }
             med["runs"] = len(good)
+            med["load_forward_each_s"] = [round(x["load_forward_s"], 3) for x in good]
             if reference.exists() and (tmp / f"{lib}-{mode}-0.pt").exists():
                 ours = torch.load(tmp / f"{lib}-{mode}-0.pt")
                 med["logits_equal"] = bool(torch.equal(ours, torch.load(reference)))
