@@ -308,10 +308,4 @@ def release_all() -> int:
     return len(allocations)
 
 
-def warm_count() -> int:
-    """Allocations kept warm now (none leased)."""
-    with _lock:
-        return sum(1 for a in _allocations.values() if not a.leased)
-
-
 atexit.register(release_all)
