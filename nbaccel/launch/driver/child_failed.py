@@ -11,15 +11,13 @@ rebuilds the same mixed class.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 from nbaccel.launch.wire.errors import shown_message, unlabelled
 
 __all__ = ["as_child_failed"]
-
-_MIXED: dict[type, type] = {}
-
 
 _OS_FIELDS = ("errno", "strerror", "filename", "filename2")  # OSError's, outside args/__dict__
 
@@ -51,22 +49,20 @@ def _reduce(self: BaseException) -> tuple[Any, ...]:
     return _rebuild, (self._nbaccel_original_class, self.args, _state(self))
 
 
+@functools.cache
 def _mixed_class(original: type) -> type:
+    """The subclass of ``original`` and ChildFailedError, made once per class."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    mixed = _MIXED.get(original)
-    if mixed is None:
-        namespace = {
-            "__module__": original.__module__,
-            "__qualname__": original.__qualname__,
-            "__doc__": original.__doc__,
-            "__reduce__": _reduce,
-            "__str__": _str,
-            "_nbaccel_original_class": original,
-        }
-        mixed = type(original.__name__, (original, ChildFailedError), namespace)
-        _MIXED[original] = mixed
-    return mixed
+    namespace = {
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+        "__reduce__": _reduce,
+        "__str__": _str,
+        "_nbaccel_original_class": original,
+    }
+    return type(original.__name__, (original, ChildFailedError), namespace)
 
 
 def as_child_failed(exc: BaseException, name: str, rank: int | None = None) -> BaseException:

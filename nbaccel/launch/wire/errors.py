@@ -11,6 +11,7 @@ rank's label.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -229,39 +230,33 @@ def _same_type(info: dict[str, Any]) -> BaseException | None:
     return exc
 
 
-_LABELLED: dict[type, type] = {}
-
-
+@functools.cache
 def _labelled_class(base: type) -> type:
     """A subclass of ``base`` that shows a fixed text (``_nbaccel_text``) as its message, for
     exceptions whose own ``__str__`` cannot carry the rank (``OSError``'s errno form, a custom
     ``__str__``, non-string args such as ``ValueError(42)``). Same name, so the notebook shows
     the original type; ``isinstance`` and ``except`` work; it pickles as ``base``."""
-    cls = _LABELLED.get(base)
-    if cls is None:
 
-        def __str__(self: BaseException) -> str:
-            return self.__dict__.get("_nbaccel_text", "")
+    def __str__(self: BaseException) -> str:
+        return self.__dict__.get("_nbaccel_text", "")
 
-        def __reduce__(self: BaseException) -> Any:
-            reduced = base.__reduce__(self)
-            state = {k: v for k, v in (reduced[2] or {}).items() if k != "_nbaccel_text"}
-            return (base, *reduced[1:2], state or None, *reduced[3:])
+    def __reduce__(self: BaseException) -> Any:
+        reduced = base.__reduce__(self)
+        state = {k: v for k, v in (reduced[2] or {}).items() if k != "_nbaccel_text"}
+        return (base, *reduced[1:2], state or None, *reduced[3:])
 
-        cls = type(
-            base.__name__,
-            (base,),
-            {
-                "__str__": __str__,
-                "__reduce__": __reduce__,
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__doc__": base.__doc__,
-                "_nbaccel_labelled_base": base,
-            },
-        )
-        _LABELLED[base] = cls
-    return cls
+    return type(
+        base.__name__,
+        (base,),
+        {
+            "__str__": __str__,
+            "__reduce__": __reduce__,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_nbaccel_labelled_base": base,
+        },
+    )
 
 
 def unlabelled(cls: type) -> type:
