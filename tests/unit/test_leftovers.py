@@ -119,3 +119,48 @@ def test_the_check_finds_a_function_nothing_names():
     assert unreferenced({**sources, "tests/t.py": "forgotten()"}, {"nbaccel.w"}) == [
         "nbaccel.m:13 is_served_whole"
     ]
+
+
+_FIGURE = re.compile(
+    r"\d[\d.,]*\s?(ms|µs|ns)\b|\d[\d.,]*\s?x (faster|slower)|\d+% (sooner|faster|slower)"
+    r"|\btook \d|\d[\d.,]*\s?[KMG]i?B measured",
+    re.IGNORECASE,
+)
+
+
+def measured_figures(text: str, where: str) -> list[str]:
+    """``where:line`` of the docstring lines of ``text`` that quote a measured figure (a time
+    in ms, µs or ns, "N x faster", "N% sooner", "took N"): figures go stale in docstrings and
+    belong to the benchmarks' results, dated, with their commit and machine."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if doc is None:
+            continue
+        first = node.body[0].lineno
+        found += [
+            f"{where}:{first + i}"
+            for i, line in enumerate(doc.splitlines())
+            if _FIGURE.search(line)
+        ]
+    return found
+
+
+def test_no_docstring_quotes_a_measured_figure():
+    package = REPO / "nbaccel"
+    found = [
+        hit
+        for path in sorted(package.rglob("*.py"))
+        for hit in measured_figures(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    assert found == []
+
+
+def test_the_figure_check_sees_timings():
+    text = (
+        '"""Forks cost about 3 ms here; 10x faster than before."""\n\n\n'
+        'def f():\n    """Waits at most 0.2 s, keeps 10% free."""\n'
+    )
+    assert measured_figures(text, "m.py") == ["m.py:1"]
