@@ -26,7 +26,6 @@ from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import describe_exit
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.spec import Mode
 from nbaccel.notebook.kernel import pool_status, pool_values
@@ -153,7 +152,7 @@ class Pool:
             n,
             lambda index: plan.rank_env(index, port),
             self._wrap(renderer),
-            make_launcher(plan.kind, preload=POOL_PRELOAD, **plan.launcher_options()),
+            plan.make_launcher(POOL_PRELOAD),
             mode=Mode.SERVE,
             setup=[
                 *worker_setup(memory=True),
@@ -414,7 +413,7 @@ def start_pool(
                 )
             current.shutdown()
         if renderer is not None:
-            where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
+            where = pool.plan.make_launcher().describe()
             renderer.start(pool.plan.announcement(where), pool.num_processes)
         pool.start(renderer)
         _registry.pool = pool
