@@ -47,7 +47,7 @@ from nbaccel.launch.host.log_store import reclaim_after
 from nbaccel.launch.launchers import server_hold
 from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
 from nbaccel.launch.launchers.kernel_modules import file_stamps, is_candidate
-from nbaccel.launch.launchers.reaper import Reaper, become_subreaper
+from nbaccel.launch.launchers.reaper import Reaper
 from nbaccel.launch.wire.protocol import ServerMessage
 
 __all__ = [
@@ -100,7 +100,6 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    become_subreaper()  # what this rank starts stays below it (see launchers.reaper)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
