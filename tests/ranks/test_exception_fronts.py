@@ -13,7 +13,7 @@ from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 from exception_table import CASES, raise_on_rank, raised
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.errors import remote_traceback
 
 # The shapes through a one-shot launch each (every case runs through the pool below).

@@ -147,3 +147,10 @@ def test_the_check_sees_an_undeclared_import():
     ]
     guarded = "try:\n    import grpc\nexcept ImportError:\n    grpc = None\n"
     assert _problems([(sample, guarded)]) == []
+
+
+def test_every_declared_place_exists():
+    """A module moved without its declaration would pass the check by declaring nothing."""
+    places = [p for extra in EXTRAS for p in DECLARED[extra]]
+    places += [p for tool in DECLARED["contributor-tools"].values() for p in tool]
+    assert [p for p in places if not (ROOT / p).exists()] == []

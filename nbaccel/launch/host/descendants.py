@@ -6,7 +6,7 @@ was started (forked from the kernel, from the fork server, from a host's agent, 
 daemon that double-forked into a session of its own (``setsid``) still sits below the rank that
 started it. When the rank's work ends, :func:`end_descendants` ends them all (SIGTERM, then
 SIGKILL after :data:`KILL_AFTER` seconds) and says which; the fork server ends what a rank that
-died by a signal leaves (``launchers.reaper``).
+died by a signal leaves (``launchers.forkserver.reaper``).
 
 A process meant to outlive its launch opts out: start it with ``NBACCEL_DETACH=1`` in the
 environment it is *executed* with; it is left alone, and so is what it starts.
