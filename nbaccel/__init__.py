@@ -41,8 +41,8 @@ from nbaccel.launch.wire.unpicklable import UnpicklableError
 from nbaccel.notebook import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.notebook.kernel.detached import Run, attach, runs
 from nbaccel.notebook.kernel.detached_pool import pools
-from nbaccel.notebook.kernel.pool import attach_pool
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
+from nbaccel.notebook.kernel.pool import attach_pool
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
 from nbaccel.training.accelerator.core import Accelerator
 from nbaccel.training.config.configuration import (

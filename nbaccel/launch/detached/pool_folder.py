@@ -82,8 +82,8 @@ class PoolInfo:
         """The listing's columns, as text."""
         from nbaccel.values.byte_text import human_bytes
 
-        since = self.last_cell_at
-        last = f"{time.strftime('%H:%M:%S', time.localtime(since))} {self.last_cell}" if since else ""
+        at = self.last_cell_at
+        last = f"{time.strftime('%H:%M:%S', time.localtime(at))} {self.last_cell}" if at else ""
         return {
             "id": self.id,
             "ranks": str(self.num_processes),

@@ -279,7 +279,6 @@ class Supervisor:
                           reason=f"its runner process ended with code {code} before the run "
                           f"did; see {folder.file('runner.log')}")  # fmt: skip
 
-
     # ------------------------------------------------------------------ pool hosts
     def _start_pool(self, pool_id: str) -> None:
         if pool_id in self.pools:

@@ -99,8 +99,10 @@ class PoolHost:
         self.detached_since = time.time()
         self.listener = listen(folder.socket)
         self.selector = selectors.DefaultSelector()  # the reader thread's
-        self._update(host_pid=os.getpid(), versions=self.versions, idle=self.request.detach_idle,
-                     num_processes=self.pool.num_processes, describe=self.pool.describe())  # fmt: skip
+        self._update(
+            host_pid=os.getpid(), versions=self.versions, idle=self.request.detach_idle,
+            num_processes=self.pool.num_processes, describe=self.pool.describe(),
+        )  # fmt: skip
 
     def _update(self, **changes: Any) -> None:
         with self.lock:
@@ -140,8 +142,11 @@ class PoolHost:
                     if self.calling is kernel:
                         os.kill(os.getpid(), signal.SIGINT)
                 elif kernel is not self.kernel:
-                    kernel.send(("raised", RuntimeError("this kernel is not attached to the "
-                                 "pool (it was taken over): %dist_attach again"), None))  # fmt: skip
+                    taken = RuntimeError(
+                        "this kernel no longer holds the pool (another took it "
+                        "over): %dist_attach --takeover to take it back"
+                    )
+                    kernel.send(("raised", taken, None))
                 else:
                     self.requests.put((kernel, message))
         selector.close()
@@ -158,18 +163,28 @@ class PoolHost:
         pool_id = self.folder.id
         differ = versions_differ(self.versions, who.get("versions", {}))
         if differ:
-            kernel.send(("refused", f"pool {pool_id} runs {differ[0]}; this kernel has "
-                         f"{differ[1]}: attach from an environment with the pool's versions, "
-                         f"or end the pool (nbaccel pools stop {pool_id}) and start a new one."))
+            kernel.send(
+                (
+                    "refused",
+                    f"pool {pool_id} runs {differ[0]}; this kernel has "
+                    f"{differ[1]}: attach from an environment with the pool's versions, "
+                    f"or end the pool (nbaccel pools stop {pool_id}) and start a new one.",
+                )
+            )
             return  # fmt: skip
         old = self.kernel
         if old is not None and not old.closed and not who.get("takeover"):
             since = time.strftime("%H:%M:%S", time.localtime(old.who.get("since", 0)))
-            kernel.send(("refused", f"pool {pool_id} is attached to kernel pid "
-                         f"{old.who.get('pid')} on {old.who.get('host')} "
-                         f"({old.who.get('kernel') or 'no kernel id'}) since {since}: end or "
-                         f"detach that kernel, or take the pool over with %dist_attach {pool_id} "
-                         "--takeover (that kernel's next cell is refused)."))
+            kernel.send(
+                (
+                    "refused",
+                    f"pool {pool_id} is attached to kernel pid "
+                    f"{old.who.get('pid')} on {old.who.get('host')} "
+                    f"({old.who.get('kernel') or 'no kernel id'}) since {since}: end or "
+                    f"detach that kernel, or take the pool over with %dist_attach {pool_id} "
+                    "--takeover (that kernel's next cell is refused).",
+                )
+            )
             return  # fmt: skip
         if old is not None:
             if self.calling is old:
