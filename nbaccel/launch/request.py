@@ -237,7 +237,7 @@ class LaunchRequest:
     detach: bool = option(
         False, "run under this user's supervisor, outliving the kernel or shell: a launch "
         "returns a Run handle at once (nbaccel.runs(), nbaccel.attach(id), nbaccel runs ...); "
-        "a pool keeps its ranks and names for the next kernel (%dist_attach, nbaccel pools)",
+        "a pool keeps its ranks and names for the next kernel to attach (nbaccel pools)",
         Front.LAUNCHER | Front.MAGIC | Front.CLI, check=_flag("detach"),
     )  # fmt: skip
     detach_idle: float = option(

@@ -180,7 +180,7 @@ class DetachedPool:
                 f"the detached pool {self.id} has ended (shut down, its idle time passed, or "
                 "`nbaccel pools stop`); names defined on its ranks are gone."
             )
-        if holder and holder.get("pid") != os.getpid():
+        if holder and holder.get("since") != self.welcome.get("since"):  # another attach
             return PoolEnded(
                 f"the detached pool {self.id} was taken over by kernel pid {holder.get('pid')} "
                 f"on {holder.get('host')}: %dist_attach {self.id} --takeover to take it back."

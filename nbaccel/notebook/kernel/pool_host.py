@@ -199,7 +199,7 @@ class PoolHost:
             "id": pool_id, "num_processes": self.pool.num_processes, "describe": info.describe,
             "backend": self.pool.backend, "cpu": self.pool.cpu, "started": info.started,
             "running": self.pool.running, "lost": info.lost, "last_cell": info.last_cell,
-            "taken_from": old.who if old is not None else None,
+            "taken_from": old.who if old is not None else None, "since": kernel.who["since"],
         }))  # fmt: skip
 
     def _drop(self, kernel: _Kernel) -> None:
@@ -258,6 +258,8 @@ class PoolHost:
                 answer: Any = None
             elif kind == "call":
                 _, function, args, kwargs, ranks, timeout, first_line = message
+                if self.folder.info().lost:  # before the group may have seen the rank end
+                    self.pool.restart(relay, reason="ranks ended while no kernel was attached")
                 answer = self.pool.call(function, *args, ranks=ranks, timeout=timeout,
                                         renderer=relay, **kwargs)  # fmt: skip
                 if first_line:
