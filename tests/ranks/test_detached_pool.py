@@ -19,6 +19,7 @@ import pytest
 from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 
 from nbaccel.launch.detached.pool_folder import list_pools, pools_root
+from nbaccel.launch.detached.pool_link import connect
 from nbaccel.launch.host.processes import pid_alive
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.notebook.kernel.detached_pool import (
@@ -68,21 +69,30 @@ def test_attach_takeover_and_the_refusals_that_name_the_fix(detached):
     with pytest.raises(PoolEnded, match="taken over"):
         first.run_cell("pass")
 
-    # a pool of other versions is refused, naming both
+    # a kernel of other versions is refused, naming both: a hello as such a kernel sends it
     second.release()
-    folder = second.folder
-    host_versions = folder.info().versions
-    assert host_versions["torch"]
-    other = dict(host_versions, nbaccel="0.0.1")
-    import nbaccel.notebook.kernel.detached_pool as module
-
-    real = module.running_versions
-    module.running_versions = lambda: other  # this process as a kernel of another nbaccel
+    versions = second.info().versions
+    assert versions["torch"]
+    conn = connect(second.folder.socket)
     try:
-        with pytest.raises(RuntimeError, match=r"runs nbaccel .* with torch .*nbaccel 0\.0\.1"):
-            attach_detached_pool(first.id)
+        conn.send(
+            (
+                "hello",
+                {
+                    "pid": os.getpid(),
+                    "host": "here",
+                    "kernel": "other-env",
+                    "versions": dict(versions, nbaccel="0.0.1"),
+                    "takeover": True,
+                },
+            )
+        )
+        kind, text = conn.recv()
     finally:
-        module.running_versions = real
+        conn.close()
+    assert kind == "refused"
+    assert f"runs nbaccel {versions['nbaccel']} with torch {versions['torch']}" in text, text
+    assert f"this kernel has nbaccel 0.0.1 with torch {versions['torch']}" in text, text
     third = attach_detached_pool(first.id)
     assert third.pull("x")[1].tolist() == [0.0, 1.0, 2.0]
     first.conn, first.closed = third.conn, False  # the fixture's shutdown goes through it
@@ -98,7 +108,7 @@ def test_a_rank_that_dies_while_detached_is_reported_at_the_next_attach(detached
     while not pool.folder.info().lost and time.monotonic() < deadline:
         time.sleep(0.2)
     again = attach_detached_pool(pool.id)
-    assert f"rank(s) [1] ended" in again.welcome["lost"], again.welcome
+    assert "rank(s) [1] ended" in again.welcome["lost"], again.welcome
     assert "names defined on the ranks are lost" in again.welcome["lost"]
     again.run_cell("z = 2")  # the pool restarts its ranks and goes on
     assert not again.folder.info().lost
