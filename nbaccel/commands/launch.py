@@ -317,7 +317,7 @@ def _launch(args: argparse.Namespace) -> int:
         env.update(deepspeed_environment(args, args.num_processes))
     request = _request(args, per_machine, int(args.master_port) if world else None)
     if request.use_megatron_lm:  # the plugin is built once here: refusals before any rank
-        from nbaccel.training.strategies.model_parallel.megatron_launch import megatron_check
+        from nbaccel.training.strategies.megatron.launch import megatron_check
 
         env.update(megatron_check(request.megatron_environment(), args.num_processes))
     call = (target, list(args.training_script_args), args.module, os.getcwd(),

@@ -20,7 +20,7 @@ import torch
 from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
-from nbaccel.launch.launchers.kernel_modules import preload_setting
+from nbaccel.launch.launchers.forkserver.kernel_modules import preload_setting
 from nbaccel.launch.rank import allocator
 from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind

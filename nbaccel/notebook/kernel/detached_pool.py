@@ -27,9 +27,9 @@ from nbaccel.launch.detached.replay import apply_record
 from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.wire.unpicklable import UnpicklableError
+from nbaccel.notebook.kernel.cell_renderer import CellRenderer
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
 from nbaccel.notebook.kernel.detached import RunList
-from nbaccel.notebook.kernel.rank_output import CellRenderer
 
 __all__ = [
     "DetachedPool",
