@@ -24,7 +24,7 @@ from nbaccel.launch.detached.folder import RunFolder
 from nbaccel.launch.detached.pool_folder import PoolFolder, PoolInfo, find_pool, list_pools
 from nbaccel.launch.detached.pool_link import connect
 from nbaccel.launch.detached.replay import apply_record
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.wire.unpicklable import UnpicklableError
 from nbaccel.notebook.kernel.cell_renderer import CellRenderer
