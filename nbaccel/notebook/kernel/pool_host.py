@@ -97,6 +97,10 @@ class PoolHost:
         self.requests: queue.Queue[tuple[_Kernel, tuple]] = queue.Queue()
         self.ending: str | None = None
         self.detached_since = time.time()
+        self.lost = ""  # said to the next kernel that attaches; pool.json has it too
+        self.rank_pids: dict[str, int] = {}
+        self.state = "starting"
+        self.later: dict[str, Any] = {}  # pool.json changes written at the next tick
         self.listener = listen(folder.socket)
         self.selector = selectors.DefaultSelector()  # the reader thread's
         self._update(
@@ -198,7 +202,7 @@ class PoolHost:
         kernel.send(("welcome", {
             "id": pool_id, "num_processes": self.pool.num_processes, "describe": info.describe,
             "backend": self.pool.backend, "cpu": self.pool.cpu, "started": info.started,
-            "running": self.pool.running, "lost": info.lost, "last_cell": info.last_cell,
+            "running": self.pool.running, "lost": self.lost, "last_cell": info.last_cell,
             "taken_from": old.who if old is not None else None, "since": kernel.who["since"],
         }))  # fmt: skip
 
@@ -232,20 +236,25 @@ class PoolHost:
             self.folder.remove()
 
     def _tick(self) -> None:
+        if self.later:  # off a cell's path: the last cell, the ranks' pids
+            changes, self.later = self.later, {}
+            self._update(**changes)
         if self.kernel is not None or not self.pool.running:
             return
         if time.time() - self.detached_since > self.request.detach_idle:
             self.ending = f"no kernel attached for {self.request.detach_idle:g} s"
             return
         group = self.pool.group
-        if group is not None and not self.folder.info().lost:
+        if group is not None and not self.lost:
             dead = [r for r in self.pool.ranks if r not in pool_status.alive_ranks(group)]
             if dead:
                 when = time.strftime("%H:%M:%S")
-                self._update(lost=f"rank(s) {dead} ended at {when} while no kernel was "
-                             "attached (pids " + ", ".join(str(self.pool.pids.get(r)) for r in dead)
-                             + "); the next cell restarts the pool: names defined on the ranks "
-                             "are lost.")  # fmt: skip
+                self.lost = (
+                    f"rank(s) {dead} ended at {when} while no kernel was attached (pids "
+                    + ", ".join(str(self.pool.pids.get(r)) for r in dead)
+                    + "); the next cell restarts the pool: names defined on the ranks are lost."
+                )
+                self._update(lost=self.lost)
 
     def _run(self, kernel: _Kernel, message: tuple) -> None:
         kind = message[0]
@@ -258,12 +267,12 @@ class PoolHost:
                 answer: Any = None
             elif kind == "call":
                 _, function, args, kwargs, ranks, timeout, first_line = message
-                if self.folder.info().lost:  # before the group may have seen the rank end
+                if self.lost:  # before the group may have seen the rank end
                     self.pool.restart(relay, reason="ranks ended while no kernel was attached")
                 answer = self.pool.call(function, *args, ranks=ranks, timeout=timeout,
                                         renderer=relay, **kwargs)  # fmt: skip
                 if first_line:
-                    self._update(last_cell=first_line[:80], last_cell_at=time.time())
+                    self.later.update(last_cell=first_line[:80], last_cell_at=time.time())
             elif kind == "status":
                 answer = self.pool.status(message[1])
             elif kind == "restart":
@@ -289,12 +298,13 @@ class PoolHost:
                                                 f"{type(exc).__name__}: {exc}"), None))  # fmt: skip
 
     def _after_call(self) -> None:
+        """Keep ``pool.json``'s ranks current (rarely changes: a start or restart, written now;
+        the last cell waits for the next tick, off the cell's path)."""
         pids = {str(rank): pid for rank, pid in self.pool.pids.items()}
         state = "running" if self.pool.running else "starting"
-        info = self.folder.info()
-        lost = info.lost if pids == info.rank_pids else ""  # a restart replaced the lost ranks
-        if pids != info.rank_pids or state != info.state or lost != info.lost:
-            self._update(rank_pids=pids, state=state, lost=lost)
+        if pids != self.rank_pids or state != self.state:  # a restart replaced any lost rank
+            self.rank_pids, self.state, self.lost = pids, state, ""
+            self._update(rank_pids=pids, state=state, lost="")
 
 
 def _sendable(exc: BaseException | None) -> BaseException | None:
