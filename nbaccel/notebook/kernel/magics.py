@@ -191,11 +191,12 @@ class DistributedMagics(Magics):
                 self._hint_push(exc)
             if getattr(exc, "rank", None) is None and not isinstance(exc, LaunchTimeout):
                 raise
-            raise exc.with_traceback(None) from exc.__cause__  # the pool's frames are noise
+            # the pool's frames are noise; re-raising the handled exception keeps its chain
+            raise exc.with_traceback(None)  # noqa: B904
         except KeyboardInterrupt as exc:
             if getattr(exc, "rank", None) is not None:  # raised by the rank's code: its error
                 _show_values(renderer, getattr(exc, "rank_results", {}))
-                raise exc.with_traceback(None) from exc.__cause__
+                raise exc.with_traceback(None)  # noqa: B904 - its own chain kept
             raise KeyboardInterrupt from None
         finally:
             renderer.finish(ok)
