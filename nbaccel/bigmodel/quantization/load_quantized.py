@@ -100,7 +100,8 @@ def _releaser(handle: SafetensorsFile, key: str) -> Callable[[], None]:
 
 def quantize_threads() -> int:
     """Weights quantized at once: bitsandbytes' CPU quantization runs one core per tensor."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores or 1))
 
 
 class _QuantizedLoad:
