@@ -3,8 +3,9 @@
 Every front builds one :class:`LaunchPlan` with :meth:`LaunchPlan.create`, which is the single
 place for the defaults (see :data:`CPU_DEFAULT_NUM_PROCESSES`), the validation of the options
 (before anything starts) and the announcement line. The plan then gives each rank its
-environment: the torchrun-style variables that ``PartialState`` reads (RANK, WORLD_SIZE, ...)
-and nbaccel's own (NBACCEL_LAUNCHER, NBACCEL_MIXED_PRECISION, NBACCEL_CPU).
+environment: the torchrun-style variables that ``PartialState`` reads (RANK, WORLD_SIZE, ...),
+Accelerate's launch contract for the request's settings (``ACCELERATE_MIXED_PRECISION``,
+``ACCELERATE_USE_CPU``, ``FSDP_*``...: :mod:`nbaccel.launch.accelerate_env`) and NBACCEL_LAUNCHER.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nbaccel.launch.accelerate_env import accelerate_environment, contract_notices
 from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
@@ -133,6 +135,11 @@ def resolve_kind(start_method: str, xla: bool = False) -> LaunchKind:
     return LaunchKind(start_method)
 
 
+def _role(rank: int, world: int) -> dict[str, str]:
+    """torchrun's role variables (one role, named ``default``, as torchrun names it)."""
+    return {"ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)}
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """The ranks of this node and the world they belong to. Build it with :meth:`create`."""
@@ -159,6 +166,8 @@ class LaunchPlan:
     line_prefix: str | None = None  # template of each output line's prefix (RankLabels)
     #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
     remote: RemoteOptions | None = None
+    #: the request's settings by Accelerate's names (``LaunchRequest.accelerate_settings``)
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -223,6 +232,7 @@ class LaunchPlan:
             preload=request.preload,
             fork_while_importing=front == Front.LAUNCHER and request.start_method == "auto",
             line_prefix=request.log_line_prefix_template,
+            settings=request.accelerate_settings(),
         )
 
     @classmethod
@@ -268,6 +278,7 @@ class LaunchPlan:
             remote=remote,
             preload=request.preload,
             line_prefix=request.log_line_prefix_template,
+            settings=request.accelerate_settings(),
         )
 
     def launcher_options(self) -> dict[str, Any]:
@@ -333,10 +344,8 @@ class LaunchPlan:
     def rank_env(self, index: int, port: int) -> dict[str, str]:
         """The full environment of this node's ``index``-th process."""
         env = dict(os.environ)
-        env.update(
-            NBACCEL_LAUNCHER=self.front.launcher_name,
-            NBACCEL_MIXED_PRECISION=self.mixed_precision,
-        )
+        env.update(self.accelerate_environment())
+        env["NBACCEL_LAUNCHER"] = self.front.launcher_name
         if self.xla:  # torch-xla sets up its own world; the launcher names the process
             from nbaccel.launch.launchers.xla import XLA_PROCESS_VAR
 
@@ -350,7 +359,9 @@ class LaunchPlan:
                 LOCAL_WORLD_SIZE=str(self.remote.layout.hosts[node].slots),
                 GROUP_RANK=str(node),
                 NODE_RANK=str(node),
+                GROUP_WORLD_SIZE=str(len(self.remote.layout.hosts)),
             )
+            env.update(_role(index, self.num_processes))
         else:
             env.update(
                 RANK=str(self.global_rank(index)),
@@ -358,10 +369,25 @@ class LaunchPlan:
                 WORLD_SIZE=str(self.world_size),
                 LOCAL_WORLD_SIZE=str(self.num_processes),
                 GROUP_RANK=str(self.node_rank),
+                GROUP_WORLD_SIZE=str(self.num_nodes),
                 MASTER_ADDR=self.master_addr,
                 MASTER_PORT=str(port),
             )
-        if self.cpu:
-            env["NBACCEL_CPU"] = "1"
+            env.update(_role(self.global_rank(index), self.world_size))
         env.update(self.extra_env)
         return env
+
+    def accelerate_environment(self) -> dict[str, str]:
+        """Accelerate's launch contract for this launch: the variables ``accelerate launch``
+        would set for the same settings (precision and CPU as this plan decided them)."""
+        return accelerate_environment(
+            {**self.settings, "mixed_precision": self.mixed_precision, "cpu": self.cpu}
+        )
+
+    def notices(self) -> list[str]:
+        """One line per setting that Accelerate's ``Accelerator`` (Trainer, PEFT, TRL) cannot
+        carry out on these ranks, naming what runs instead (none when the hosts' devices are
+        not known here)."""
+        if self.remote is not None and not self.cpu:
+            return []
+        return contract_notices(self.accelerate_environment(), self.gpus)
