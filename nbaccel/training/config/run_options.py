@@ -128,9 +128,7 @@ class TorchDynamoPlugin:
     def to_kwargs(self) -> dict[str, Any]:
         """Only the options that differ from a plugin built with no ``*_DYNAMO_*`` variables
         (what a ``KwargsHandler`` returns): the explicit choices of this run."""
-        variables = [
-            k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")
-        ]
+        variables = [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]
         saved = {k: os.environ.pop(k) for k in variables}
         try:
             default = type(self)().to_dict()
