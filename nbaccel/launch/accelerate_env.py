@@ -199,6 +199,9 @@ CONTRACT: tuple[ContractRow, ...] = (
     _R("use_megatron_lm", "ACCELERATE_USE_MEGATRON_LM", _lower, "megatron", True),
     _R("megatron_lm_tp_degree", _ML + "TP_DEGREE", _text, "megatron", 1),
     _R("megatron_lm_use_custom_fsdp", _ML + "USE_CUSTOM_FSDP", _text, "megatron", False),
+    *(_R(f"megatron_lm_{name}", _ML + name.upper(), _text, "megatron", False)
+      for name in ("no_load_optim", "eod_mask_loss", "no_save_optim", "optimizer_cpu_offload",
+                   "use_precision_aware_optimizer", "overlap_cpu_optimizer_d2h_h2d")),
     _R("megatron_lm_pp_degree", _ML + "PP_DEGREE", _text, "megatron", 1),
     _R("megatron_lm_gradient_clipping", _ML + "GRADIENT_CLIPPING", _text, "megatron", 1.0),
 )  # fmt: skip
