@@ -27,8 +27,13 @@ import json, os, sys
 json.dump(dict(os.environ), open(f"{sys.argv[1]}.{os.environ['RANK']}.json", "w"))
 """
 #: what differs by launcher and is no setting: ports, paths, torchrun's own bookkeeping
-_NOT_SETTINGS = ("MASTER_PORT", "PYTHONPATH", "_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                 "PYTORCH_NVML_BASED_CUDA_CHECK")  # the last: set by importing DeepSpeed
+_NOT_SETTINGS = (
+    "MASTER_PORT",
+    "PYTHONPATH",
+    "_",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+)  # the last: set by importing DeepSpeed
 _OWN = ("NBACCEL_", "TORCHELASTIC_")
 #: KMP_* (Intel OpenMP thread hints): nbaccel keeps them with use_cpu under DeepSpeed too
 _ALLOWED_EXTRA = ("KMP_AFFINITY", "KMP_BLOCKTIME")

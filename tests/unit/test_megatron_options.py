@@ -220,7 +220,8 @@ def test_launch_options_need_use_megatron_lm_and_become_the_ranks_environment():
                    "MEGATRON_LM_GRADIENT_CLIPPING": "1.0",
                    **{f"MEGATRON_LM_{name}": "False" for name in (
                        "NO_LOAD_OPTIM", "EOD_MASK_LOSS", "NO_SAVE_OPTIM", "OPTIMIZER_CPU_OFFLOAD",
-                       "USE_PRECISION_AWARE_OPTIMIZER", "OVERLAP_CPU_OPTIMIZER_D2H_H2D")}}  # fmt: skip
+                       "USE_PRECISION_AWARE_OPTIMIZER", "OVERLAP_CPU_OPTIMIZER_D2H_H2D",
+                   )}}  # fmt: skip
     assert megatron_check(env, 4) == env
     with pytest.raises(ValueError, match="does not divide --num_processes 3"):
         megatron_check(env, 3)
