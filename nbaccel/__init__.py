@@ -59,8 +59,8 @@ from nbaccel.training.step.batch_size import find_executable_batch_size
 from nbaccel.training.step.local_sgd import LocalSGD
 from nbaccel.training.strategies.deepspeed.plugin import DeepSpeedPlugin
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.strategies.model_parallel.megatron_plugin import MegatronLMPlugin
-from nbaccel.training.strategies.model_parallel.megatron_scheduler import MegatronLMDummyScheduler
+from nbaccel.training.strategies.megatron.plugin import MegatronLMPlugin
+from nbaccel.training.strategies.megatron.scheduler import MegatronLMDummyScheduler
 from nbaccel.training.strategies.training_memory import gather_training_memory, training_memory
 
 __version__ = "0.1.0"

@@ -11,10 +11,10 @@ finished, the code of the first failing rank's ``sys.exit(code)``, 1 for an unca
 Options not given come from the config file (``--config_file``, else the default one that ``nbaccel
 config`` writes, else the one ``accelerate config`` wrote, named in one line; see
 :mod:`nbaccel.commands.config.config_args`). Every rank gets the variables ``accelerate launch``
-sets for the same settings (:mod:`nbaccel.launch.accelerate_env`), so transformers' ``Trainer``
-(which builds Accelerate's own ``Accelerator``) runs as under ``accelerate launch``; a setting that
-Accelerator cannot carry out on these ranks (FSDP on CPU) is said in one line. ``--num_processes``
-is the total over all machines; ``--num_machines``/``--machine_rank``/
+sets for the same settings (:mod:`nbaccel.launch.options.accelerate_env`), so transformers'
+``Trainer`` (which builds Accelerate's own ``Accelerator``) runs as under ``accelerate launch``; a
+setting that Accelerator cannot carry out on these ranks (FSDP on CPU) is said in one line.
+``--num_processes`` is the total over all machines; ``--num_machines``/``--machine_rank``/
 ``--main_process_ip``/``--main_process_port`` start one node of a multi-node run. A config with
 ``mpirun_hostfile`` runs the script under ``mpirun``. ``--use_deepspeed`` (or a DEEPSPEED config)
 tells each rank's ``Accelerator()`` to run DeepSpeed ZeRO as the DeepSpeed options say, checked
@@ -36,7 +36,7 @@ import sys
 from typing import Any
 
 from nbaccel.commands._launch_parser import launch_command_parser
-from nbaccel.launch.accelerate_env import launch_settings, settings_names
+from nbaccel.launch.options.accelerate_env import launch_settings, settings_names
 
 __all__ = ["launch_command", "launch_command_parser", "main", "register", "run", "run_script"]
 
@@ -136,7 +136,7 @@ _SECTION_WORDS = {"fsdp_config": "fsdp_", "deepspeed_config": "", "dynamo_config
 def _refuse_key(section: str, key: str, known: set[str]) -> None:
     """A config key that names no setting: refused, naming the ones its section takes."""
     if section == "deepspeed_config":
-        from nbaccel.launch.accelerate_env import CONTRACT
+        from nbaccel.launch.options.accelerate_env import CONTRACT
 
         accepted = sorted(
             {r.setting for r in CONTRACT if r.group == "deepspeed"} - {"use_deepspeed"}
@@ -361,7 +361,7 @@ def _launch(args: argparse.Namespace) -> int:
     request = _request(args, per_machine, int(args.master_port) if world else None)
     request = dataclasses.replace(request, settings=launch_settings(vars(args)))
     if request.use_megatron_lm:  # the plugin is built once here: refusals before any rank
-        from nbaccel.training.strategies.model_parallel.megatron_launch import megatron_check
+        from nbaccel.training.strategies.megatron.launch import megatron_check
 
         env.update(megatron_check(request.megatron_environment(), args.num_processes))
     call = (target, list(args.training_script_args), args.module, os.getcwd(),

@@ -17,7 +17,7 @@ import sys
 from shutil import which
 from typing import Any
 
-from nbaccel.launch.accelerate_env import (
+from nbaccel.launch.options.accelerate_env import (
     accelerate_environment,
     check_fsdp_settings,
     launch_settings,
@@ -52,7 +52,7 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 def launch_environment(args: argparse.Namespace) -> dict[str, str]:
     """The variables every rank of this launch gets on top of the current environment:
-    Accelerate's launch contract for ``args`` (:mod:`nbaccel.launch.accelerate_env`), the
+    Accelerate's launch contract for ``args`` (:mod:`nbaccel.launch.options.accelerate_env`), the
     threads and the visible GPUs."""
     precision = str(_get(args, "mixed_precision", "no")).lower()
     if precision not in _PRECISIONS:

@@ -2,10 +2,10 @@
 
 Every front builds one :class:`LaunchPlan` with :meth:`LaunchPlan.create`, which is the single
 place for the defaults (see :data:`CPU_DEFAULT_NUM_PROCESSES`), the validation of the options
-(before anything starts) and the announcement line. The plan then gives each rank its
-environment: the torchrun-style variables that ``PartialState`` reads (RANK, WORLD_SIZE, ...),
-Accelerate's launch contract for the request's settings (``ACCELERATE_MIXED_PRECISION``,
-``ACCELERATE_USE_CPU``, ``FSDP_*``...: :mod:`nbaccel.launch.accelerate_env`) and NBACCEL_LAUNCHER.
+(before anything starts) and the announcement line. The plan then gives each rank its environment:
+the torchrun-style variables that ``PartialState`` reads (RANK, WORLD_SIZE, ...), Accelerate's
+launch contract for the request's settings (``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_CPU``,
+``FSDP_*``...: :mod:`nbaccel.launch.options.accelerate_env`) and NBACCEL_LAUNCHER.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.launch.accelerate_env import accelerate_environment, contract_notices
 from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
-from nbaccel.launch.launchers.kernel_modules import preload_setting
+from nbaccel.launch.launchers.forkserver.kernel_modules import preload_setting
+from nbaccel.launch.options.accelerate_env import accelerate_environment, contract_notices
 from nbaccel.launch.rank import allocator
 from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
-from nbaccel.launch.accelerate_env import accelerate_environment
-from nbaccel.launch.launchers.kernel_modules import PRELOAD_HELP, check_preload
-from nbaccel.launch.megatron_options import PREFIX, megatron_environment
-from nbaccel.launch.megatron_options import megatron_option as _megatron
-from nbaccel.launch.option_spec import Front, Option, option
+from nbaccel.launch.launchers.forkserver.kernel_modules import PRELOAD_HELP, check_preload
+from nbaccel.launch.options.accelerate_env import accelerate_environment
+from nbaccel.launch.options.megatron import PREFIX, megatron_environment
+from nbaccel.launch.options.megatron import megatron_option as _megatron
+from nbaccel.launch.options.spec import Front, Option, option
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
 from nbaccel.values.mesh_sizes import AXES, check_mesh
@@ -384,7 +384,7 @@ class LaunchRequest:
     def rank_environment(self) -> dict[str, str]:
         """The variables ``accelerate launch`` would give the ranks for this request
         (``ACCELERATE_MIXED_PRECISION``, ``PARALLELISM_CONFIG_*``...; see
-        :mod:`nbaccel.launch.accelerate_env`)."""
+        :mod:`nbaccel.launch.options.accelerate_env`)."""
         return accelerate_environment(self.accelerate_settings())
 
     def _check_world(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from nbaccel.launch.driver.group import WorkerGroup
 from nbaccel.launch.driver.loop import ONE_SHOT, CallReport, CallState, Settle, run_once
-from nbaccel.launch.driver.render import Renderer, TextRenderer
+from nbaccel.launch.driver.renderer import Renderer, TextRenderer
 from nbaccel.launch.host.host_ram import estimate_host_ram, warn_if_short
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.launchers.xla import (

@@ -1,6 +1,6 @@
 """The sizes of a parallel mesh as launch options, checked against the world before any rank
 starts (the ``parallelism_config_*_size`` options; the ranks get them as Accelerate's
-``PARALLELISM_CONFIG_*`` variables, :mod:`nbaccel.launch.accelerate_env`).
+``PARALLELISM_CONFIG_*`` variables, :mod:`nbaccel.launch.options.accelerate_env`).
 """
 
 from __future__ import annotations

@@ -343,9 +343,10 @@ def test_magic_pool_across_hosts(clean_hosts):
     assert "Pool shut down." in texts[18]
 
 
-def test_many_hosts_notebook(clean_hosts):
+def test_many_hosts_notebook(clean_hosts, monkeypatch):
     from nbaccel.notebook.kernel.run_headless import execute_notebook, output_text
 
+    monkeypatch.setenv("NBACCEL_NOTEBOOK_HOSTS", "nbh1:2,nbh2:2")  # the notebook's kernel reads it
     path = Path(__file__).resolve().parents[2] / "notebooks" / "many_hosts.ipynb"
     nb = execute_notebook(path, timeout=300, allow_errors=False)
     texts = ["".join(output_text(o) for o in c.outputs) for c in nb.cells if c.cell_type == "code"]

@@ -72,7 +72,7 @@ def configs(tmp_path: Path) -> Path:
 
 # ---------------------------------------------------------------------------- the table
 def test_the_table_writes_accelerates_formats() -> None:
-    from nbaccel.launch.accelerate_env import accelerate_environment
+    from nbaccel.launch.options.accelerate_env import accelerate_environment
 
     env = accelerate_environment({
         "mixed_precision": "BF16", "use_fsdp": True, "fsdp_version": 2,

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = """
 import os, sys
 print(f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
-      f"precision={os.environ['ACCELERATE_MIXED_PRECISION']} cpu={os.environ.get('ACCELERATE_USE_CPU')} "
+      f"precision={os.environ['ACCELERATE_MIXED_PRECISION']} "
+      f"cpu={os.environ.get('ACCELERATE_USE_CPU')} "
       f"threads={os.environ.get('OMP_NUM_THREADS')} argv={sys.argv[1:]}")
 """
 
@@ -442,7 +443,7 @@ def test_check_scripts_pass_on_two_cpu_ranks(script):
     from nbaccel import debug_launcher
 
     module = importlib.import_module(f"nbaccel.test_utils.scripts.{script}")
-    assert module.main is importlib.import_module(f"nbaccel.testkit.scripts.{script}").main
+    assert module.main is importlib.import_module(f"nbaccel.testing.scripts.{script}").main
     debug_launcher(module.main, num_processes=2)  # a wrong result raises here, naming the rank
 
 

@@ -21,7 +21,7 @@ import torch
 from recorder import Recorder
 
 from nbaccel import ResultNotLoadable, notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.errors import RankCrashed
 
 

@@ -183,7 +183,7 @@ def _auto_device() -> tuple[str, str, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU default")
 def test_no_gpu_defaults_to_multi_cpu_on_gloo() -> None:
-    """Without ACCELERATE_USE_CPU or cpu=True, a 2-rank world on a machine without GPUs is MULTI_CPU."""
+    """Without ACCELERATE_USE_CPU or cpu=True, 2 ranks on a machine without GPUs are MULTI_CPU."""
     results = run_on_ranks(_auto_device, env={"ACCELERATE_USE_CPU": "False"})
     assert results == [("cpu", "MULTI_CPU", "gloo")] * 2
 

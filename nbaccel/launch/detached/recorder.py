@@ -1,6 +1,6 @@
 """The renderer of a detached launch: every call goes into the run's journal.
 
-:class:`RecordingRenderer` is a :class:`~nbaccel.launch.driver.render.Renderer` like the
+:class:`RecordingRenderer` is a :class:`~nbaccel.launch.driver.renderer.Renderer` like the
 notebook's: the driver loop calls it the same way, and it writes each call as a journal record
 (``("line", rank, stream, text)``, ``("event", rank, kind, payload)``, ...), so that a replay
 (:mod:`nbaccel.launch.detached.replay`) makes the same calls on another renderer later. It also
@@ -14,7 +14,7 @@ from typing import Any
 
 from nbaccel.launch.detached.folder import RunFolder
 from nbaccel.launch.detached.journal import JournalWriter
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.labels import RankLabels
 from nbaccel.launch.wire.protocol import Stream
 

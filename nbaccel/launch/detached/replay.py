@@ -13,7 +13,7 @@ from typing import Any
 
 from nbaccel.launch.detached.folder import RunFolder
 from nbaccel.launch.detached.journal import JournalReader
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.protocol import EventKind, Stream
 
 __all__ = ["Replay"]

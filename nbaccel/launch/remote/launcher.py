@@ -24,12 +24,12 @@ from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from nbaccel.launch.accelerate_env import is_contract_variable
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.launchers.kernel_modules import (
+from nbaccel.launch.launchers.forkserver.kernel_modules import (
     PreloadSetting,
     preload_setting,
 )
+from nbaccel.launch.options.accelerate_env import is_contract_variable
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.messages import Kind
 from nbaccel.launch.remote.options import RemoteOptions

@@ -25,12 +25,12 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.launch.launchers.forkserver import refused_modules
-from nbaccel.launch.launchers.kernel_modules import (
+from nbaccel.launch.launchers.forkserver.kernel_modules import (
     PreloadSetting,
     kernel_modules,
     preload_setting,
 )
+from nbaccel.launch.launchers.forkserver.launcher import refused_modules
 from nbaccel.launch.remote.hub import Hub
 from nbaccel.launch.remote.messages import Kind
 

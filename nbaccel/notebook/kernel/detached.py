@@ -16,8 +16,8 @@ from typing import Any
 
 from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
 from nbaccel.launch.driver.child_failed import as_child_failed
-from nbaccel.launch.driver.render import Renderer
-from nbaccel.notebook.kernel.renderers import choose_renderer
+from nbaccel.launch.driver.renderer import Renderer
+from nbaccel.notebook.kernel.widget_renderer import choose_renderer
 
 __all__ = ["Run", "RunList", "RunStopped", "attach", "runs"]
 

@@ -23,12 +23,12 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from nbaccel.distributed.host_info import check_fp8_launch
-from nbaccel.launch.accelerate_env import accelerate_environment
-from nbaccel.launch.launchers.forkserver import warm_up
+from nbaccel.launch.launchers.forkserver.launcher import warm_up
+from nbaccel.launch.options.accelerate_env import accelerate_environment
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, add_to_message
 from nbaccel.notebook.kernel import pool as pool_module
-from nbaccel.notebook.kernel.rank_output import CellRenderer, status_bundle
+from nbaccel.notebook.kernel.cell_renderer import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
 from nbaccel.notebook.preload import POOL_PRELOAD
 

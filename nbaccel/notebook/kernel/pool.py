@@ -22,7 +22,7 @@ from typing import Any
 
 from nbaccel.launch.driver.group import WorkerGroup
 from nbaccel.launch.driver.loop import POOL, CallState, run_call
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import describe_exit
 from nbaccel.launch.plan import LaunchPlan
@@ -30,8 +30,8 @@ from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.spec import Mode
 from nbaccel.notebook.kernel import pool_status, pool_values
+from nbaccel.notebook.kernel.cell_renderer import CellRenderer
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
-from nbaccel.notebook.kernel.rank_output import CellRenderer
 from nbaccel.notebook.preload import POOL_PRELOAD
 from nbaccel.notebook.rank import pool_worker
 from nbaccel.notebook.rank.instrumentation import worker_setup

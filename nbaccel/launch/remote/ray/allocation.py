@@ -25,9 +25,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.launch.options.ray import RayOptions
 from nbaccel.launch.remote.hosts import Host, HostLayout
 from nbaccel.launch.remote.ray.connect import cluster_address, connect
-from nbaccel.launch.remote.ray_options import RayOptions
 
 __all__ = ["Allocation", "find", "give_back", "lease", "release_all"]
 
