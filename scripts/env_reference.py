@@ -190,7 +190,7 @@ def render() -> str:
         "for scripts started by `nbaccel launch`. Where Accelerate has the same variable "
         "(`ACCELERATE_*`), both are read. The settings of a launch reach the ranks as "
         "Accelerate's own variables (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_CPU`, "
-        "`FSDP_*`, ...): see [Accelerate's launch environment](launching.md"
+        "`FSDP_*`, ...): see [Accelerate's launch environment](../launching.md"
         "#accelerates-launch-environment).",
         "",
     ]
