@@ -291,14 +291,16 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def _report(exc: BaseException) -> None:
+    from nbaccel.launch.wire.errors import remote_traceback
+
     rank = getattr(exc, "rank", None)
     where = f"rank {rank}" if rank is not None else "the launch"
     if isinstance(exc, SystemExit):
         print(f"nbaccel launch: {where} exited with code {_exit_code(exc)}.", file=sys.stderr)
         return
-    cause = exc.__cause__
-    if cause is not None and str(cause):
-        print(str(cause), file=sys.stderr)
+    remote = remote_traceback(exc)
+    if remote:
+        print(remote, file=sys.stderr)
     print(f"nbaccel launch: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
