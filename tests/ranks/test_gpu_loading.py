@@ -88,3 +88,16 @@ def test_streamed_load_peak_host_memory_is_bounded(llama):
     bound_kb = 64 * 1024 + largest_kb + 32 * 1024
     assert bound_kb < size_kb
     assert figures["peak_growth_kb"] < bound_kb, figures
+
+
+def test_staging_in_pieces_on_a_side_stream_is_exact():
+    from nbaccel.bigmodel.loading.host_to_device import HostToDevice
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000, 1000), torch.randn(3, 5), torch.randn(2500, 700)]
+    stream = HostToDevice("cuda:0", buffer_bytes=1 << 20, buffers=2)  # many pieces each
+    out = [stream.copy(t) for t in tensors] + [stream.copy(tensors[0], torch.bfloat16)]
+    stream.finish()
+    for got, want in zip(out, [*tensors, tensors[0].to(torch.bfloat16)], strict=True):
+        assert got.device.type == "cuda"
+        assert torch.equal(got.cpu(), want)
