@@ -189,7 +189,8 @@ def test_header_whose_bytes_do_not_fit_the_shape_is_refused(tmp_path):
         SafetensorsFile(path)
 
 
-def test_shape_that_does_not_fit_names_file_and_tensor_and_puts_everything_back(tmp_path):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])  # mapped, or cast on threads
+def test_shape_that_does_not_fit_names_file_and_tensor_and_puts_everything_back(tmp_path, dtype):
     _, folder = _save(tmp_path)
 
     class Wider(Net):
@@ -202,7 +203,7 @@ def test_shape_that_does_not_fit_names_file_and_tensor_and_puts_everything_back(
     model = Wider()
     originals = dict(model.named_parameters(remove_duplicate=False))
     with pytest.raises(CheckpointMismatchError) as err:
-        load_checkpoint_in_model(model, folder)
+        load_checkpoint_in_model(model, folder, dtype=dtype)
     text = str(err.value)
     assert "'blocks.3.weight' has shape [64, 64] in" in text and ".safetensors" in text
     _assert_untouched(model, originals)  # the tensors loaded before the failure were put back

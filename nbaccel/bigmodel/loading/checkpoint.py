@@ -21,9 +21,12 @@ half-loaded model is left in use.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,12 @@ from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record
 __all__ = ["CheckpointMismatchError", "load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 
 logger = logging.getLogger(__name__)
+
+
+def load_threads() -> int:
+    """Tensors cast or quantized at once while loading: one per core, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores or 1))
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -188,6 +197,8 @@ class _CheckpointLoad:
         self.placed: set[str] = set()
         self.replaced: dict[tuple[int, str], tuple[nn.Module, str, bool, torch.Tensor]] = {}
         self.streams: dict[torch.device, HostToDevice] = {}
+        self.casts: ThreadPoolExecutor | None = None
+        self.pending: deque[Future] = deque()
 
     def open_files(self) -> tuple[dict[str, list[str]], dict[str, SafetensorsFile | Mapping]]:
         """Every file and its keys (files without an index entry are opened to list them)."""
@@ -273,6 +284,7 @@ class _CheckpointLoad:
                 raise RuntimeError(
                     f"Loading {key!r} from {path} failed ({err}); {self.problem}."
                 ) from err
+        self.drain()
         if isinstance(handle, SafetensorsFile):
             handle.check_unchanged()  # rewritten while read: its views may mix two files
         return to_write
@@ -291,7 +303,7 @@ class _CheckpointLoad:
         if torch_device.type == "cpu":
             if src.dtype == target:
                 return src  # zero-copy: the parameter is the mapped file
-            value = src.to(target)
+            value = src.to(target)  # (the file loop casts on threads: see _cast_later)
         else:
             stream = self.streams.get(torch_device)
             if stream is None:
@@ -301,14 +313,24 @@ class _CheckpointLoad:
         return value
 
     def finish_transfers(self) -> None:
-        """Wait for the streamed copies (the model may be used once this returns)."""
-        for stream in self.streams.values():
-            stream.finish()
-        self.streams.clear()
+        """Wait for the casts and the streamed copies (the model may be used once this
+        returns)."""
+        try:
+            self.drain()
+        finally:
+            for future in self.pending:
+                future.cancel()
+            if self.casts is not None:
+                self.casts.shutdown(wait=True)
+                self.casts = None
+            for stream in self.streams.values():
+                stream.finish()
+            self.streams.clear()
 
     def put_back(self) -> None:
         """Restore every tensor this load replaced (after a failure)."""
-        self.finish_transfers()
+        with contextlib.suppress(Exception):
+            self.finish_transfers()
         for mod, leaf, is_param, old in self.replaced.values():
             (mod._parameters if is_param else mod._buffers)[leaf] = old
         self.replaced.clear()
@@ -331,8 +353,32 @@ class _CheckpointLoad:
                 meta = current if current.device.type == "meta" else current.to("meta")
                 _assign(self.owners, names, meta)
                 continue
+            if device == "cpu" and isinstance(handle, SafetensorsFile) and stored_dtype != target:
+                self._cast_later(path, key, handle, names, target)
+                continue
             _assign(self.owners, names, self._value(key, handle, device, target))
         self.placed.update(group)
+
+    def _cast_later(self, path: str, key: str, handle: Any, names: list[str], target) -> None:
+        """A cast onto the CPU, run on :func:`load_threads` threads (a cast is memory-bound and
+        torch runs one on few cores); a few in flight per thread."""
+        if self.casts is None:
+            self.casts = ThreadPoolExecutor(load_threads(), thread_name_prefix="nbaccel-cast")
+
+        def cast() -> None:
+            try:
+                _assign(self.owners, names, self._value(key, handle, "cpu", target))
+            except Exception as err:
+                raise RuntimeError(f"Loading {key!r} from {path} failed ({err}).") from err
+
+        self.pending.append(self.casts.submit(cast))
+        while len(self.pending) > 2 * load_threads():
+            self.pending.popleft().result()
+
+    def drain(self) -> None:
+        """Wait for the casts in flight (the first failure is raised)."""
+        while self.pending:
+            self.pending.popleft().result()
 
     def _remember(self, names: list[str]) -> None:
         for name in names:

@@ -25,7 +25,11 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
-from nbaccel.bigmodel.loading.checkpoint import CheckpointMismatchError, _expected_tensors
+from nbaccel.bigmodel.loading.checkpoint import (
+    CheckpointMismatchError,
+    _expected_tensors,
+    load_threads,
+)
 from nbaccel.bigmodel.loading.weight_files import offload_weight
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.planning.device_map import _lookup
@@ -96,12 +100,6 @@ def _tensors(
 def _releaser(handle: SafetensorsFile, key: str) -> Callable[[], None]:
     """Drops a quantized weight's mapped pages from this process once it is quantized."""
     return lambda: handle.advise(key, populate=False)
-
-
-def quantize_threads() -> int:
-    """Weights quantized at once: bitsandbytes' CPU quantization runs one core per tensor."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, cores or 1))
 
 
 class _QuantizedLoad:
@@ -336,9 +334,9 @@ def load_and_quantize_model(
 
 
 def _load_all(load: _QuantizedLoad, tensors: Iterator, opened: list) -> None:
-    """Every tensor placed; the weights to quantize on :func:`quantize_threads` threads, a few
+    """Every tensor placed; the weights to quantize on :func:`load_threads` threads, a few
     in flight each (peak memory: the quantized model plus those weights' temporaries)."""
-    threads = quantize_threads()
+    threads = load_threads()
     with ThreadPoolExecutor(threads, thread_name_prefix="nbaccel-quantize") as pool:
         pending: deque[Future] = deque()
         try:
