@@ -108,6 +108,12 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "`init_empty_weights` + `load_checkpoint_and_dispatch`; logits and quantized weights "
         "checked equal to transformers'.",
     ),
+    "load_fp32_bf16.json": (
+        "Loading a 1B checkpoint onto the CPU: fp32 and bf16 again",
+        "python benchmarks/bench_load.py --modes fp32,bf16",
+        "The fp32 and bf16 rows of the run above, measured again once nbaccel's casts onto the "
+        "CPU ran on one thread per core.",
+    ),
     "load_gpu.json": (
         "Loading a checkpoint onto a GPU",
         "python benchmarks/bench_load.py --gpu --size 0.5b --modes fp32,bf16",
