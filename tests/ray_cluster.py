@@ -24,7 +24,11 @@ from dataclasses import dataclass, field
 
 __all__ = ["RayCluster"]
 
-_RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+_RAY_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ray")
+# `ray start` by its console script where pip wrote one, else by Ray's own entry point (an image
+# that ships the package without its scripts, as some CUDA images do).
+_RAY_MAIN = "import sys\nfrom ray.scripts.scripts import main\nsys.exit(main())"
+_RAY = [_RAY_SCRIPT] if os.path.exists(_RAY_SCRIPT) else [sys.executable, "-c", _RAY_MAIN]
 
 
 def _free_port() -> int:
@@ -91,7 +95,7 @@ class RayCluster:
         port = _free_port()
         self.address = f"127.0.0.1:{port}"
         common = ["--block", "--disable-usage-stats", f"--object-store-memory={self.object_store}"]
-        head = [_RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
+        head = [*_RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
         head += [f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}"]
         head += [f"--num-gpus={self.gpus}"]
         self._node(head + common, 0)
@@ -100,7 +104,8 @@ class RayCluster:
         # in between finds "no node info for head node" and exits (seen on a loaded machine).
         self.wait_nodes(1, timeout)
         for index in range(1, len(self.cpus)):
-            self._node([_RAY, "start", f"--address={self.address}", "--num-gpus=0", *common], index)
+            worker = [*_RAY, "start", f"--address={self.address}", "--num-gpus=0"]
+            self._node([*worker, *common], index)
         self.wait_nodes(len(self.cpus), timeout)
         return self
 
