@@ -6,8 +6,9 @@
 :func:`train_tiny` trains for ``max_steps`` steps (batch 4 per rank, a log every 2 steps, an
 evaluation every 3 with ``evaluate``) and returns what the test compares: the rank, the
 Trainer's log history, its progress-callback classes, the step it started from and the final
-loss. With ``kill_after`` (and a ``marker`` path), rank 1 SIGKILLs itself once that step's
-checkpoint is saved, the first time only; with ``raise_at``, rank 1 raises inside
+loss. With ``kill_after`` (and a ``marker`` path), rank 1 SIGKILLs itself at the end of the
+step after that step's checkpoint (the step's gradients were all-reduced, so rank 0 has written
+the checkpoint whole), the first time only; with ``raise_at``, rank 1 raises inside
 ``trainer.train()`` at that step.
 """
 
@@ -35,13 +36,12 @@ def train_tiny(
     rank = int(os.environ.get("RANK", "0"))
 
     class Misbehave(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            first_time = marker is not None and not os.path.exists(marker)
-            if state.global_step == kill_after and rank == 1 and first_time:
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
-
         def on_step_end(self, args, state, control, **kwargs):
+            first_time = marker is not None and not os.path.exists(marker)
+            if rank == 1 and kill_after is not None and state.global_step == kill_after + 1:
+                if first_time:
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
             if state.global_step == raise_at and rank == 1:
                 raise ValueError(f"the loss went away at step {state.global_step}")
 

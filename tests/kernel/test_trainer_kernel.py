@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(900)
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
-TRAIN = '''
+TRAIN = """
 import transformers.trainer
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 print("kernel progress callback:", transformers.trainer.DEFAULT_PROGRESS_CALLBACK.__name__)
@@ -36,7 +36,7 @@ def train(output_dir, max_steps=6):
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data)
     trainer.train()
     return trainer
-'''
+"""
 
 CELLS = [
     TRAIN,
