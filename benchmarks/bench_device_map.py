@@ -209,7 +209,7 @@ def measure_balanced(layers: int, experts: int, args: argparse.Namespace) -> dic
     from accelerate.utils import infer_auto_device_map as acc_infer
 
     from nbaccel.bigmodel import compute_module_sizes
-    from nbaccel.bigmodel.device_map import get_device_map
+    from nbaccel.bigmodel.planning.device_map import get_device_map
 
     model = build(layers, experts)
     total = compute_module_sizes(model)[""]

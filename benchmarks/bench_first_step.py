@@ -278,7 +278,7 @@ for launch in range({launches}):
 REPORT = """
 report = {"calls": calls}
 try:
-    from nbaccel.launch.launchers.forkserver import preload_report
+    from nbaccel.launch.launchers.forkserver.launcher import preload_report
     if "{lib}" == "nbaccel":
         report["preload"] = preload_report()
 except Exception as exc:
@@ -306,7 +306,9 @@ def cells(
     imports, _, name, args = WORKLOADS[workload]
     launcher = f"from {lib} import notebook_launcher\n"
     top = launcher + imports if order == "first" else imports + launcher
-    extra = ", renderer=__import__('nbaccel.launch.driver.render').launch.driver.render.Renderer()"
+    extra = (
+        ", renderer=__import__('nbaccel.launch.driver.renderer').launch.driver.renderer.Renderer()"
+    )
     if saved is not None:
         top += f"SAVED = {saved!r}\n"
     return [

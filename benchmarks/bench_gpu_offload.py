@@ -193,8 +193,8 @@ def _random_(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 def materialise(c: dict, p: dict, dmap: dict, main: torch.device, folder: Path) -> tuple:
     """Random weights, made once: main-device tensors, pinned CPU tensors, disk ``.dat`` files."""
+    from nbaccel.bigmodel.loading.weight_files import offload_weight
     from nbaccel.bigmodel.offload import save_offload_index
-    from nbaccel.bigmodel.weight_files import offload_weight
 
     model = meta_model(c)
     maker = main if main.type == "cuda" else torch.device("cpu")

@@ -45,7 +45,7 @@ SSH_CONFIG = "/var/lib/nbaccel-hosts/ssh_config"
 SETUP = f"""
 import json, os, signal, statistics, subprocess, tempfile, threading, time
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 HOSTS = {HOSTS!r}
 def noop():
     return None
@@ -139,8 +139,8 @@ FIRST_STEP_LAYOUTS = {"2 hosts x 1 rank": ["nbh1:1", "nbh2:1"], "2 hosts x 2 ran
 #: workload, read back each rank's figures (written to a folder every host sees)
 FIRST_STEP_HELPER = """
 import json, os, shutil, statistics, tempfile, time
-from nbaccel.launch.driver.render import Renderer
-from nbaccel.launch.launchers.forkserver import wait_preloaded
+from nbaccel.launch.driver.renderer import Renderer
+from nbaccel.launch.launchers.forkserver.launcher import wait_preloaded
 
 def first_step(n, **where):
     folder = tempfile.mkdtemp(prefix="first-step-", dir="/var/tmp")

@@ -45,7 +45,7 @@ def _returns(nbytes: int):
 
 def measure(gib: float, ranks: int) -> dict:
     from nbaccel import notebook_launcher
-    from nbaccel.launch.driver.render import Renderer
+    from nbaccel.launch.driver.renderer import Renderer
 
     nbytes = int(gib * 2**30)
     notebook_launcher(_returns, (4096,), num_processes=ranks, renderer=Renderer())  # warm up

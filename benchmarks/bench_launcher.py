@@ -27,7 +27,7 @@ import time, json, statistics, os, threading
 t0 = time.perf_counter()
 import nbaccel
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 import_s = time.perf_counter() - t0
 def noop():
     return None
@@ -41,7 +41,7 @@ import accelerate
 from accelerate import notebook_launcher as acc_launcher
 # as after a pause in a notebook: the fork server has imported what the kernel just did (the
 # peer's library), instead of importing it while the launches below are timed
-from nbaccel.launch.launchers.forkserver import wait_preloaded
+from nbaccel.launch.launchers.forkserver.launcher import wait_preloaded
 wait_preloaded()
 """
     alternate = f"""

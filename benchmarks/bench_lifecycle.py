@@ -125,7 +125,7 @@ def _chatty_rank(record: str) -> None:
 
 def chatty_seconds() -> float:
     from nbaccel import notebook_launcher
-    from nbaccel.launch.driver.render import Renderer
+    from nbaccel.launch.driver.renderer import Renderer
 
     with tempfile.TemporaryDirectory() as folder:
         record = os.path.join(folder, "killed")

@@ -57,7 +57,7 @@ SETUP = """
 import json, os, statistics, tempfile, time
 import ray
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 ADDRESS = {address!r}
 def noop():
     return None

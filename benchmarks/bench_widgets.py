@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "widgets.json"
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from faults import FAULTS, succeed  # noqa: E402
 
 from nbaccel import notebook_launcher  # noqa: E402
-from nbaccel.launch.driver.render import Renderer  # noqa: E402
-from nbaccel.launch.launchers.forkserver import get_forkserver  # noqa: E402
+from nbaccel.launch.driver.renderer import Renderer  # noqa: E402
+from nbaccel.launch.launchers.forkserver.launcher import get_forkserver  # noqa: E402
 
 
 def _resources() -> tuple[int, int, int, int]:

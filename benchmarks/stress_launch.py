@@ -42,7 +42,7 @@ LOOP = r"""
 import collections, json, os, signal, tempfile, time
 import psutil
 from nbaccel import notebook_launcher, RankCrashed
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 
 def tour(lr):

@@ -11,8 +11,8 @@ here; outside a kernel (scripts, workers, tests) nothing happens.
 import os
 import sys
 
-from nbaccel.launch.launchers.forkserver import warm_up_if_in_kernel
-from nbaccel.launch.launchers.kernel_modules import in_kernel
+from nbaccel.launch.launchers.forkserver.kernel_modules import in_kernel
+from nbaccel.launch.launchers.forkserver.launcher import warm_up_if_in_kernel
 from nbaccel.notebook.kernel.preload_hook import install
 from nbaccel.notebook.kernel.quick_exit import exit_quickly
 from nbaccel.notebook.preload import WORKER_PRELOAD

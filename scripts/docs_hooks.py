@@ -5,6 +5,10 @@
 - ``reference/*.md``: the API reference, one page per group of the public names in
   ``nbaccel.__all__``, each rendered from its docstring by mkdocstrings. A name is grouped by the
   package that defines it, so a new public name appears without editing this file.
+- ``reference/accelerate-names.md``: the names nbaccel serves under Accelerate's import paths
+  (``nbaccel/compat/aliases.py``) that ``nbaccel.__all__`` does not hold, one entry each
+  (``docs_names.py``). The build fails when a page or a notebook imports a name from nbaccel
+  that has no reference entry.
 - ``reference/launch-options.md``: every launch option, from ``LaunchRequest`` (the one place
   options are defined), with its default, help and spelling on each front.
 - ``reference/cli.md``, ``reference/config-file.md``, ``reference/environment.md``: the command
@@ -36,6 +40,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_tables  # noqa: E402
 import cli_reference  # noqa: E402
 import config_reference  # noqa: E402
+import docs_names  # noqa: E402
 import env_reference  # noqa: E402
 import extras_reference  # noqa: E402
 
@@ -199,7 +204,9 @@ def on_files(files: Files, config) -> Files:
         "reference/config-file.md": config_reference.render(),
         "reference/environment.md": env_reference.render(),
         **_reference_pages(),
+        "reference/accelerate-names.md": docs_names.render(),
     }
+    docs_names.check_documented(ROOT)
     for uri, text in generated.items():
         files.append(File.generated(config, uri, content=text))
     executed = os.environ.get("NBACCEL_DOCS_NOTEBOOKS")

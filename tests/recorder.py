@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 __all__ = ["Recorder"]
 

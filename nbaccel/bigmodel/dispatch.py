@@ -16,14 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.align_devices_hook import AlignDevicesHook
-from nbaccel.bigmodel.cpu_offload_hook import CpuOffload, UserCpuOffloadHook
-from nbaccel.bigmodel.device_map import get_device_map
-from nbaccel.bigmodel.hook_attachment import (
+from nbaccel.bigmodel.hooks.align_devices import AlignDevicesHook
+from nbaccel.bigmodel.hooks.attachment import (
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
 )
-from nbaccel.bigmodel.hooks import add_hook_to_module
+from nbaccel.bigmodel.hooks.cpu_offload import CpuOffload, UserCpuOffloadHook
+from nbaccel.bigmodel.hooks.model_hook import add_hook_to_module
 from nbaccel.bigmodel.offload import (
     OffloadedWeightsLoader,
     Prefetcher,
@@ -35,6 +34,7 @@ from nbaccel.bigmodel.placement import (
     set_module_tensor_to_device,
     to_torch_device,
 )
+from nbaccel.bigmodel.planning.device_map import get_device_map
 
 __all__ = ["cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model"]
 

@@ -126,7 +126,7 @@ def estimate_memory(
     which is then called under ``init_empty_weights()``. ``dtypes`` among float32, float16,
     bfloat16, int8, int4: floating-point tensors take that size, other tensors keep theirs.
     """
-    from nbaccel.bigmodel.module_sizes import compute_module_sizes, get_max_layer_size
+    from nbaccel.bigmodel.planning.module_sizes import compute_module_sizes, get_max_layer_size
 
     names = [str(d).replace("torch.", "") for d in dtypes]
     unknown = [d for d in names if d not in DTYPE_BYTES]

@@ -331,8 +331,9 @@ def prepare_pippy(
         split_points: ``"auto"`` (balanced cuts at block starts) or the module names where
             stages 2..N begin.
         no_split_module_classes: blocks never cut (default: the model's ``_no_split_modules``).
-        example_args / example_kwargs: one micro-batch as the model takes it, traced whole
+        example_args: one micro-batch as the model takes it (positional), traced whole
             (a call's batch is padded to ``num_chunks`` micro-batches of this shape).
+        example_kwargs: the same micro-batch's keyword arguments.
         num_chunks: micro-batches per call (default: the number of processes).
         gather_output: send the output from the last rank to every rank.
     """

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.device_map import normalize_device
+from nbaccel.bigmodel.planning.device_map import normalize_device
 
 __all__ = ["find_device", "move_module_tensors", "set_module_tensor_to_device", "to_torch_device"]
 

@@ -197,7 +197,7 @@ def _tpu_and_stacks(parser: argparse.ArgumentParser) -> None:
 def _deepspeed_options(group: Any) -> None:
     """The DeepSpeedPlugin's settings (Accelerate's flags and config-file keys); the ranks get
     them as ACCELERATE_DEEPSPEED_* variables, checked by building the plugin before they start."""
-    from nbaccel.values.zero_options import OFFLOAD_DEVICES, yes_no
+    from nbaccel.launch.options.deepspeed import OFFLOAD_DEVICES, yes_no
 
     _option(group, "deepspeed_config_file", default=None, metavar="FILE",
             help="DeepSpeed config (JSON); prepare fills its 'auto' values")  # fmt: skip

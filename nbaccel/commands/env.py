@@ -222,7 +222,7 @@ def collect() -> dict[str, Any]:
 def _preload() -> dict[str, Any]:
     """What ranks start with: the preload setting and, in a process that runs a fork server
     (a notebook kernel calling :func:`collect`), what the server imported and kept out."""
-    from nbaccel.launch.launchers.forkserver import preload_report
+    from nbaccel.launch.launchers.forkserver.launcher import preload_report
 
     return preload_report()
 

@@ -251,14 +251,16 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def _report(exc: BaseException) -> None:
+    from nbaccel.launch.wire.errors import remote_traceback
+
     rank = getattr(exc, "rank", None)
     where = f"rank {rank}" if rank is not None else "the launch"
     if isinstance(exc, SystemExit):
         print(f"nbaccel launch: {where} exited with code {_exit_code(exc)}.", file=sys.stderr)
         return
-    cause = exc.__cause__
-    if cause is not None and str(cause):
-        print(str(cause), file=sys.stderr)
+    remote = remote_traceback(exc)
+    if remote:
+        print(remote, file=sys.stderr)
     print(f"nbaccel launch: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
@@ -317,7 +319,7 @@ def _launch(args: argparse.Namespace) -> int:
         env.update(deepspeed_environment(args, args.num_processes))
     request = _request(args, per_machine, int(args.master_port) if world else None)
     if request.use_megatron_lm:  # the plugin is built once here: refusals before any rank
-        from nbaccel.training.strategies.model_parallel.megatron_launch import megatron_check
+        from nbaccel.training.strategies.megatron.launch import megatron_check
 
         env.update(megatron_check(request.megatron_environment(), args.num_processes))
     call = (target, list(args.training_script_args), args.module, os.getcwd(),

@@ -1,6 +1,6 @@
 """``nbaccel test``: launch nbaccel's end-to-end check script with your config.
 
-Runs ``nbaccel launch [--config_file FILE] .../testkit/scripts/test_script.py`` and says whether
+Runs ``nbaccel launch [--config_file FILE] .../testing/scripts/test_script.py`` and says whether
 the setup works (exit code 0) or fails (the script's exit code, with its output above).
 """
 
@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def test_command(args: argparse.Namespace) -> int:
     """Launch the check script; raise ``CalledProcessError`` when it fails."""
-    from nbaccel.testkit.subprocesses import path_in_nbaccel_package
+    from nbaccel.testing.subprocesses import path_in_nbaccel_package
 
     script = path_in_nbaccel_package("test_utils", "scripts", "test_script.py")
     cmd = [sys.executable, "-m", "nbaccel", "launch"]

@@ -22,32 +22,32 @@ _OPS = (
     "nbaccel.training.strategies.deepspeed.wrappers:GatheredParameters",
 )
 _MODELING = (
-    "nbaccel.bigmodel.align_devices_hook:align_module_device,has_offloaded_params",
-    "nbaccel.bigmodel.device_map:check_device_map,clean_device_map,get_device_map,infer_auto_device_map",
-    "nbaccel.bigmodel.memory_budgets",
-    "nbaccel.bigmodel.module_sizes:calculate_maximum_sizes,compute_module_sizes,dtype_byte_size,"
+    "nbaccel.bigmodel.hooks.align_devices:align_module_device,has_offloaded_params",
+    "nbaccel.bigmodel.planning.device_map:check_device_map,clean_device_map,get_device_map,infer_auto_device_map",
+    "nbaccel.bigmodel.planning.memory_budgets",
+    "nbaccel.bigmodel.planning.module_sizes:calculate_maximum_sizes,compute_module_sizes,dtype_byte_size,"
     "get_max_layer_size,named_module_tensors",
-    "nbaccel.bigmodel.loading:load_checkpoint_in_model,CheckpointMismatchError",
+    "nbaccel.bigmodel.loading.checkpoint:load_checkpoint_in_model,CheckpointMismatchError",
     "nbaccel.bigmodel.placement:set_module_tensor_to_device,find_device",
-    "nbaccel.bigmodel.tied_parameters",
-    "nbaccel.bigmodel.planning_helpers",
-    "nbaccel.bigmodel.weight_files:get_state_dict_from_offload,get_state_dict_offloaded_model,"
+    "nbaccel.bigmodel.ties",
+    "nbaccel.bigmodel.planning.building_blocks",
+    "nbaccel.bigmodel.loading.weight_files:get_state_dict_from_offload,get_state_dict_offloaded_model,"
     "load_state_dict",
-    "nbaccel.bigmodel.layerwise_casting:SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
+    "nbaccel.bigmodel.hooks.layerwise_casting:SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "nbaccel.storage.serialization:id_tensor_storage",
     "nbaccel.training.config.run_options:CustomDtype",
     "nbaccel.training.precision.contexts:get_grad_scaler,get_mixed_precision_context_manager",
     "nbaccel.training.config.unsupported_stacks:has_4bit_bnb_layers",
     "nbaccel.distributed.device_cache",
     "nbaccel.training.strategies.model_inspection:is_peft_model",
-    "nbaccel.bigmodel.weight_files:load_offloaded_weight,offload_weight",
+    "nbaccel.bigmodel.loading.weight_files:load_offloaded_weight,offload_weight",
     "nbaccel.bigmodel.offload:load_offloaded_weights,save_offload_index",
     "nbaccel.storage.weights:SAFE_WEIGHTS_NAME,WEIGHTS_INDEX_NAME,WEIGHTS_NAME",
 )
 _OFFLOAD = (
     "nbaccel.bigmodel.offload:OffloadedWeightsLoader,PrefixedDataset,load_offloaded_weights,"
     "offload_state_dict,save_offload_index",
-    "nbaccel.bigmodel.weight_files:extract_submodules_state_dict,load_offloaded_weight,offload_weight",
+    "nbaccel.bigmodel.loading.weight_files:extract_submodules_state_dict,load_offloaded_weight,offload_weight",
 )
 _DATACLASSES = (
     _STATE + ":DistributedType",
@@ -63,7 +63,7 @@ _DATACLASSES = (
     "nbaccel.bigmodel.quantization.config:BnbQuantizationConfig,TorchAoConfig",
     "nbaccel.training.config.parallelism_config:TorchContextParallelConfig,TorchTensorParallelConfig",
     "nbaccel.training.strategies.model_parallel.tensor_parallel:TorchTensorParallelPlugin",
-    "nbaccel.training.strategies.model_parallel.megatron:MegatronLMPlugin",
+    "nbaccel.training.strategies.megatron.strategy:MegatronLMPlugin",
     "nbaccel.distributed.structures:TensorInformation",
     "nbaccel.training.strategies.model_inspection:get_module_class_from_name",
 )
@@ -110,7 +110,7 @@ _CONSTANTS = (
     "nbaccel.training.constants",
     "nbaccel.distributed.operation_checks:TORCH_DISTRIBUTED_OPERATION_TYPES",
     "nbaccel.distributed.probes:STR_OPERATION_TO_FUNC",
-    "nbaccel.bigmodel.layerwise_casting:SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
+    "nbaccel.bigmodel.hooks.layerwise_casting:SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
 )
 _UNSUPPORTED = "nbaccel.training.config.unsupported_stacks"
 _DEEPSPEED = (
@@ -120,9 +120,7 @@ _DEEPSPEED = (
     "nbaccel.training.strategies.deepspeed.config:HfDeepSpeedConfig",
     "nbaccel.training.strategies.deepspeed.plugin:DeepSpeedPlugin,get_active_deepspeed_plugin",
 )
-_SCHEDULER = (
-    "nbaccel.training.strategies.model_parallel.megatron_scheduler:MegatronLMDummyScheduler"
-)
+_SCHEDULER = "nbaccel.training.strategies.megatron.scheduler:MegatronLMDummyScheduler"
 _MEGATRON = (
     _UNSUPPORTED + ":MegatronEngine,MegatronLMOptimizerWrapper,MegatronLMSchedulerWrapper,"
     "MegatronLMDummyDataLoader,AbstractTrainStep,BertTrainStep,"
@@ -150,7 +148,7 @@ _BNB = (
 _FSDP = (
     "nbaccel.training.strategies.fsdp.checkpoint",
     "nbaccel.training.strategies.model_inspection:get_module_class_from_name,is_peft_model",
-    "nbaccel.bigmodel.planning_helpers:get_non_persistent_buffers",
+    "nbaccel.bigmodel.planning.building_blocks:get_non_persistent_buffers",
     "nbaccel.training.step.compile_regions:get_module_children_bottom_up",
     "nbaccel.training.strategies.fsdp.plugin",
     "nbaccel.training.step.compile_regions:is_compiled_module,compile_regions_fsdp2",
@@ -198,13 +196,13 @@ _TEST_UTILS_TESTING = (
     "nbaccel.distributed.probes",
     "nbaccel.distributed.environment:is_torch_xla_available",
     "nbaccel.distributed.environment_patch:str_to_bool",
-    "nbaccel.testkit.markers",
-    "nbaccel.testkit.cases",
-    "nbaccel.testkit.subprocesses",
+    "nbaccel.testing.markers",
+    "nbaccel.testing.cases",
+    "nbaccel.testing.subprocesses",
     "nbaccel.distributed.environment_patch:parse_flag_from_env",
     "nbaccel.distributed.probes:is_hpu_available,is_xpu_available,is_cuda_available,is_mps_available",
 )
-_TEST_UTILS_TRAINING = ("nbaccel.testkit.regression", _STATE + ":DistributedType")
+_TEST_UTILS_TRAINING = ("nbaccel.testing.regression", _STATE + ":DistributedType")
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "nbaccel": (
@@ -233,10 +231,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.data:DataLoaderDispatcher,prepare_data_loader,skip_first_batches",
         "nbaccel.training.step.optimizer:AcceleratedOptimizer",
         "nbaccel.training.step.scheduler:AcceleratedScheduler",
-        "nbaccel.training.tracking.trackers:GeneralTracker,filter_trackers",
+        "nbaccel.training.tracking.trackers:GeneralTracker",
+        "nbaccel.training.tracking.registry:filter_trackers",
         "nbaccel.training.step.batch_size:release_memory",
-        "nbaccel.bigmodel.align_devices_hook:has_offloaded_params",
-        "nbaccel.bigmodel.weight_files:get_state_dict_offloaded_model",
+        "nbaccel.bigmodel.hooks.align_devices:has_offloaded_params",
+        "nbaccel.bigmodel.loading.weight_files:get_state_dict_offloaded_model",
         "nbaccel.training.precision.contexts:get_grad_scaler,get_mixed_precision_context_manager",
         "nbaccel.training.strategies.fsdp.checkpoint:load_fsdp_model,load_fsdp_optimizer,"
         "save_fsdp_model,save_fsdp_optimizer",
@@ -248,30 +247,30 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "map_pytorch_optim_to_deepspeed",
         "nbaccel.training.accelerator.core:Accelerator",
         "nbaccel.training.config.parallelism_config:ParallelismConfig",
-        "nbaccel.training.tracking.trackers:LOGGER_TYPE_TO_CLASS",
+        "nbaccel.training.tracking.registry:LOGGER_TYPE_TO_CLASS",
         "nbaccel.training.constants",
         "nbaccel.distributed.probes",
         *_DATACLASSES,
     ),
     "nbaccel.logging": ("nbaccel.distributed.logging", _STATE + ":PartialState"),
     "nbaccel.big_modeling": (
-        "nbaccel.bigmodel.weight_files:extract_submodules_state_dict",
+        "nbaccel.bigmodel.loading.weight_files:extract_submodules_state_dict",
         _UNSUPPORTED + ":_refuse_recurrent_layers_under_sequence_parallelism",
         "nbaccel.bigmodel",
-        "nbaccel.bigmodel.layerwise_casting",
+        "nbaccel.bigmodel.hooks.layerwise_casting",
     ),
     "nbaccel.hooks": (
         "nbaccel.bigmodel.offload:PrefixedDataset",
         "nbaccel.bigmodel.placement:find_device,set_module_tensor_to_device",
-        "nbaccel.bigmodel.module_sizes:named_module_tensors",
+        "nbaccel.bigmodel.planning.module_sizes:named_module_tensors",
         "nbaccel.distributed.collectives:send_to_device",
         "nbaccel.distributed.device_cache",
-        "nbaccel.bigmodel.planning_helpers:get_non_persistent_buffers",
-        "nbaccel.bigmodel.hooks",
-        "nbaccel.bigmodel.align_devices_hook:AlignDevicesHook",
-        "nbaccel.bigmodel.cpu_offload_hook",
-        "nbaccel.bigmodel.hook_attachment",
-        "nbaccel.bigmodel.layerwise_casting:LayerwiseCastingHook",
+        "nbaccel.bigmodel.planning.building_blocks:get_non_persistent_buffers",
+        "nbaccel.bigmodel.hooks.model_hook",
+        "nbaccel.bigmodel.hooks.align_devices:AlignDevicesHook",
+        "nbaccel.bigmodel.hooks.cpu_offload",
+        "nbaccel.bigmodel.hooks.attachment",
+        "nbaccel.bigmodel.hooks.layerwise_casting:LayerwiseCastingHook",
     ),
     "nbaccel.data_loader": (
         _STATE + ":DistributedType,GradientState,PartialState",
@@ -335,9 +334,9 @@ ALIASES["nbaccel.launchers"] = ALIASES.get("nbaccel.launchers", ()) + (
     "nbaccel.launch.prepare_for_launch:PrepareForLaunch",
 )
 ALIASES["nbaccel.test_utils"] += (
-    "nbaccel.testkit.scripts:test_cli,test_ops,test_script,test_sync",
+    "nbaccel.testing.scripts:test_cli,test_ops,test_script,test_sync",
 )
-ALIASES["nbaccel.test_utils.scripts"] = ("=nbaccel.testkit.scripts",)
+ALIASES["nbaccel.test_utils.scripts"] = ("=nbaccel.testing.scripts",)
 for _script in ("test_cli", "test_ops", "test_script", "test_sync", "test_distributed_data_loop",
                 "test_ddp_comm_hook", "test_merge_weights"):  # fmt: skip
-    ALIASES[f"nbaccel.test_utils.scripts.{_script}"] = (f"=nbaccel.testkit.scripts.{_script}",)
+    ALIASES[f"nbaccel.test_utils.scripts.{_script}"] = (f"=nbaccel.testing.scripts.{_script}",)

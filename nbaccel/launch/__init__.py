@@ -2,11 +2,17 @@
 
 Knows nothing of notebooks or training; the fronts (``notebook_launcher``, the ``%%distributed``
 pool, ``nbaccel.testing.run_on_ranks``) pass the renderer, the worker hooks and the modules to
-preload. Reading order: ``plan`` (what a launch is: defaults, validation, announcement, rank
-environment), ``run`` (one-shot launches), ``driver`` (the one call loop), ``group`` (the process
-engine), ``launchers/`` (how ranks start: forkserver, spawn, fork, xla; ssh and slurm from
-``remote/``: one agent per host, a CURVE hub in the kernel, rank connections tunnelled to the
-group's listener), ``labels`` (``rank 5 @ node2``), ``spec`` and
-``worker`` (the rank side), ``channel``/``transport``/``protocol`` (the wire), ``render``,
-``errors`` and ``processes`` (what the user sees of a failure).
+preload. Reading order:
+
+- ``request`` (every launch option, defined once) with ``options/`` (how an option is defined,
+  the engines' and variants' option tables), ``plan`` (what a launch is: defaults, validation,
+  announcement, rank environment), ``run`` (one-shot launches), ``registry`` (kind -> variant);
+- ``driver/`` (the kernel's side: the worker group ``group``, the one call loop ``loop``, the
+  output reader, the renderer interface and its text form ``renderer``, ``child_failed``);
+- ``launchers/`` (how ranks start here: ``forkserver/``, spawn, fork, xla) and ``remote/`` (ssh,
+  slurm and ``ray/``: one agent per host, a CURVE hub in the kernel, rank connections tunnelled
+  to the group's listener);
+- ``rank/`` (the rank side: ``worker``), ``wire/`` (what both sides share: ``protocol``,
+  ``channel``, ``transport``, ``spec``, ``labels``, ``errors``), ``host/`` (this machine:
+  ``processes``, ports, capacity), ``detached/`` (runs that outlive the kernel).
 """

@@ -11,7 +11,7 @@ from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.launchers.fork import ForkLauncher
-from nbaccel.launch.launchers.forkserver import ForkServerLauncher
+from nbaccel.launch.launchers.forkserver.launcher import ForkServerLauncher
 from nbaccel.launch.launchers.spawn import SpawnLauncher
 from nbaccel.launch.launchers.xla import XlaLauncher
 from nbaccel.launch.remote.launcher import RemoteLauncher

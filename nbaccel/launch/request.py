@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
-from nbaccel.launch.launchers.kernel_modules import PRELOAD_HELP, check_preload
-from nbaccel.launch.megatron_options import PREFIX, megatron_environment
-from nbaccel.launch.megatron_options import megatron_option as _megatron
-from nbaccel.launch.option_spec import Front, Option, option
+from nbaccel.launch.launchers.forkserver.kernel_modules import PRELOAD_HELP, check_preload
+from nbaccel.launch.options.megatron import PREFIX, megatron_environment
+from nbaccel.launch.options.megatron import megatron_option as _megatron
+from nbaccel.launch.options.spec import Front, Option, option
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
 from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
@@ -235,9 +235,14 @@ class LaunchRequest:
     memory: bool = option(True, "the per-rank memory monitor", Front.LAUNCHER,
                           check=_flag("memory"))  # fmt: skip
     detach: bool = option(
-        False, "run under this user's supervisor, outliving the kernel or shell: returns a "
-        "Run handle at once (nbaccel.runs(), nbaccel.attach(id), nbaccel runs ...)",
-        Front.LAUNCHER | Front.CLI, check=_flag("detach"),
+        False, "run under this user's supervisor, outliving the kernel or shell: a launch "
+        "returns a Run handle at once (nbaccel.runs(), nbaccel.attach(id), nbaccel runs ...); "
+        "a pool keeps its ranks and names for the next kernel to attach (nbaccel pools)",
+        Front.LAUNCHER | Front.MAGIC | Front.CLI, check=_flag("detach"),
+    )  # fmt: skip
+    detach_idle: float = option(
+        3600.0, "a detached pool with no kernel attached for this many seconds ends",
+        Front.MAGIC, check=positive_number("detach_idle"), parse=float, metavar="S",
     )  # fmt: skip
     hosts: str | Sequence[str] | None = option(
         None, "run the ranks on these hosts through ssh, one agent per host: node1:4,node2:4",

@@ -16,7 +16,7 @@ from typing import Any
 
 from nbaccel.launch.driver.group import WorkerGroup
 from nbaccel.launch.driver.loop import ONE_SHOT, CallReport, CallState, Settle, run_once
-from nbaccel.launch.driver.render import Renderer, TextRenderer
+from nbaccel.launch.driver.renderer import Renderer, TextRenderer
 from nbaccel.launch.host.host_ram import estimate_host_ram, warn_if_short
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.launchers.xla import (
@@ -26,7 +26,6 @@ from nbaccel.launch.launchers.xla import (
     use_compile_cache,
 )
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import Inline, Mode
@@ -60,7 +59,7 @@ def run_function(
         interval: longest wait between two checks of the ranks.
     """
     __tracebackhide__ = True
-    launcher = make_launcher(plan.kind, preload=tuple(preload), **plan.launcher_options())
+    launcher = plan.make_launcher(preload)
     shared = None
     if launcher.pickles_work:  # raises UnpicklableError naming the object, before any process
         work, shared = pack(

@@ -18,7 +18,8 @@ from typing import Any
 
 from nbaccel.launch.rank.worker import emit, on_worker
 from nbaccel.notebook.events import METRICS, MetricsUpdate
-from nbaccel.training.tracking.trackers import GeneralTracker, register_tracker_class
+from nbaccel.training.tracking.registry import register_tracker_class
+from nbaccel.training.tracking.trackers import GeneralTracker
 
 __all__ = ["NotebookTracker"]
 

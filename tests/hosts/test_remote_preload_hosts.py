@@ -58,7 +58,7 @@ def _setup(folder: Path) -> str:
         def where():
             import os, socket
             import lane_version_lib
-            from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+            from nbaccel.launch.rank.inherited import inherited_modules
             inherited = inherited_modules() or ()
             return (socket.gethostname(), "lane_thread_lib" in inherited,
                     "lane_version_lib" in inherited, lane_version_lib.VERSION, os.getppid())

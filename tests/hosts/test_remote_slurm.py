@@ -244,7 +244,7 @@ _PRELOAD = textwrap.dedent(
 
     def where():
         import socket
-        from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+        from nbaccel.launch.rank.inherited import inherited_modules
         inherited = inherited_modules() or ()
         return (socket.gethostname(), "slurm_plain_lib" in inherited,
                 "slurm_thread_lib" in inherited)

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
-from nbaccel.launch.launchers.forkserver import get_forkserver
-from nbaccel.launch.launchers.huge_pages import collapse_writable_memory
+from nbaccel.launch.driver.renderer import Renderer
+from nbaccel.launch.launchers.forkserver.huge_pages import collapse_writable_memory
+from nbaccel.launch.launchers.forkserver.launcher import get_forkserver
 
 
 def _huge_kib(pid: int) -> int:
@@ -76,13 +76,13 @@ _PROBE_CELL = """
 import sys, warnings
 import numpy.random
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 numpy.random.seed(3)
 warnings.filterwarnings("ignore", message="x", category=numpy.exceptions.RankWarning)
 assert any(f[2].__module__.startswith("IPython") for f in warnings.filters)
 
 def imported_here():
-    from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+    from nbaccel.launch.rank.inherited import inherited_modules
     return sorted(set(sys.modules) - inherited_modules())
 
 print(notebook_launcher(imported_here, num_processes=2, renderer=Renderer()))

@@ -248,7 +248,7 @@ def test_preloaded_library_initialising_cuda_is_kept_out_and_the_launch_goes_on(
 ):
     from recorder import Recorder
 
-    from nbaccel.launch.launchers.forkserver import preload_report, shutdown_forkserver
+    from nbaccel.launch.launchers.forkserver.launcher import preload_report, shutdown_forkserver
     from nbaccel.launch.plan import LaunchPlan
     from nbaccel.launch.request import Front, LaunchRequest
     from nbaccel.launch.run import run_function

@@ -16,7 +16,7 @@ import pytest
 from kernel import cell_text, run_notebook
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.notebook.kernel.pool import Pool
 

@@ -25,7 +25,7 @@ def sleeps():
     time.sleep(60)
 """
 
-_ENGINE = ("loop.py", "group.py", "rank_ends.py", "rank_output.py", "selectors.py", "run.py")
+_ENGINE = ("loop.py", "group.py", "rank_ends.py", "output_reader.py", "selectors.py", "run.py")
 
 
 def test_failure_summary_counts_the_failed_rank_and_no_engine_frame_shows():
@@ -51,7 +51,7 @@ def test_failure_summary_counts_the_failed_rank_and_no_engine_frame_shows():
 
 _EARLY_STOP = """
 import os, signal, sys, time
-from nbaccel.launch.launchers.forkserver import ForkServer
+from nbaccel.launch.launchers.forkserver.launcher import ForkServer
 server = ForkServer()
 time.sleep(0.3)  # it is importing torch now
 os.kill(server.pid, signal.SIGINT)  # what the stop button's SIGINT to the process group does

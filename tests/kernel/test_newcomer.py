@@ -105,7 +105,7 @@ def _quick():
 
 def test_a_quick_launch_reports_every_ranks_memory():
     from nbaccel import notebook_launcher
-    from nbaccel.launch.driver.render import TextRenderer
+    from nbaccel.launch.driver.renderer import TextRenderer
     from nbaccel.notebook.events import MEMORY
 
     class Samples(TextRenderer):
@@ -140,7 +140,7 @@ def test_paths_the_docs_name_exist():
 
 def test_a_first_launch_says_why_it_waits(capsys):
     from nbaccel import notebook_launcher
-    from nbaccel.launch.launchers.forkserver import shutdown_forkserver
+    from nbaccel.launch.launchers.forkserver.launcher import shutdown_forkserver
 
     shutdown_forkserver()  # as in a fresh kernel: the next launch starts the server
     assert notebook_launcher(_quick, num_processes=2, cpu=True) == [1, 1]

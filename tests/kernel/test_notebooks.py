@@ -1,6 +1,6 @@
 """Every example notebook runs top to bottom in a real kernel and shows what it promises.
 
-(quickstart.ipynb has its own file: it is the README's main job.)
+(quickstart.ipynb has its own file: it is what ./scripts/quickstart runs.)
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ def test_magics_notebook():
 
 def test_training_notebook():
     texts = _run("training.ipynb")
-    assert "[rank 0] epoch 2: accuracy" in texts[1]
-    assert "on 112 evaluation samples" in texts[1]  # gather_for_metrics: exactly the eval set
-    assert "'seen': 112, 'world': 2, 'precision': 'bf16', 'type': 'MULTI_CPU'" in texts[1]
+    assert "GPT-2 with" in texts[0] and "40 evaluation blocks of 64 bytes" in texts[0]
+    assert "[rank 0] epoch 2: eval loss" in texts[1]
+    assert "on 40 evaluation blocks" in texts[1]  # gather_for_metrics: exactly the eval set
+    assert "'seen': 40, 'world': 2, 'precision': 'bf16', 'type': 'MULTI_CPU'" in texts[1]
     first, last = (float(v) for v in texts[2].split("loss went from ")[1].split(" to "))
-    assert last < first
-    assert "same accuracy after resume: True" in texts[3]
+    assert last < first - 1.0  # a byte-level model starts near ln 256 and learns the text
+    assert "same evaluation loss after resume: True" in texts[3]
 
 
 def test_fsdp_notebook():

@@ -21,7 +21,7 @@ THREADED = (
 LAUNCH = """
 def where():
     import os, kernel_lib, threaded_lib
-    from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+    from nbaccel.launch.rank.inherited import inherited_modules
     inherited = inherited_modules() or ()
     return {"imported_in": kernel_lib.IMPORTED_IN, "pid": os.getpid(), "parent": os.getppid(),
             "version": kernel_lib.VERSION, "threaded_inherited": "threaded_lib" in inherited}
@@ -43,7 +43,10 @@ def test_ranks_start_with_the_kernels_libraries_kept_safe_and_fresh(tmp_path):
         f"open(path, 'w').write({RECORDER.format(version=2)!r})\n"
         "stat = os.stat(path)\nos.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))"
     )
-    wait = "from nbaccel.launch.launchers.forkserver import wait_preloaded\nwait_preloaded()\n"
+    wait = (
+        "from nbaccel.launch.launchers.forkserver.launcher import wait_preloaded\n"
+        "wait_preloaded()\n"
+    )
     nb = run_notebook(
         [
             f"import json, os, sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
@@ -53,7 +56,7 @@ def test_ranks_start_with_the_kernels_libraries_kept_safe_and_fresh(tmp_path):
             wait + LAUNCH,
             edit,
             wait + LAUNCH,
-            "from nbaccel.launch.launchers.forkserver import preload_report\n"
+            "from nbaccel.launch.launchers.forkserver.launcher import preload_report\n"
             "print('OUT ' + json.dumps(preload_report()))",
             "%load_ext nbaccel",
             "%%distributed -n 2\nimport os, kernel_lib\n"
@@ -109,7 +112,8 @@ def test_the_server_steps_aside_while_ranks_forked_from_the_kernel_run(tmp_path)
             "def busy():\n    import time\n    time.sleep(6)\n    return time.time()\n"
             "ends = notebook_launcher(busy, num_processes=2, cpu=True)\n"
             "print('OUT ' + json.dumps(ends))",
-            "from nbaccel.launch.launchers.forkserver import wait_preloaded, preload_report\n"
+            "from nbaccel.launch.launchers.forkserver.launcher import (\n"
+            "    preload_report, wait_preloaded)\n"
             "wait_preloaded()\nprint('OUT ' + json.dumps(preload_report()['preloaded']))",
         ],
         timeout=180,

@@ -1,4 +1,5 @@
-"""The README's main job: notebooks/quickstart.ipynb executed in a real kernel (nbclient)."""
+"""What ./scripts/quickstart runs: notebooks/quickstart.ipynb, executed in a real kernel
+(nbclient)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from kernel import run_notebook
 from nbclient.exceptions import DeadKernelError
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 # In the kernel: a thread that SIGKILLs the kernel as soon as one of its segments appears.
 _KILLER = """

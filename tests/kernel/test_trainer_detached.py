@@ -1,7 +1,7 @@
 """A detached ``Trainer`` run from a real kernel: rank 1 is SIGKILLed after the Trainer's
 checkpoint at step 4, ``run.resume()`` relaunches the same function, which continues from
-``output_dir``'s last ``checkpoint-N`` (``get_last_checkpoint``, passed to ``resume_from_checkpoint``)
-and ends with the losses of an uninterrupted run; a second kernel re-attaches and sees the bar,
+``output_dir``'s last ``checkpoint-N`` (``get_last_checkpoint`` passed to
+``resume_from_checkpoint``) and ends with the losses of an uninterrupted run; a second kernel re-attaches and sees the bar,
 the metrics and the result."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 from kernel import cell_errors, cell_text, run_notebook
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
 from nbaccel.launch.detached.folder import RunFolder, RunState
+from nbaccel.launch.driver.render import Renderer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -73,7 +73,7 @@ def test_a_killed_trainer_run_resumes_from_its_last_checkpoint(runs, tmp_path):
     shown = cell_text(cell)
     assert "8/8" in shown  # the Trainer's bar, exact at the end (the view's summary)
     assert "Trainer: " in shown and "loss=" in shown  # the metrics plot's static twin
-    history = eval(re.search(r"FINAL (\[.*\])", shown).group(1))  # noqa: S307 (our own repr)
+    history = eval(re.search(r"FINAL (\[.*\])", shown).group(1))
     resumed, uninterrupted = (
         _losses_after(history, 4),
         _losses_after(reference[0]["log_history"], 4),

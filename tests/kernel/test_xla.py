@@ -44,7 +44,7 @@ def test_launch_xla_forks_shares_the_model_and_returns_results():
 
 
 def test_default_is_every_local_device_and_the_fork_server_never_loads_xla():
-    from nbaccel.launch.launchers.forkserver import get_forkserver
+    from nbaccel.launch.launchers.forkserver.launcher import get_forkserver
     from nbaccel.launch.plan import default_num_processes
     from nbaccel.launch.request import Front
 

@@ -442,7 +442,7 @@ def test_check_scripts_pass_on_two_cpu_ranks(script):
     from nbaccel import debug_launcher
 
     module = importlib.import_module(f"nbaccel.test_utils.scripts.{script}")
-    assert module.main is importlib.import_module(f"nbaccel.testkit.scripts.{script}").main
+    assert module.main is importlib.import_module(f"nbaccel.testing.scripts.{script}").main
     debug_launcher(module.main, num_processes=2)  # a wrong result raises here, naming the rank
 
 

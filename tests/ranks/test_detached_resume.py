@@ -12,7 +12,7 @@ from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 from nbaccel import Run, notebook_launcher
 from nbaccel.launch.detached.folder import RunState
 from nbaccel.launch.detached.handle import DetachedRun
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 EPOCHS = 4
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from nbaccel.launch.launchers.server_handle import ForkServer
+from nbaccel.launch.launchers.forkserver.handle import ForkServer
 
 LIBRARY = (
     "import os, time\nIMPORTED_AT = time.time()\n"
@@ -86,7 +86,7 @@ def test_a_held_server_ends_with_its_kernel(library, tmp_path):
             textwrap.dedent(
                 f"""
                 import time
-                from nbaccel.launch.launchers.server_handle import ForkServer
+                from nbaccel.launch.launchers.forkserver.handle import ForkServer
                 server = ForkServer()
                 server.wait_ready()
                 server.hold()

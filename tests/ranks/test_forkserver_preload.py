@@ -14,7 +14,7 @@ import sys
 import pytest
 from recorder import Recorder
 
-from nbaccel.launch.launchers.forkserver import (
+from nbaccel.launch.launchers.forkserver.launcher import (
     get_forkserver,
     preload_report,
     shutdown_forkserver,
@@ -56,7 +56,7 @@ def _start():
 
     import recorder_lib
 
-    from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+    from nbaccel.launch.rank.inherited import inherited_modules
 
     inherited = inherited_modules() or frozenset()
     return {

@@ -25,8 +25,8 @@ from nbaccel.bigmodel import (
     init_empty_weights,
     load_checkpoint_and_dispatch,
 )
-from nbaccel.bigmodel.memory_budgets import get_max_memory
-from nbaccel.bigmodel.module_sizes import compute_module_sizes
+from nbaccel.bigmodel.planning.memory_budgets import get_max_memory
+from nbaccel.bigmodel.planning.module_sizes import compute_module_sizes
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +34,7 @@ MiB = 1 << 20
 
 
 def _offload_hooks(model: nn.Module) -> list:
-    from nbaccel.bigmodel.align_devices_hook import _offload_hook
+    from nbaccel.bigmodel.hooks.align_devices import _offload_hook
 
     return [h for h in (_offload_hook(m) for m in model.modules()) if h is not None]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nbaccel import RankCrashed, notebook_launcher
-from nbaccel.launch.driver.render import Renderer
-from nbaccel.launch.launchers.forkserver import get_forkserver
+from nbaccel.launch.driver.renderer import Renderer
+from nbaccel.launch.launchers.forkserver.launcher import get_forkserver
 
 
 def _children() -> list[int]:

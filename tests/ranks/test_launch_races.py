@@ -19,7 +19,7 @@ from faults import hang_in_collective_while_peer_fails, sigkill_in_collective
 from nbaccel import RankCrashed, notebook_launcher
 from nbaccel.launch.driver.group import Outcome
 from nbaccel.launch.driver.loop import CallReport, CallState
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.errors import is_peer_loss
 from nbaccel.launch.wire.protocol import OutcomeKind
 

@@ -157,7 +157,7 @@ def _hello():
 
 
 def test_log_line_prefix_template_prefixes_each_line(capsys):
-    from nbaccel.launch.driver.render import TextRenderer
+    from nbaccel.launch.driver.renderer import TextRenderer
 
     template = "<${role_name} ${rank}> "
     notebook_launcher(

@@ -24,7 +24,7 @@ from nbaccel import (
     debug_launcher,
     notebook_launcher,
 )
-from nbaccel.launch.launchers.forkserver import get_forkserver
+from nbaccel.launch.launchers.forkserver.launcher import get_forkserver
 
 
 def _workers_alive() -> list[psutil.Process]:
@@ -283,7 +283,7 @@ _NODE_SCRIPT = textwrap.dedent(
     """
     import sys
     from nbaccel import notebook_launcher
-    from nbaccel.launch.driver.render import Renderer
+    from nbaccel.launch.driver.renderer import Renderer
 
     def world():
         import torch

@@ -17,7 +17,7 @@ import torch
 from recorder import Recorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 
 @pytest.fixture
@@ -109,8 +109,8 @@ _NUMPY_PROBE = """
 import sys
 import numpy, torch
 from nbaccel import notebook_launcher
-from nbaccel.launch.launchers.forkserver import get_forkserver
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.launchers.forkserver.launcher import get_forkserver
+from nbaccel.launch.driver.renderer import Renderer
 
 def imported():
     return "numpy.random" in sys.modules

@@ -7,7 +7,7 @@ import pickle
 import traceback
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import TextRenderer
+from nbaccel.launch.driver.renderer import TextRenderer
 from nbaccel.launch.wire.pickling import dumps
 
 CELL = "/tmp/ipykernel_1/123456.py"

@@ -48,7 +48,7 @@ def test_bad_settings_leave_the_running_pool_alone(no_pool):
 
 
 def test_status_says_why_the_ranks_did_not_report(no_pool):
-    from nbaccel.notebook.kernel.rank_output import status_bundle
+    from nbaccel.notebook.kernel.cell_renderer import status_bundle
 
     pool = start_pool(num_processes=2)
     pool.run_cell("globals()[0] = 'a name that is not a string'")  # breaks the names listing

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 # Each rank catches the stop button (and the pool's second SIGINT) and keeps working for 2.5 s,
 # far past the pool's 0.5 + 1 s grace, then reports the interrupt.

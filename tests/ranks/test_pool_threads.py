@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.pool import PoolChangedError
 

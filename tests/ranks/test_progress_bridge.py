@@ -9,7 +9,7 @@ from proc_threads import voluntary_switches
 from recorder import Recorder as SharedRecorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.notebook.events import MemorySample, ProgressUpdate
 
 

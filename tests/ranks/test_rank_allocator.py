@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 
 def _faults_per_step() -> int:

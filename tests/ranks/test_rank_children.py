@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.errors import LaunchTimeout, RankCrashed
 
 _CHATTY = "import time\nwhile True:\n    print('chatter', flush=True)\n    time.sleep(0.02)\n"

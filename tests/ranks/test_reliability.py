@@ -20,8 +20,8 @@ from recorder import Recorder
 
 import nbaccel
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
-from nbaccel.launch.launchers.forkserver import get_forkserver
+from nbaccel.launch.driver.renderer import Renderer
+from nbaccel.launch.launchers.forkserver.launcher import get_forkserver
 from nbaccel.launch.wire.channel import (
     AuthenticationFailed,
     Handshake,

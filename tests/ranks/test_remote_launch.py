@@ -21,7 +21,7 @@ import pytest
 import torch
 import zmq
 
-from nbaccel.launch.driver.render import TextRenderer
+from nbaccel.launch.driver.renderer import TextRenderer
 from nbaccel.launch.remote.hosts import parse_hosts, slurm_layout
 from nbaccel.launch.remote.hub import Hub
 from nbaccel.launch.remote.messages import Kind, encode, new_keys
@@ -376,7 +376,7 @@ _KERNEL = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {here!r})
     from remote_agents import local_plan
-    from nbaccel.launch.driver.render import TextRenderer
+    from nbaccel.launch.driver.renderer import TextRenderer
     from nbaccel.launch.run import run_function
 
     def sleep_long():

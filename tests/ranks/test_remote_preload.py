@@ -48,7 +48,7 @@ def _where():
 
     import remote_recorder_lib
 
-    from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+    from nbaccel.launch.rank.inherited import inherited_modules
 
     inherited = inherited_modules() or ()
     return (

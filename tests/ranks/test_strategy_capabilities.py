@@ -111,7 +111,7 @@ def test_notebook_launcher_mixed_precision_reaches_the_fsdp_policy():
     # the walk: notebook_launcher(mixed_precision=) -> the ranks' environment -> AcceleratorState
     # -> FSDPStrategy -> plugin.mixed_precision_policy -> fully_shard(mp_policy=)
     from nbaccel import notebook_launcher
-    from nbaccel.launch.driver.render import TextRenderer
+    from nbaccel.launch.driver.renderer import TextRenderer
 
     results = notebook_launcher(
         _policy_under_launch, num_processes=2, mixed_precision="bf16", renderer=TextRenderer()

@@ -35,7 +35,7 @@ from nbaccel import notebook_launcher
 def where():
     import os
     import ray_version_lib
-    from nbaccel.launch.launchers.forkserver_loop import inherited_modules
+    from nbaccel.launch.rank.inherited import inherited_modules
     inherited = inherited_modules() or ()
     return (os.environ["NBACCEL_HOST"], "ray_thread_lib" in inherited,
             "ray_version_lib" in inherited, ray_version_lib.VERSION, os.getppid())

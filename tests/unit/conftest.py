@@ -50,7 +50,7 @@ def _no_processes(monkeypatch, _first_use_caches):
     monkeypatch.setattr(os, "posix_spawn", _refuse("os.posix_spawn"))
     monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse("a subprocess"))
     monkeypatch.setattr(subprocess, "_fork_exec", _refuse("a subprocess"))  # bound at import
-    from nbaccel.launch.launchers.forkserver import ForkServer
+    from nbaccel.launch.launchers.forkserver.launcher import ForkServer
 
     for name in ("spawn", "spawn_many"):
         monkeypatch.setattr(ForkServer, name, _refuse(f"the fork server's {name}"))

@@ -12,7 +12,7 @@ from nbaccel.bigmodel import get_device_map, get_max_memory, infer_auto_device_m
 from nbaccel.bigmodel.empty import init_empty_weights
 from nbaccel.notebook.kernel.widgets.device_map_view import DeviceMapView, show_device_map
 
-LOGGER = "nbaccel.bigmodel.absent_devices"
+LOGGER = "nbaccel.bigmodel.planning.absent_devices"
 ABSENT = torch.cuda.device_count()  # the first GPU id this machine does not have
 NAME = f"cuda:{ABSENT}"
 MiB = 2**20

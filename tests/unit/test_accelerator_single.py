@@ -216,7 +216,7 @@ def test_accumulate_in_one_process_matches_big_batch():
 
 
 def test_save_model_output_loads_with_load_checkpoint_in_model(tmp_path):
-    from nbaccel.bigmodel.loading import load_checkpoint_in_model
+    from nbaccel.bigmodel.loading.checkpoint import load_checkpoint_in_model
 
     acc = Accelerator()
     model = acc.prepare(_Tied())

@@ -18,12 +18,12 @@ from nbaccel.training.strategies.ddp import DDPStrategy
 from nbaccel.training.strategies.fsdp.strategy import FSDPStrategy
 from nbaccel.training.strategies.registry import STRATEGIES, select_strategy
 from nbaccel.training.strategies.xla import XLAStrategy
-from nbaccel.training.tracking.trackers import (
+from nbaccel.training.tracking.registry import (
     LOGGER_TYPE_TO_CLASS,
-    GeneralTracker,
     available_trackers,
     register_tracker_class,
 )
+from nbaccel.training.tracking.trackers import GeneralTracker
 
 
 def test_strategy_is_chosen_once_from_the_distributed_type():

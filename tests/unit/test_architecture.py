@@ -131,7 +131,7 @@ def test_the_graph_sees_lazy_imports() -> None:
     # notebook_launcher's front imports the engine's run module at the top, and the fork
     # server's module imports the worker inside a function: both must be edges
     assert "nbaccel.launch.run" in EDGES["nbaccel.notebook.kernel.launcher"]
-    assert "nbaccel.launch.rank.worker" in EDGES["nbaccel.launch.launchers.forkserver_loop"]
+    assert "nbaccel.launch.rank.worker" in EDGES["nbaccel.launch.launchers.forkserver.loop"]
     assert len(MODULES) > 50
 
 

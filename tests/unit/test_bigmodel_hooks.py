@@ -1,4 +1,4 @@
-"""Hook semantics (nbaccel.bigmodel.hooks) on real CPU modules."""
+"""Hook semantics (nbaccel.bigmodel.hooks.model_hook) on real CPU modules."""
 
 import pytest
 import torch

@@ -163,7 +163,7 @@ def _mixed_net() -> nn.Module:
 
 
 def test_identity_walk_gives_the_named_sizes_of_every_module():
-    from nbaccel.bigmodel.module_sizes import ModelScan
+    from nbaccel.bigmodel.planning.module_sizes import ModelScan
 
     net = _mixed_net()
     named = compute_module_sizes(net)
@@ -192,7 +192,7 @@ def _layered_net() -> nn.Module:
 def test_the_walk_finds_the_largest_layer_under_every_module(whole):
     """The walk's ``layers_by_id`` against a plain recursive reading: under each module, the
     largest unsplittable piece (no children, or a class kept whole) and how many reach it."""
-    from nbaccel.bigmodel.size_walk import walk_sizes
+    from nbaccel.bigmodel.planning.size_walk import walk_sizes
 
     net = _layered_net()
     sizes = compute_module_sizes(net)
@@ -238,7 +238,7 @@ def _tied_everywhere() -> nn.Module:
 def test_tied_weights_are_counted_once_without_names():
     """The identity walk takes a tie's later names back out: every module's size, the tie
     groups and a tied name's counted bytes are the by-name scan's answers."""
-    from nbaccel.bigmodel.module_sizes import ModelScan
+    from nbaccel.bigmodel.planning.module_sizes import ModelScan
     from nbaccel.storage.ties import tie_groups
 
     net = _tied_everywhere()
@@ -268,7 +268,7 @@ def test_tied_weights_are_counted_once_without_names():
 
 
 def test_a_shared_module_with_tensors_is_still_answered_by_name():
-    from nbaccel.bigmodel.module_sizes import ModelScan
+    from nbaccel.bigmodel.planning.module_sizes import ModelScan
 
     net = TiedNet(d=4, vocab=8, n=2, tie=False)
     net.blocks.append(net.blocks[0])  # one block object under two names

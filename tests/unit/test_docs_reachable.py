@@ -1,5 +1,7 @@
-"""Every page of the site is reachable: each page in ``docs/`` is in the navigation, and the home
-page links every page of the user guide (read from ``mkdocs.yml`` and the Markdown sources)."""
+"""Every page of the site is reachable: each page in ``docs/`` is in the navigation, the home
+page links every tutorial, how-to guide and concept page, and the navigation's top level is
+tutorials / how-to guides / concepts / reference (read from ``mkdocs.yml`` and the Markdown
+sources)."""
 
 from __future__ import annotations
 
@@ -37,12 +39,18 @@ def test_every_page_in_docs_is_in_the_navigation():
     assert stored - in_nav == set(), "add these pages to mkdocs.yml's nav"
 
 
-def test_the_home_page_links_every_user_guide_page():
+def test_the_navigation_is_tutorials_how_to_concepts_reference():
+    top = [next(iter(e)) if isinstance(e, dict) else e for e in _nav()]
+    assert top[:5] == ["Home", "Tutorials", "How-to guides", "Concepts", "Reference"], top
+
+
+def test_the_home_page_links_every_tutorial_guide_and_concept():
     home = (DOCS / "index.md").read_text()
     linked = set(re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", home))
-    guide = set(_section("User guide"))
-    assert guide, "mkdocs.yml has no 'User guide' section"
-    assert guide - linked == set(), "link these user-guide pages from docs/index.md"
+    for section in ("Tutorials", "How-to guides", "Concepts"):
+        pages = {p for p in _section(section) if p.endswith(".md")}
+        assert pages, f"mkdocs.yml has no {section!r} section"
+        assert pages - linked == set(), f"link these {section} pages from docs/index.md"
 
 
 def test_the_checks_see_what_they_forbid():

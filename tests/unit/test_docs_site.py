@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+pytest.importorskip("mkdocs", reason="the docs site needs mkdocs (pip install -e .[docs])")
+
 from mkdocs.commands.build import build
 from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
@@ -162,3 +165,46 @@ def test_the_docs_speak_of_the_project_only() -> None:
     texts = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *(ROOT / "docs").rglob("*.md")]
     found = [f"{p.name}: {m.group(0)}" for p in texts for m in diary.finditer(p.read_text())]
     assert not found, found
+
+
+# Names Accelerate's guides (and nbaccel's) import from submodules, beside nbaccel.__all__.
+ACCELERATE_NAMES = [
+    "BnbQuantizationConfig",
+    "load_and_quantize_model",
+    "AORecipeKwargs",
+    "DummyOptim",
+    "prepare_pippy",
+    "TorchTensorParallelPlugin",
+    "GatheredParameters",
+    "merge_fsdp_weights",
+    "ParallelismConfig",
+    "DeepSpeedPlugin",
+]
+
+
+def test_every_name_the_docs_or_accelerate_use_has_an_entry(site: Path) -> None:
+    import docs_names
+
+    pages = "".join(p.read_text() for p in (site / "reference").rglob("index.html"))
+    entries = set(re.findall(r'<h2 id="[\w.]*?\.?(\w+)"', pages))
+    for name in (
+        ACCELERATE_NAMES + sorted(docs_names.alias_names()) + sorted(docs_names.module_names())
+    ):
+        assert name in entries or f">{name}</" in pages, name
+    imported = {name for _, _, name in docs_names.imports()}
+    assert {"notebook_launcher", "Accelerator"} <= imported  # the scan sees the guides
+
+
+def test_an_import_the_reference_cannot_document_fails_the_build(tmp_path: Path) -> None:
+    import docs_names
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "notebooks").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "```python\nfrom nbaccel.utils import (\n    DummyOptim,\n    merge_fsdp_weights,\n)\n```\n"
+    )
+    docs_names.check_documented(tmp_path)  # both exist
+    page.write_text("```python\nfrom nbaccel.utils import NoSuchThing\n```\n")
+    with pytest.raises(RuntimeError, match=r"docs/page.md: nbaccel.utils.NoSuchThing"):
+        docs_names.check_documented(tmp_path)

@@ -14,6 +14,7 @@ import time
 from recorder import Recorder
 
 from nbaccel.launch.driver.output_budget import OutputBudget
+from nbaccel.launch.driver.output_reader import OutputReader
 from nbaccel.launch.driver.rank_connections import (
     EVENTS,
     HANDSHAKE,
@@ -22,7 +23,6 @@ from nbaccel.launch.driver.rank_connections import (
     ConnectionTable,
 )
 from nbaccel.launch.driver.rank_ends import EndWatcher
-from nbaccel.launch.driver.rank_output import OutputReader
 from nbaccel.launch.driver.rank_state import RankState
 from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.wire.channel import AuthenticationFailed, connect, new_secret

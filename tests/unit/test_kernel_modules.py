@@ -1,5 +1,5 @@
 """The preload setting (``preload=``, ``NBACCEL_PRELOAD``) and which of a process's modules the
-fork server imports for the ranks (``launch.launchers.kernel_modules``)."""
+fork server imports for the ranks (``launch.launchers.forkserver.kernel_modules``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from nbaccel.launch.launchers.kernel_modules import (
+from nbaccel.launch.launchers.forkserver.kernel_modules import (
     changed_files,
     check_preload,
     file_stamps,

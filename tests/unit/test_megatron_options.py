@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from nbaccel.training.strategies.model_parallel.megatron_plugin import (
+from nbaccel.training.strategies.megatron.plugin import (
     FIELD_KINDS,
     MegatronLMPlugin,
 )
-from nbaccel.training.strategies.model_parallel.megatron_scheduler import MegatronLRScheduler
+from nbaccel.training.strategies.megatron.scheduler import MegatronLRScheduler
 
 
 def test_every_field_of_accelerates_plugin_is_accepted_and_classified():
@@ -151,7 +151,7 @@ def test_weight_decay_increments_and_resume():
 
 def test_gpt2_stage_splits_conv1d_and_gives_the_models_own_state_back():
     transformers = pytest.importorskip("transformers")
-    from nbaccel.training.strategies.model_parallel.gpt2_stages import GPT2Stage, gpt2_tp_plan
+    from nbaccel.training.strategies.megatron.gpt2_stages import GPT2Stage, gpt2_tp_plan
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
@@ -170,7 +170,7 @@ def test_gpt2_stage_splits_conv1d_and_gives_the_models_own_state_back():
     assert all(torch.equal(back[k], expected[k]) for k in expected)
     with pytest.raises(ValueError, match="tp_degree=3 does not divide GPT-2's n_head=4"):
         gpt2_tp_plan(GPT2Stage(transformers.GPT2LMHeadModel(config), 0, 1), 3)
-    from nbaccel.training.strategies.model_parallel.megatron_stages import build_stage
+    from nbaccel.training.strategies.megatron.stages import build_stage
 
     plugin = MegatronLMPlugin(tp_degree=2, sequence_parallelism=True)
     fresh = transformers.GPT2LMHeadModel(config)
@@ -182,7 +182,7 @@ def test_gpt2_stage_splits_conv1d_and_gives_the_models_own_state_back():
 
 def test_model_families_the_guide_lists_are_refused_with_the_reason():
     transformers = pytest.importorskip("transformers")
-    from nbaccel.training.strategies.model_parallel.decoder_stages import check_decoder_model
+    from nbaccel.training.strategies.megatron.decoder_stages import check_decoder_model
 
     bert = transformers.BertForMaskedLM(
         transformers.BertConfig(
@@ -207,7 +207,7 @@ def test_model_families_the_guide_lists_are_refused_with_the_reason():
 
 def test_launch_options_need_use_megatron_lm_and_become_the_ranks_environment():
     from nbaccel.launch.request import Front, LaunchRequest
-    from nbaccel.training.strategies.model_parallel.megatron_launch import megatron_check
+    from nbaccel.training.strategies.megatron.launch import megatron_check
 
     with pytest.raises(ValueError, match="megatron_lm_tp_degree configure a Megatron-LM run"):
         LaunchRequest.create(Front.CLI, megatron_lm_tp_degree=2)

@@ -29,7 +29,7 @@ Current thread 0x00007f015f3cbb80 (most recent call first):
   File "<rank-cell-3>", line 2 in <module>
   File "{_SITE}/nbaccel/notebook/rank/pool_worker.py", line 186 in _run_source
   File "{_SITE}/nbaccel/launch/rank/worker.py", line 217 in _run_call
-  File "{_SITE}/nbaccel/launch/launchers/forkserver_loop.py", line 235 in serve
+  File "{_SITE}/nbaccel/launch/launchers/forkserver/loop.py", line 235 in serve
   File "<string>", line 1 in <module>
 
 Extension modules: torch._C (total: 1)
@@ -45,7 +45,7 @@ Thread 0x00007f01405ff6c0 (most recent call first):
 
   File "{_SITE}/nbaccel/notebook/rank/pool_worker.py", line 186 in _run_source
   File "{_SITE}/nbaccel/launch/rank/worker.py", line 217 in _run_call
-  File "{_SITE}/nbaccel/launch/launchers/forkserver_loop.py", line 235 in serve
+  File "{_SITE}/nbaccel/launch/launchers/forkserver/loop.py", line 235 in serve
   File "<string>", line 1 in <module>""".split("\n")
 
 

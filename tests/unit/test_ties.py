@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel import find_tied_parameters
-from nbaccel.bigmodel.module_sizes import ModelScan
+from nbaccel.bigmodel.planning.module_sizes import ModelScan
 from nbaccel.storage.ties import tie_groups, tied_twins
 from nbaccel.storage.weights import load_into_model
 

@@ -14,7 +14,7 @@ from nbaccel.bigmodel import convert_file_size_to_int, init_empty_weights
 from nbaccel.commands._launch_parser import to_bool
 from nbaccel.distributed.environment_patch import str_to_bool
 from nbaccel.launch.command_env import launch_environment
-from nbaccel.notebook.kernel.rank_output import status_bundle
+from nbaccel.notebook.kernel.cell_renderer import status_bundle
 from nbaccel.storage.weights import shard_state_dict
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.strategies.model_inspection import convert_bytes

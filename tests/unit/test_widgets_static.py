@@ -90,7 +90,7 @@ def test_cli_estimate_memory(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_notebook_tracker_is_registered_and_records() -> None:
-    from nbaccel.training.tracking.trackers import available_trackers, build_tracker
+    from nbaccel.training.tracking.registry import available_trackers, build_tracker
 
     assert "notebook" in available_trackers()
     tracker = build_tracker("notebook", "demo", None)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.tied_parameters import find_tied_parameters
+from nbaccel.bigmodel.ties import find_tied_parameters
 
 __all__ = [
     "get_keys_to_not_convert",

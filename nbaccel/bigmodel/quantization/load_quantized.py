@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.device_map import _lookup
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
-from nbaccel.bigmodel.loading import CheckpointMismatchError, _expected_tensors
+from nbaccel.bigmodel.loading.checkpoint import CheckpointMismatchError, _expected_tensors
+from nbaccel.bigmodel.loading.weight_files import offload_weight
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
+from nbaccel.bigmodel.planning.device_map import _lookup
 from nbaccel.bigmodel.quantization.bnb_layers import (
     get_keys_to_not_convert,
     is_quantized_layer,
@@ -37,8 +38,7 @@ from nbaccel.bigmodel.quantization.quantized_device_map import (
     main_device,
 )
 from nbaccel.bigmodel.quantization.requirements import require_backend
-from nbaccel.bigmodel.tied_parameters import find_tied_parameters
-from nbaccel.bigmodel.weight_files import offload_weight
+from nbaccel.bigmodel.ties import find_tied_parameters
 from nbaccel.storage.safetensors_file import SafetensorsFile
 from nbaccel.storage.weights import checkpoint_files, open_weights
 

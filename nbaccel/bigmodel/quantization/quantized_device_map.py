@@ -11,8 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.bigmodel.device_map import DEVICE_MAP_STRINGS, get_device_map, infer_auto_device_map
-from nbaccel.bigmodel.memory_budgets import get_balanced_memory, get_max_memory
+from nbaccel.bigmodel.planning.device_map import (
+    DEVICE_MAP_STRINGS,
+    get_device_map,
+    infer_auto_device_map,
+)
+from nbaccel.bigmodel.planning.memory_budgets import get_balanced_memory, get_max_memory
 from nbaccel.bigmodel.quantization.bnb_layers import is_quantized_layer, matches_module
 
 __all__ = [

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nbaccel.bigmodel.loading.weight_files import offload_weight
 from nbaccel.bigmodel.quantization.bnb_layers import _bnb
-from nbaccel.bigmodel.weight_files import offload_weight
 
 __all__ = ["quantize_and_offload_8bit", "offloaded_int8_placeholder"]
 

@@ -18,7 +18,7 @@ from typing import Any
 from nbaccel.launch.detached.client import request as supervisor_request
 from nbaccel.launch.detached.folder import ENDED, RunFolder, RunInfo, RunState, list_runs
 from nbaccel.launch.detached.replay import Replay
-from nbaccel.launch.driver.render import Renderer, TextRenderer
+from nbaccel.launch.driver.renderer import Renderer, TextRenderer
 
 __all__ = ["DetachedRun", "RunStopped", "current_runs", "submit"]
 

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from nbaccel.launch.driver.output_budget import OutputBudget
+from nbaccel.launch.driver.output_reader import OutputReader
 from nbaccel.launch.driver.rank_connections import EVENTS, HANDSHAKE, LISTENER, ConnectionTable
 from nbaccel.launch.driver.rank_ends import EndWatcher, still_draining
-from nbaccel.launch.driver.rank_output import OutputReader
 from nbaccel.launch.driver.rank_state import Outcome, RankState
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.launchers.base import ProcessLauncher
 from nbaccel.launch.rank import notebook_state
 from nbaccel.launch.wire.channel import INCOMPLETE, encode, new_secret
@@ -67,7 +67,7 @@ class WorkerGroup:
     :attr:`connections` (:class:`~nbaccel.launch.driver.rank_connections.ConnectionTable`);
     how their ends are seen and how they are stopped, :attr:`ends`
     (:class:`~nbaccel.launch.driver.rank_ends.EndWatcher`); what they print becomes lines
-    through an :class:`~nbaccel.launch.driver.rank_output.OutputReader`.
+    through an :class:`~nbaccel.launch.driver.output_reader.OutputReader`.
 
     Args:
         num_processes: ranks started on this machine.

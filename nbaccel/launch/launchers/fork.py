@@ -8,7 +8,7 @@ from multiprocessing import util as mp_util
 
 from nbaccel.launch.host.processes import WorkerProcess
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.launchers.forkserver_loop import note_inherited
+from nbaccel.launch.rank.inherited import note_inherited
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import WorkerSpec
 

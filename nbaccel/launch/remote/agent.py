@@ -3,12 +3,12 @@
     python -m nbaccel.launch.remote.agent          # reads its configuration from stdin (ssh)
                                                    # or NBACCEL_AGENT_CONFIG (srun's environment)
 
-It starts a fork server with torch preloaded (``nbaccel.launch.launchers.forkserver``), connects
-back to the kernel's hub over ZeroMQ CURVE (encrypted; the hub admits only the keys it made for
-its agents), says hello (its address as the hosts reach it, its environment and paths), then
-serves one launch after another, each a :class:`Session` (``BEGIN`` ... ``END``): a later launch
-on this host costs a fork per rank, not an ``import torch``. A session's ranks connect to the
-notebook's channel exactly as local ranks do, through a Unix socket in the session's private
+It starts a fork server with torch preloaded (``nbaccel.launch.launchers.forkserver``),
+connects back to the kernel's hub over ZeroMQ CURVE (encrypted; the hub admits only the keys it
+made for its agents), says hello (its address as the hosts reach it, its environment and paths),
+then serves one launch after another, each a :class:`Session` (``BEGIN`` ... ``END``): a later
+launch on this host costs a fork per rank, not an ``import torch``. A session's ranks connect to
+the notebook's channel exactly as local ranks do, through a Unix socket in the session's private
 directory that the agent tunnels to the kernel; the launch's HMAC handshake runs end to end
 through the tunnel. Large tensors of the work arrive once per host and are written to this
 host's /dev/shm, where every rank maps them. The server imports the kernel's modules when a

@@ -25,7 +25,11 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
-from nbaccel.launch.launchers.forkserver import ENGINE_PRELOAD, CudaInitializedInServer, ForkServer
+from nbaccel.launch.launchers.forkserver.launcher import (
+    ENGINE_PRELOAD,
+    CudaInitializedInServer,
+    ForkServer,
+)
 
 __all__ = ["HostServer"]
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from nbaccel.launch.launchers.base import ProcessLauncher
-from nbaccel.launch.launchers.kernel_modules import (
+from nbaccel.launch.launchers.forkserver.kernel_modules import (
     PreloadSetting,
     preload_setting,
 )

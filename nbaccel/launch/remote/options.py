@@ -6,8 +6,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nbaccel.launch.options.ray import RayOptions, ray_options
 from nbaccel.launch.remote.hosts import HostLayout, parse_hosts, slurm_layout
-from nbaccel.launch.remote.ray_options import RayOptions, ray_options
 from nbaccel.launch.wire.protocol import LaunchKind
 
 __all__ = ["REMOTE_KINDS", "RemoteOptions", "remote_options"]

@@ -18,12 +18,12 @@ from typing import Any
 from nbaccel.distributed.environment import is_torch_xla_available, is_tpu_requested
 from nbaccel.distributed.host_info import check_fp8_launch
 from nbaccel.launch.driver.child_failed import as_child_failed
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.plan import LaunchPlan, check_call
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.run import launch_xla, run_function
 from nbaccel.notebook.kernel.detached import Run
-from nbaccel.notebook.kernel.renderers import choose_renderer
+from nbaccel.notebook.kernel.widget_renderer import choose_renderer
 from nbaccel.notebook.preload import WORKER_PRELOAD
 from nbaccel.notebook.rank.instrumentation import worker_setup
 
@@ -134,14 +134,14 @@ def launch_request(
                 "the launching process's runtime): leave detach out on a TPU host."
             )
         # checked here, before anything starts (the run's own process plans it again)
-        plan = LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment())
+        plan = LaunchPlan.create(Front.LAUNCHER, request)
         return start_detached(function, args, request, hooks, WORKER_PRELOAD, plan.num_processes)
     renderer = renderer or choose_renderer()
     if xla:
         return launch_xla(function, args, request, renderer=renderer, setup=hooks)
     try:
         report = run_function(
-            LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment()),
+            LaunchPlan.create(Front.LAUNCHER, request),
             function,
             args,
             renderer=renderer,

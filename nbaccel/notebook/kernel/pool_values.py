@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.transport import pack
 from nbaccel.launch.wire.unpicklable import ResultNotSendable, UnpicklableError
 from nbaccel.notebook.rank import pool_worker

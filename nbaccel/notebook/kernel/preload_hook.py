@@ -12,7 +12,7 @@ Two hooks, installed when nbaccel is imported in a Jupyter kernel:
   the servers of the kernel's warm agents on other hosts (``remote.warm.mirror_to_agents``).
 
 Both are off with ``NBACCEL_PRELOAD=off``; the engine's side is
-``nbaccel.launch.launchers.kernel_modules`` and ``forkserver.get_forkserver``.
+``nbaccel.launch.launchers.forkserver.kernel_modules`` and ``forkserver.get_forkserver``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 import threading
 from typing import Any
 
-from nbaccel.launch.launchers.forkserver import mirror_kernel_modules, mirror_soon
-from nbaccel.launch.launchers.kernel_modules import is_candidate, preload_setting
+from nbaccel.launch.launchers.forkserver.kernel_modules import is_candidate, preload_setting
+from nbaccel.launch.launchers.forkserver.launcher import mirror_kernel_modules, mirror_soon
 
 __all__ = ["ImportWatcher", "install"]
 

@@ -58,9 +58,10 @@ from nbaccel.training.step.optimizer import AcceleratedOptimizer
 from nbaccel.training.step.scheduler import AcceleratedScheduler
 from nbaccel.training.strategies.deepspeed.launch import requested_plugins
 from nbaccel.training.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.strategies.model_parallel import megatron_launch, megatron_scheduler
+from nbaccel.training.strategies.megatron import launch as megatron_launch
+from nbaccel.training.strategies.megatron import scheduler as megatron_scheduler
 from nbaccel.training.strategies.registry import select_strategy
-from nbaccel.training.tracking.trackers import TrackerSet
+from nbaccel.training.tracking.tracker_set import TrackerSet
 
 __all__ = ["Accelerator"]
 

@@ -18,7 +18,7 @@ from nbaccel.distributed import collectives as ops
 from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.training.config.kwargs_handlers import ProfileKwargs
 from nbaccel.training.constants import PROFILE_PATTERN_NAME
-from nbaccel.training.tracking.trackers import TrackerSet
+from nbaccel.training.tracking.tracker_set import TrackerSet
 
 __all__ = ["ProcessControl"]
 

@@ -26,7 +26,7 @@ def save_model_files(
     """Weights as shards + index, written by ``writer`` only (every process gathers:
     ``state_dict_of`` may be a collective). Weights a dispatched model keeps offloaded on
     cpu/disk are read back module by module."""
-    from nbaccel.bigmodel.align_devices_hook import (
+    from nbaccel.bigmodel.hooks.align_devices import (
         get_state_dict_offloaded_model,
         has_offloaded_params,
     )

@@ -45,7 +45,7 @@ def select_strategy(
     if megatron_lm_plugin is None and state.distributed_type == DistributedType.MEGATRON_LM:
         megatron_lm_plugin = getattr(state, "megatron_lm_plugin", None)  # the run's (shared)
     if megatron_lm_plugin is not None:
-        from nbaccel.training.strategies.model_parallel.megatron import MegatronStrategy
+        from nbaccel.training.strategies.megatron.strategy import MegatronStrategy
 
         if parallelism_config is not None and parallelism_config.total_size > 1:
             raise ValueError(

@@ -1,2 +1,2 @@
-"""Experiment trackers: the interface and registry (``trackers``), Accelerate's helpers, the
-library backends."""
+"""Experiment trackers: the interface and the built-ins (``trackers``), the one table of tracker
+names (``registry``), one accelerator's trackers (``tracker_set``), the library backends."""

@@ -1,41 +1,35 @@
-"""Experiment trackers: one interface, a registry by name, two built-ins.
+"""Experiment trackers: the interface and the two built-ins.
 
 ``GeneralTracker`` is the interface (``name``, ``requires_logging_directory``, ``tracker``,
 ``start``, ``store_init_configuration``, ``log``, ``finish``). Built in: ``"jsonl"`` (one JSON
 object per line in ``<logging_dir>/<run_name>/metrics.jsonl``, no dependencies) and
 ``"tensorboard"`` (when ``torch.utils.tensorboard`` can be imported). Accelerate's other names
 (wandb, comet_ml, aim, mlflow, clearml, dvclive, swanlab, trackio) live in
-:mod:`nbaccel.training.tracking.backends`, imported only when used; a missing library is an
-ImportError naming its pip package. Other packages add theirs with
-:func:`register_tracker_class` (``nbaccel.notebook.tracker`` registers ``"notebook"`` when
-``nbaccel`` is imported). :data:`LOGGER_TYPE_TO_CLASS` maps every registered name to its class.
-Trackers run on the main process only.
+:mod:`nbaccel.training.tracking.backends`; the names are kept in
+:mod:`nbaccel.training.tracking.registry`. Trackers run on the main process only
+(:func:`on_main_process`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nbaccel.distributed.state import PartialState
+
 __all__ = [
-    "LOGGER_TYPE_TO_CLASS",
     "GeneralTracker",
     "JSONLinesTracker",
     "LoggerType",
     "TensorBoardTracker",
-    "TrackerSet",
-    "available_trackers",
-    "filter_trackers",
+    "on_main_process",
     "plain_values",
-    "register_tracker",
-    "register_tracker_class",
     "require",
 ]
 
@@ -197,215 +191,14 @@ def _tensorboard_available() -> bool:
     return True
 
 
-#: ``log_with`` name -> tracker class, for every registered tracker.
-LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
-    "jsonl": JSONLinesTracker,
-    "tensorboard": TensorBoardTracker,
-}
-# name -> "can it run here?" (a missing optional package makes a tracker unavailable)
-_AVAILABLE: dict[str, Callable[[], bool]] = {"tensorboard": _tensorboard_available}
+def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a tracker method on the main process only (when the tracker's
+    ``main_process_only`` is True); elsewhere the call returns None."""
 
+    @functools.wraps(function)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "main_process_only", False) and not PartialState().is_main_process:
+            return None
+        return function(self, *args, **kwargs)
 
-# Accelerate's library trackers: name -> (module of the class, class name, library, pip name).
-_BACKENDS: dict[str, tuple[str, str, str, str]] = {
-    "wandb": ("wandb", "WandBTracker", "wandb", "wandb"),
-    "comet_ml": ("comet", "CometMLTracker", "comet_ml", "comet_ml"),
-    "aim": ("aim", "AimTracker", "aim", "aim"),
-    "mlflow": ("mlflow", "MLflowTracker", "mlflow", "mlflow"),
-    "clearml": ("clearml", "ClearMLTracker", "clearml", "clearml"),
-    "dvclive": ("dvclive", "DVCLiveTracker", "dvclive", "dvclive"),
-    "swanlab": ("swanlab", "SwanLabTracker", "swanlab", "swanlab"),
-    "trackio": ("trackio", "TrackioTracker", "trackio", "trackio"),
-}
-
-
-def _backend_available(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(_BACKENDS[name][2]) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _backend(name: str) -> type[GeneralTracker]:
-    """Register a library tracker on first use (its module imports nothing heavy)."""
-    module, cls_name, _lib, _pip = _BACKENDS[name]
-    cls = getattr(importlib.import_module(f"nbaccel.training.tracking.backends.{module}"), cls_name)
-    LOGGER_TYPE_TO_CLASS[name] = cls
-    _AVAILABLE[name] = lambda: _backend_available(name)
-    return cls
-
-
-def register_tracker_class(
-    tracker_cls: type[GeneralTracker],
-    name: str | None = None,
-    available: Callable[[], bool] | None = None,
-) -> type[GeneralTracker]:
-    """Make ``log_with=name`` (default: the class's ``name``) build ``tracker_cls``.
-
-    Usable as a class decorator, as in Accelerate. The class must subclass GeneralTracker and
-    declare its own ``name`` (unless ``name=`` is given) and ``requires_logging_directory``
-    (ValueError otherwise). ``available()`` says whether the tracker can run here (a missing
-    optional package makes it unavailable). Registering a name that another class holds
-    replaces that class, with a UserWarning.
-    """
-    if not (isinstance(tracker_cls, type) and issubclass(tracker_cls, GeneralTracker)):
-        raise ValueError(
-            f"register_tracker_class needs a GeneralTracker subclass, not {tracker_cls!r}."
-        )
-
-    def declares(attr: str) -> bool:
-        return any(attr in vars(c) for c in tracker_cls.__mro__ if c is not GeneralTracker)
-
-    name = name or (tracker_cls.name if declares("name") else None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{tracker_cls.__name__} needs a class attribute `name` (a string).")
-    if not declares("requires_logging_directory"):
-        raise ValueError(
-            f"{tracker_cls.__name__} needs a class attribute `requires_logging_directory`: True "
-            "when it writes under the Accelerator's logging directory, else False."
-        )
-    taken = LOGGER_TYPE_TO_CLASS.get(name)
-    if taken is not None and taken is not tracker_cls and taken.__name__ != tracker_cls.__name__:
-        warnings.warn(
-            f"Tracker name {name!r} was registered by {taken.__name__}; {tracker_cls.__name__} "
-            "replaces it.",
-            UserWarning,
-            stacklevel=2,
-        )
-    LOGGER_TYPE_TO_CLASS[name] = tracker_cls
-    if available is not None:
-        _AVAILABLE[name] = available
-    else:
-        _AVAILABLE.pop(name, None)
-    return tracker_cls
-
-
-def register_tracker(
-    name: str, tracker_cls: type[GeneralTracker], available: Callable[[], bool] | None = None
-) -> None:
-    """nbaccel's first spelling: ``register_tracker(name, cls, available)``."""
-    register_tracker_class(tracker_cls, name=name, available=available)
-
-
-def _available(name: str) -> bool:
-    check = _AVAILABLE.get(name)
-    return check is None or bool(check())
-
-
-def available_trackers() -> list[str]:
-    """Names of the registered trackers that can run in this environment."""
-    names = [name for name in LOGGER_TYPE_TO_CLASS if _available(name)]
-    return names + [n for n in _BACKENDS if n not in names and _backend_available(n)]
-
-
-def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[Any]:
-    """Resolve ``log_with`` into tracker names and instances (``"all"`` = every available)."""
-    if log_with is None:
-        return []
-    items = log_with if isinstance(log_with, list | tuple) else [log_with]
-    resolved: list[Any] = []
-    for item in items:
-        if isinstance(item, GeneralTracker):
-            resolved.append(item)
-            continue
-        name = str(getattr(item, "value", item)).lower()
-        if name == "all":
-            resolved += [n for n in available_trackers() if n not in resolved]
-            continue
-        if name not in LOGGER_TYPE_TO_CLASS and name in _BACKENDS:
-            _backend(name)
-        if name not in LOGGER_TYPE_TO_CLASS:
-            raise ValueError(
-                f"Unknown tracker {name!r}; registered: {sorted(LOGGER_TYPE_TO_CLASS)}."
-            )
-        cls = LOGGER_TYPE_TO_CLASS[name]
-        if not _available(name):
-            # as Accelerate: a tracker whose package is missing is left out, the run goes on
-            warnings.warn(
-                f"Tracker {name!r} is skipped: its package is not installed here"
-                + (f" (pip install {_BACKENDS[name][3]})." if name in _BACKENDS else "."),
-                stacklevel=3,
-            )
-            continue
-        if cls.requires_logging_directory and logging_dir is None:
-            raise ValueError(
-                f"Logging with `{name}` requires a `logging_dir`: the tracker writes files. Pass "
-                "project_dir= (or a ProjectConfiguration with logging_dir) to Accelerator."
-            )
-        if name not in resolved:
-            resolved.append(name)
-    return resolved
-
-
-def build_tracker(name: str, run_name: str, logging_dir: str | None, **kwargs: Any) -> Any:
-    """Instantiate a registered tracker by name."""
-    cls = LOGGER_TYPE_TO_CLASS[name] if name in LOGGER_TYPE_TO_CLASS else _backend(name)
-    if cls.requires_logging_directory:
-        return cls(run_name, logging_dir=logging_dir, **kwargs)
-    return cls(run_name, **kwargs)
-
-
-class _InactiveTracker(GeneralTracker):
-    """What ``get_tracker`` returns on processes that do not track: every call does nothing."""
-
-    name = "inactive"
-
-    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        return None
-
-
-class TrackerSet:
-    """The trackers of one accelerator: built on the main process only, used by name."""
-
-    def __init__(self, log_with: Any, logging_dir: str | None, is_main_process: bool) -> None:
-        self.wanted = filter_trackers(log_with, logging_dir)
-        self.logging_dir = logging_dir
-        self.is_main_process = is_main_process
-        self.trackers: list[GeneralTracker] = []
-        self.finished = False
-
-    def init(self, project_name: str, config: dict | None, init_kwargs: dict | None) -> None:
-        init_kwargs = init_kwargs or {}
-        if self.finished:  # a new run after end_training(): the finished trackers are let go
-            self.trackers, self.finished = [], False
-        for item in self.wanted:
-            if isinstance(item, GeneralTracker):
-                tracker = item
-            elif self.is_main_process:
-                tracker = build_tracker(
-                    item, project_name, self.logging_dir, **init_kwargs.get(item, {})
-                )
-            else:
-                continue
-            if self.is_main_process or not tracker.main_process_only:
-                self.trackers.append(tracker)
-        for tracker in self.trackers:
-            tracker.start()
-        if config is not None:
-            for tracker in self.trackers:
-                tracker.store_init_configuration(config)
-
-    def log(self, values: dict[str, Any], step: int | None, log_kwargs: dict | None) -> None:
-        log_kwargs = log_kwargs or {}
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
-
-    def get(self, name: str, unwrap: bool = False) -> Any:
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
-        if self.is_main_process and any(getattr(w, "name", w) == name for w in self.wanted):
-            raise ValueError(f"Tracker {name!r} is not started yet: call init_trackers() first.")
-        if self.is_main_process:
-            raise ValueError(
-                f"No tracker named {name!r}; started: {[t.name for t in self.trackers]}."
-            )
-        return _InactiveTracker()
-
-    def finish(self) -> None:
-        """Finish every tracker once; they stay listed (``accelerator.trackers``), as in
-        Accelerate, so their files and runs can be inspected after ``end_training()``."""
-        if not self.finished:
-            for tracker in self.trackers:
-                tracker.finish()
-        self.finished = True
+    return wrapper

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from nbaccel.launch.launchers.kernel_modules import PreloadSetting
+from nbaccel.launch.launchers.forkserver.kernel_modules import PreloadSetting
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.launcher import RemoteLauncher
 from nbaccel.launch.remote.options import RemoteOptions

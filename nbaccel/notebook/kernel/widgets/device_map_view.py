@@ -41,7 +41,7 @@ def _device_order(device: Any) -> tuple[int, Any]:
 
 def _observed_map(model: nn.Module) -> dict[str, Any]:
     """Where the tensors are now, collapsed to the largest modules on one device."""
-    from nbaccel.bigmodel.device_map import clean_device_map
+    from nbaccel.bigmodel.planning.device_map import clean_device_map
 
     placed: dict[str, Any] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -55,7 +55,7 @@ def _resolve_map(
 ) -> dict[str, Any]:
     """The map to show: given, the model's own, where its tensors are, or planned on ``budgets``
     (``max_memory`` checked already, or None for this machine's free memory)."""
-    from nbaccel.bigmodel.device_map import get_device_map
+    from nbaccel.bigmodel.planning.device_map import get_device_map
 
     if device_map is None:
         device_map = getattr(model, "hf_device_map", None)
@@ -93,7 +93,7 @@ def _stored_bytes(tensor: Any) -> int:
 
 def _dtype_bytes(model: nn.Module, device_map: Mapping[str, Any]) -> dict[Any, dict[str, int]]:
     """device -> {what its tensors hold: bytes}, quantized formats named (nf4, int8, ...)."""
-    from nbaccel.bigmodel.device_map import _lookup
+    from nbaccel.bigmodel.planning.device_map import _lookup
 
     out: dict[Any, dict[str, int]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -123,9 +123,9 @@ class DeviceMapView:
         *,
         absent_gpus: str = "plan",
     ) -> None:
-        from nbaccel.bigmodel.absent_devices import absent_devices
-        from nbaccel.bigmodel.memory_budgets import get_max_memory
-        from nbaccel.bigmodel.module_sizes import compute_module_sizes
+        from nbaccel.bigmodel.planning.absent_devices import absent_devices
+        from nbaccel.bigmodel.planning.memory_budgets import get_max_memory
+        from nbaccel.bigmodel.planning.module_sizes import compute_module_sizes
 
         # A bad max_memory is an error before any work; absent GPUs are said here, once.
         budgets = get_max_memory(max_memory, absent_gpus=absent_gpus)

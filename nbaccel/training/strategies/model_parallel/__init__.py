@@ -1,2 +1,3 @@
-"""Model parallelism over a DeviceMesh: tensor, sequence and pipeline parallel, HSDP, Megatron-LM's
-plugin."""
+"""Model parallelism over a DeviceMesh: the mesh strategy (tensor parallel, HSDP and their
+compositions), tensor parallel plans and Megatron-style sequence parallelism. Megatron-LM's
+plugin, built on these, is :mod:`nbaccel.training.strategies.megatron`."""

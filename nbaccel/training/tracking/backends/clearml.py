@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbaccel.training.tracking.registry import on_main_process
-from nbaccel.training.tracking.trackers import GeneralTracker, plain_values, require
+from nbaccel.training.tracking.trackers import (
+    GeneralTracker,
+    on_main_process,
+    plain_values,
+    require,
+)
 
 _SERIES_PREFIXES = ("eval", "test", "train")
 

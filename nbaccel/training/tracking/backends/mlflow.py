@@ -8,8 +8,12 @@ import os
 from typing import Any
 
 from nbaccel.distributed.environment_patch import str_to_bool
-from nbaccel.training.tracking.registry import on_main_process
-from nbaccel.training.tracking.trackers import GeneralTracker, plain_values, require
+from nbaccel.training.tracking.trackers import (
+    GeneralTracker,
+    on_main_process,
+    plain_values,
+    require,
+)
 
 _MAX_PARAM = 500  # MLflow's limit on a parameter value's length when mlflow does not say
 
