@@ -37,10 +37,10 @@ def train_tiny(
 
     class Misbehave(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            first_time = marker is not None and not os.path.exists(marker)
-            if rank == 1 and state.global_step == (kill_after or -2) + 1 and first_time:
+            due = kill_after is not None and state.global_step == kill_after + 1
+            if rank == 1 and due and marker is not None and not os.path.exists(marker):
                 open(marker, "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
             if state.global_step == raise_at and rank == 1:
                 raise ValueError(f"the loss went away at step {state.global_step}")
 

@@ -1,8 +1,8 @@
 """A detached ``Trainer`` run from a real kernel: rank 1 is SIGKILLed after the Trainer's
 checkpoint at step 4, ``run.resume()`` relaunches the same function, which continues from
 ``output_dir``'s last ``checkpoint-N`` (``get_last_checkpoint`` passed to
-``resume_from_checkpoint``) and ends with the losses of an uninterrupted run; a second kernel re-attaches and sees the bar,
-the metrics and the result."""
+``resume_from_checkpoint``) and ends with the losses of an uninterrupted run; a second kernel
+re-attaches and sees the bar, the metrics and the result."""
 
 from __future__ import annotations
 

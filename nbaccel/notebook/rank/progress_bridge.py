@@ -7,8 +7,8 @@ server preloads the notebook's libraries before the bridge exists) that bound tq
 (``from tqdm.auto import tqdm``: transformers' Trainer progress bar). A ``RankTqdm`` writes
 nothing to the worker's streams (no ``\\r`` text reaches the notebook); instead it sends
 ``ProgressUpdate`` events, at most one per ``MIN_INTERVAL`` per bar. An update skipped by that
-limit is sent later by a small flusher thread, and the final state (exact n, total, elapsed, rate) is always sent when the bar closes.
-Disabled bars send nothing.
+limit is sent later by a small flusher thread, and the final state (exact n, total, elapsed,
+rate) is always sent when the bar closes. Disabled bars send nothing.
 """
 
 from __future__ import annotations
