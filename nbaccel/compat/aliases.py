@@ -211,8 +211,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "nbaccel.distributed.probes:is_rich_available",
         "nbaccel.distributed.random:synchronize_rng_states",
         "nbaccel.training.config.run_options:TorchDynamoPlugin",
-        # imports transformers: served on first use only
-        "nbaccel.notebook.trainer_callback:NotebookMetricsCallback",
     ),
     "nbaccel.state": (
         "nbaccel.distributed.probes",

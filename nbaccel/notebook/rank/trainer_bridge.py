@@ -9,7 +9,7 @@ the rank (``SFTTrainer`` and PEFT's models included, they build on it):
   the launch's per-rank progress widget (a text line without widgets). transformers picks its
   HTML ``NotebookProgressCallback`` when the module was imported inside a kernel (a rank forked
   from the kernel inherits that choice); HTML displayed by a rank would not update in place.
-- :class:`~nbaccel.notebook.trainer_callback.NotebookMetricsCallback` joins its default
+- :class:`~nbaccel.notebook.rank.trainer_callback.NotebookMetricsCallback` joins its default
   callbacks, so what it logs (loss, learning rate, eval metrics) feeds the live metrics plot.
 """
 
@@ -25,7 +25,7 @@ _TRAINER = "transformers.trainer"
 
 
 def _adapt(trainer: ModuleType) -> None:
-    from nbaccel.notebook.trainer_callback import NotebookMetricsCallback
+    from nbaccel.notebook.rank.trainer_callback import NotebookMetricsCallback
 
     progress = getattr(trainer, "DEFAULT_PROGRESS_CALLBACK", None)
     if progress is not None and progress.__name__ == "NotebookProgressCallback":
