@@ -15,7 +15,7 @@ from kernel import cell_errors, cell_text, run_notebook
 
 from nbaccel import notebook_launcher
 from nbaccel.launch.detached.folder import RunFolder, RunState
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -15,7 +15,7 @@ import pytest
 from recorder import Recorder
 
 from nbaccel import notebook_launcher
-from nbaccel.launch.driver.render import Renderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.notebook.events import MetricsUpdate, ProgressUpdate
 
 pytestmark = pytest.mark.timeout(600)
