@@ -13,10 +13,10 @@ What is mapped and what is copied: a safetensors tensor bound for the CPU in the
 stored in becomes the parameter as it is, a view of the file's private memory map (its pages are
 read when first touched, shared with the page cache, copied only if written to). A tensor whose
 dtype changes is cast from the mapping into new memory and its mapped pages are released. A
-tensor bound for a GPU is streamed through pinned staging buffers (:class:`HostToDevice`), its
-mapped pages released after. A load that fails (a corrupt or truncated file, a shape that does
-not fit, a file changed while it was read) puts back every tensor it had replaced, so no
-half-loaded model is left in use.
+tensor bound for a GPU is streamed through pinned staging buffers, its mapped pages released
+after (:mod:`~nbaccel.bigmodel.loading.tensor_copies`). A load that fails (a corrupt or
+truncated file, a shape that does not fit, a file changed while it was read) puts back every
+tensor it had replaced, so no half-loaded model is left in use.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ from torch import nn
 
 from nbaccel.bigmodel import offload as _offload
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
-from nbaccel.bigmodel.loading.host_to_device import HostToDevice
+from nbaccel.bigmodel.loading.tensor_copies import TensorCopies
 from nbaccel.bigmodel.offload import save_offload_index
-from nbaccel.bigmodel.placement import _new_param, to_torch_device
+from nbaccel.bigmodel.placement import _new_param
 from nbaccel.bigmodel.planning.device_map import _lookup, get_device_map
 from nbaccel.bigmodel.ties import find_tied_parameters
 from nbaccel.storage.safetensors_file import SafetensorsFile
@@ -47,12 +46,6 @@ from nbaccel.storage.weights import checkpoint_files, open_weights, tie_record
 __all__ = ["CheckpointMismatchError", "load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 
 logger = logging.getLogger(__name__)
-
-
-def load_threads() -> int:
-    """Tensors cast or quantized at once while loading: one per core, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, cores or 1))
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -146,7 +139,7 @@ def _load_checkpoint(
             handle = opened.pop(path, None) or open_weights(path)
             load.write_bin_offload(path, load.load_file(path, keys, handle), offload_folder)
             del handle
-        load.finish_transfers()
+        load.copies.finish()
     except BaseException:
         load.put_back()  # nothing half-loaded stays in the model
         raise
@@ -196,9 +189,7 @@ class _CheckpointLoad:
         self.disk_index: dict[str, dict] = {}
         self.placed: set[str] = set()
         self.replaced: dict[tuple[int, str], tuple[nn.Module, str, bool, torch.Tensor]] = {}
-        self.streams: dict[torch.device, HostToDevice] = {}
-        self.casts: ThreadPoolExecutor | None = None
-        self.pending: deque[Future] = deque()
+        self.copies = TensorCopies()
 
     def open_files(self) -> tuple[dict[str, list[str]], dict[str, SafetensorsFile | Mapping]]:
         """Every file and its keys (files without an index entry are opened to list them)."""
@@ -284,53 +275,15 @@ class _CheckpointLoad:
                 raise RuntimeError(
                     f"Loading {key!r} from {path} failed ({err}); {self.problem}."
                 ) from err
-        self.drain()
+        self.copies.drain()
         if isinstance(handle, SafetensorsFile):
             handle.check_unchanged()  # rewritten while read: its views may mix two files
         return to_write
 
-    def _value(self, key: str, handle: Any, device: int | str, target: torch.dtype):
-        """The tensor ``key`` on ``device`` as ``target``: the mapped bytes themselves when they
-        can be used as stored (CPU, same dtype), else a cast or a streamed copy."""
-        torch_device = to_torch_device(device)
-        if not isinstance(handle, SafetensorsFile):
-            src = handle[key]
-            value = src.to(torch_device, dtype=target)
-            if value.data_ptr() == src.data_ptr():
-                value = value.clone()  # do not keep the memory-mapped .bin file alive
-            return value
-        src = handle.view(key)
-        if torch_device.type == "cpu":
-            if src.dtype == target:
-                return src  # zero-copy: the parameter is the mapped file
-            value = src.to(target)  # (the file loop casts on threads: see _cast_later)
-        else:
-            stream = self.streams.get(torch_device)
-            if stream is None:
-                stream = self.streams[torch_device] = HostToDevice(torch_device)
-            value = stream.copy(src, target)
-        handle.advise(key, populate=False)  # copied: its mapped pages leave this process
-        return value
-
-    def finish_transfers(self) -> None:
-        """Wait for the casts and the streamed copies (the model may be used once this
-        returns)."""
-        try:
-            self.drain()
-        finally:
-            for future in self.pending:
-                future.cancel()
-            if self.casts is not None:
-                self.casts.shutdown(wait=True)
-                self.casts = None
-            for stream in self.streams.values():
-                stream.finish()
-            self.streams.clear()
-
     def put_back(self) -> None:
         """Restore every tensor this load replaced (after a failure)."""
         with contextlib.suppress(Exception):
-            self.finish_transfers()
+            self.copies.finish()
         for mod, leaf, is_param, old in self.replaced.values():
             (mod._parameters if is_param else mod._buffers)[leaf] = old
         self.replaced.clear()
@@ -354,31 +307,11 @@ class _CheckpointLoad:
                 _assign(self.owners, names, meta)
                 continue
             if device == "cpu" and isinstance(handle, SafetensorsFile) and stored_dtype != target:
-                self._cast_later(path, key, handle, names, target)
+                put = partial(_assign, self.owners, names)
+                self.copies.cast_later(path, key, handle, target, put)
                 continue
-            _assign(self.owners, names, self._value(key, handle, device, target))
+            _assign(self.owners, names, self.copies.value(key, handle, device, target))
         self.placed.update(group)
-
-    def _cast_later(self, path: str, key: str, handle: Any, names: list[str], target) -> None:
-        """A cast onto the CPU, run on :func:`load_threads` threads (a cast is memory-bound and
-        torch runs one on few cores); a few in flight per thread."""
-        if self.casts is None:
-            self.casts = ThreadPoolExecutor(load_threads(), thread_name_prefix="nbaccel-cast")
-
-        def cast() -> None:
-            try:
-                _assign(self.owners, names, self._value(key, handle, "cpu", target))
-            except Exception as err:
-                raise RuntimeError(f"Loading {key!r} from {path} failed ({err}).") from err
-
-        self.pending.append(self.casts.submit(cast))
-        while len(self.pending) > 2 * load_threads():
-            self.pending.popleft().result()
-
-    def drain(self) -> None:
-        """Wait for the casts in flight (the first failure is raised)."""
-        while self.pending:
-            self.pending.popleft().result()
 
     def _remember(self, names: list[str]) -> None:
         for name in names:

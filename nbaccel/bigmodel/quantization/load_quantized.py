@@ -25,11 +25,8 @@ import torch
 from torch import nn
 
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
-from nbaccel.bigmodel.loading.checkpoint import (
-    CheckpointMismatchError,
-    _expected_tensors,
-    load_threads,
-)
+from nbaccel.bigmodel.loading.checkpoint import CheckpointMismatchError, _expected_tensors
+from nbaccel.bigmodel.loading.tensor_copies import load_threads
 from nbaccel.bigmodel.loading.weight_files import offload_weight
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.planning.device_map import _lookup
