@@ -18,7 +18,9 @@ suite). Steps rotate through :data:`KINDS`:
 Kernel RSS is reported as measured and after ``malloc_trim`` (what glibc keeps cached for the
 next allocation is handed back, so the second figure is what the kernel really holds).
 
-One step of each kind runs before the day starts (imports, first pool cell, first widget
+The kernel is fresh, and its very first launch is checked on its own (``first_launch`` in the
+report): each rank starts a child and a ``setsid``'d daemon and returns; none may run 2 s later.
+Then one step of each kind runs before the day starts (imports, first pool cell, first widget
 view), so the figures are what the day itself adds.
 
 Counted: *wrong* (a step that should succeed returned something else), *misnamed* (a failure of
@@ -251,6 +253,32 @@ def step(kind):
     raise ValueError(kind)
 
 
+def with_daemon(tag):
+    import subprocess, sys
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", tag]
+    subprocess.Popen(sleeper)
+    subprocess.run(["setsid", "-f", *sleeper], check=True)  # daemonised: a session of its own
+    return True
+
+
+def _first_launch():
+    # The kernel's very first launch (its ranks forked while the fork server imports): the
+    # child and the setsid'd daemon each rank starts are gone 2 s after it returns.
+    tag = _CHILD_TAG + "-first"
+    got = notebook_launcher(with_daemon, (tag,), num_processes=2)
+    time.sleep(2)
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if tag in (p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except psutil.Error:
+            pass
+    return {"returned": got, "left": left}
+
+
+FIRST_LAUNCH = _first_launch()
 _ip.run_cell_magic("distributed", "-n 2", _RANK)
 for _kind in KINDS:  # warm up: every code path has run once before the day is counted
     step(_kind)
@@ -293,6 +321,7 @@ def report():
     new_fds = {fd: target for fd, target in fds_now.items()
                if DAY["fds_before"].get(fd) != target}
     return {
+        "first_launch": FIRST_LAUNCH,
         "steps": DAY["steps"],
         "kinds": dict(DAY["kinds"]),
         "results": dict(DAY["counts"]),

@@ -61,6 +61,13 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "A warm empty `%%distributed` cell as the client sees it, and the magic's own time, "
         "against a plain cell and against nbdistributed.",
     ),
+    "magics_detached.json": (
+        "Warm cells on a detached pool after %dist_attach",
+        "python benchmarks/bench_magics.py --detached",
+        "A warm empty `%%distributed` cell on a detached pool, in a fresh kernel after "
+        "`%dist_attach`, against a kernel's own pool; kernels alternate, medians of each "
+        "kernel's median over the repeats.",
+    ),
     "call_path.json": (
         "A warm pool call after idle gaps",
         "python benchmarks/bench_call_path.py",
@@ -90,6 +97,22 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "python benchmarks/bench_offload.py",
         "Preparation and forward with blocks on disk, against the in-memory model and "
         "accelerate's disk offload; outputs checked identical.",
+    ),
+    "load.json": (
+        "Loading a 1B checkpoint onto the CPU",
+        "python benchmarks/bench_load.py",
+        "A 1B Llama (fp32, 4 safetensors shards, in the page cache) loaded in fresh processes, "
+        "medians of 3: the load call, load + one forward (which touches every weight) and peak "
+        "RSS, fp32 / bf16 / nf4 / int8 and half the layers on disk, beside transformers' "
+        "`from_pretrained` (`BitsAndBytesConfig` for nf4 and int8) and Accelerate's "
+        "`init_empty_weights` + `load_checkpoint_and_dispatch`; logits and quantized weights "
+        "checked equal to transformers'.",
+    ),
+    "load_gpu.json": (
+        "Loading a checkpoint onto a GPU",
+        "python benchmarks/bench_load.py --gpu --size 0.5b --modes fp32,bf16",
+        "The same comparison onto cuda:0: nbaccel streams the mapped shards through pinned "
+        "staging buffers.",
     ),
     "widgets.json": (
         "Progress bars and memory monitor",

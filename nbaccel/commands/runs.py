@@ -61,6 +61,7 @@ def runs_command(args: argparse.Namespace) -> int:
     """Do what ``args`` asks; the exit code."""
     from nbaccel.launch.detached.folder import remove_runs
     from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
+    from nbaccel.launch.wire.errors import remote_traceback
 
     action = getattr(args, "action", None)
     if action is None:
@@ -98,8 +99,9 @@ def runs_command(args: argparse.Namespace) -> int:
     failure = report.exception()
     if failure is not None:
         print(f"run {run.id} failed: {type(failure).__name__}: {failure}", file=sys.stderr)
-        if failure.__cause__ is not None:
-            print(str(failure.__cause__), file=sys.stderr)
+        remote = remote_traceback(failure)
+        if remote:
+            print(remote, file=sys.stderr)
         return 1
     for rank, value in enumerate(report.values()):
         print(f"[rank {rank}] {value!r}")

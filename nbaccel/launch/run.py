@@ -26,7 +26,6 @@ from nbaccel.launch.launchers.xla import (
     use_compile_cache,
 )
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import Inline, Mode
@@ -60,7 +59,7 @@ def run_function(
         interval: longest wait between two checks of the ranks.
     """
     __tracebackhide__ = True
-    launcher = make_launcher(plan.kind, preload=tuple(preload), **plan.launcher_options())
+    launcher = plan.make_launcher(preload)
     shared = None
     if launcher.pickles_work:  # raises UnpicklableError naming the object, before any process
         work, shared = pack(
@@ -71,6 +70,8 @@ def run_function(
     else:
         work = Inline(function, tuple(args), dict(kwargs or {}))
     renderer.start(plan.announcement(launcher.describe()), plan.num_processes)
+    for line in plan.notices():  # never silently different from what was asked
+        renderer.notice(line)
     ok, failed = False, None
     try:
         attempt = 0

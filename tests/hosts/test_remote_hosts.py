@@ -590,3 +590,45 @@ def test_a_pool_printing_between_cells_does_not_hold_up_a_launch_on_the_same_hos
     assert "chatter" in texts[4]  # what the pool's ranks printed between cells is not lost
     assert "[rank 1 @ nbh2] pool still here" in texts[5], texts[5][-2000:]
     assert "chatter" not in texts[5], texts[5][-2000:]
+
+
+_RAISE_ACROSS_HOSTS = textwrap.dedent(
+    """
+    from nbaccel import notebook_launcher
+
+    class ShardLost(Exception):
+        def __init__(self, shard, *, host):
+            super().__init__(f"shard {shard} lost on {host}")
+            self.shard, self.host = shard, host
+
+    def fail(kind):
+        import os
+        if os.environ["RANK"] == "3":
+            if kind == "os":
+                raise OSError("model foo/bar not found")
+            raise ShardLost(7, host="the second host")
+        return "ok"
+
+    for kind in ("os", "user"):
+        try:
+            notebook_launcher(fail, (kind,), num_processes=4, hosts=["nbh1:2", "nbh2:2"])
+        except (OSError, ShardLost) as err:
+            print("caught", type(err).__name__, isinstance(err, ShardLost), err.args, err.rank,
+                  getattr(err, "errno", "-"), getattr(err, "shard", "-"), "|", err)
+    """
+)
+
+
+def test_exceptions_from_another_host_arrive_whole(clean_hosts):
+    """OSError of one message (once shown as "[Errno None] None: None -> None") and a notebook
+    class with a keyword-only argument, raised on the second host."""
+    nb = run_notebook([_RAISE_ACROSS_HOSTS], timeout=240, env=NO_WARMUP)
+    text = cell_text(nb.cells[0])
+    assert (
+        "caught OSError False ('model foo/bar not found',) 3 None - | "
+        "[rank 3 @ nbh2] model foo/bar not found"
+    ) in text, text
+    assert (
+        "caught ShardLost True ('shard 7 lost on the second host',) 3 - 7 | "
+        "[rank 3 @ nbh2] shard 7 lost on the second host"
+    ) in text, text

@@ -1,6 +1,7 @@
 """A short day in one real kernel (``benchmarks/day_in_kernel.py``, 18 steps): every kind of
 launch and pool cell, nothing wrong, misnamed or hung, nothing leaked. The long day (1,000
-steps) is ``benchmarks/stress_launch.py --day 1000``; this keeps it from rotting."""
+steps) is ``benchmarks/stress_launch.py --day 1000``; this keeps it from rotting. The kernel is
+fresh: its first launch (ranks forked while the fork server imports) is checked for children."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def test_a_short_day_in_one_kernel(tmp_path):
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     assert report.get("error") is None, report
+    # the fresh kernel's first launch: its ranks' children and setsid'd daemons all ended
+    assert report["first_launch"] == {"returned": [True, True], "left": []}, report
     assert report["results"] == {"ok": 2 * len(KINDS)}, report["problems"]
     growth = report["growth"]
     for leak in ("procs", "fds", "shm", "tmp", "logs"):

@@ -42,3 +42,55 @@ def test_a_rank_says_when_numpys_random_state_cannot_be_restored():
             and "NumPy's random state of the notebook could not be restored" in line
             for line in text.splitlines()
         ), text
+
+
+_CHILDREN = """
+import os, random, time
+import psutil
+from nbaccel import notebook_launcher
+
+TOKEN = str(random.randint(10000, 99999))
+
+def start_children(token, fail):
+    import os, subprocess
+    rank = int(os.environ["RANK"])
+    subprocess.Popen(["sleep", f"60.{token}{rank}"])  # a child the rank never waits for
+    subprocess.run(["setsid", "-f", "sleep", f"61.{token}{rank}"], check=True)  # a daemon
+    if fail and rank == 1:
+        raise OSError("rank 1 failed after starting its children")
+    return "started"
+
+def left():
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(TOKEN in word for word in p.info["cmdline"] or []) and (
+                p.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+try:
+    print("RESULT", notebook_launcher(start_children, (TOKEN, {fail}), num_processes=2))
+except OSError as exc:
+    print("RAISED", exc)
+time.sleep(2)
+print("LEFT", left())
+"""
+
+
+def test_a_fresh_kernels_first_launch_leaves_no_process_its_ranks_started():
+    """The first launch of a fresh kernel (ranks forked while the fork server imports): the
+    children and setsid'd daemons its ranks started are gone 2 s after it returned or raised,
+    and the ranks said they ended them."""
+    for fail in (False, True):
+        nb = run_notebook([_CHILDREN.replace("{fail}", str(fail))], timeout=120, shutdown=True)
+        text = cell_text(nb.cells[0])
+        if fail:
+            assert "RAISED [rank 1] rank 1 failed after starting its children" in text, text
+        else:
+            assert "RESULT ['started', 'started']" in text, text
+        assert "LEFT []" in text, text
+        assert "nbaccel: ended 2 process(es) this rank started and left running" in text, text

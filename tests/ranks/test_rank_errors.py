@@ -22,7 +22,7 @@ from recorder import Recorder
 
 from nbaccel import ResultNotLoadable, notebook_launcher
 from nbaccel.launch.driver.renderer import Renderer
-from nbaccel.launch.wire.errors import RankCrashed
+from nbaccel.launch.wire.errors import RankCrashed, remote_traceback
 
 
 def _on_rank_1(exc: BaseException) -> None:
@@ -199,7 +199,7 @@ def test_a_huge_message_is_cut_with_a_notice_and_kept_whole_in_args():
 def test_a_runaway_recursion_collapses_as_python_collapses_it():
     with pytest.raises(RecursionError) as info:
         notebook_launcher(_runaway, ("recursion",), num_processes=2, renderer=Renderer())
-    remote = str(info.value.__cause__)
+    remote = remote_traceback(info.value)
     assert remote.count("in down") == 3  # three shown, then the notice, as Python does
     repeated = re.search(r"\[Previous line repeated (\d+) more times\]", remote)
     assert repeated and int(repeated.group(1)) > 900
@@ -271,7 +271,7 @@ def test_a_ranks_chain_of_causes_reaches_the_notebook(how):
     raised = KeyError if how == "while handling" else RuntimeError
     with pytest.raises(raised) as info:
         notebook_launcher(_chained, (how,), num_processes=2, renderer=Renderer())
-    remote = str(info.value.__cause__)
+    remote = remote_traceback(info.value)
     root = "FileNotFoundError: [Errno 2] No such file or directory: '/nope/weights.bin'"
     if how == "from None":
         assert root not in remote and "During handling" not in remote
@@ -362,8 +362,11 @@ def test_an_exception_with_its_own_init_arrives_as_its_class_with_its_attributes
     assert str(exc) == "[rank 1] shard 3: checksum mismatch"
     assert (exc.shard, exc.reason) == (3, "checksum mismatch")
     assert not hasattr(exc, "lock")  # the one attribute that could not travel
-    remote = str(exc.__cause__)  # the cause's note, under its message, as Python shows it
+    remote = remote_traceback(exc)  # the cause's note, under its message, as Python shows it
     assert "KeyError: 'weights'\nlooking up the weights of shard 3" in remote
+    cause = exc.__cause__  # the rank's own cause, rebuilt as an object too
+    assert isinstance(cause, KeyError) and cause.args == ("weights",)
+    assert cause.__notes__ == ["looking up the weights of shard 3"]
 
 
 def _argv() -> list[str]:

@@ -79,6 +79,26 @@ try:
     notebook_launcher(refuse, num_processes=4, launcher="ray", timeout=50)
 except ValueError as exc:
     print("CAUGHT", type(exc).__name__, exc)
+
+class ShardLost(Exception):
+    def __init__(self, shard, *, host):
+        super().__init__(f"shard {shard} lost on {host}")
+        self.shard = shard
+
+def refuse_with(kind):
+    from nbaccel import PartialState
+    if PartialState().process_index == 3:
+        if kind == "os":
+            raise OSError("model foo/bar not found")
+        raise ShardLost(7, host="a ray node")
+    return "ok"
+
+for kind in ("os", "user"):
+    try:
+        notebook_launcher(refuse_with, (kind,), num_processes=4, launcher="ray", timeout=50)
+    except (OSError, ShardLost) as exc:
+        print("CAUGHT", type(exc).__name__, isinstance(exc, ShardLost), exc.args,
+              getattr(exc, "shard", "-"), "|", exc)
 """
 
 TOO_BIG = """
@@ -192,6 +212,15 @@ def test_ranks_on_a_ray_cluster_from_a_kernel(cluster):
     # the rank's own exception type, named with its rank and node
     raised = cell_text(nb.cells[3])
     assert f"CAUGHT ValueError [rank 2 @ {b}] rank two says no" in raised
+    # an OSError of one message and a notebook class with a keyword-only argument: whole
+    assert (
+        "CAUGHT OSError False ('model foo/bar not found',) - | "
+        f"[rank 3 @ {b}] model foo/bar not found"
+    ) in raised, raised
+    assert (
+        "CAUGHT ShardLost True ('shard 7 lost on a ray node',) 7 | "
+        f"[rank 3 @ {b}] shard 7 lost on a ray node"
+    ) in raised, raised
 
     # a cluster that cannot hold the ranks: refused with what it has, before anything starts
     # (the warm allocation of the launches above is kept: nothing new was created)

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+pytest.importorskip("mkdocs", reason="the docs site needs mkdocs (pip install -e .[docs])")
+
 from mkdocs.commands.build import build
 from mkdocs.config import load_config
 from mkdocs.exceptions import Abort

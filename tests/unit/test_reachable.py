@@ -13,6 +13,7 @@ from nbaccel.launch.remote.reachable import (
     Unreachable,
     check_local_address,
     probe_grpc,
+    probe_http2,
     probe_tcp,
     split_address,
 )
@@ -52,6 +53,26 @@ def banner_port():
     server.close()
 
 
+@pytest.fixture
+def h2_port():
+    """A port where a server answers the HTTP/2 preface with its SETTINGS frame, as gRPC's do."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(24 + 9)
+            conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # an empty SETTINGS frame
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    thread.join(timeout=5)
+    server.close()
+
+
 def test_split_address():
     assert split_address("head:6379") == ("head", 6379)
     assert split_address("[::1]:6379") == ("::1", 6379)
@@ -71,6 +92,17 @@ def test_nothing_listening_is_refused_naming_the_address():
 def test_a_name_that_does_not_resolve_is_refused():
     with pytest.raises(Unreachable, match=r"the name 'no-such-host.invalid' does not resolve"):
         probe_tcp("no-such-host.invalid", 6379, "a GCS", timeout=2)
+
+
+def test_another_services_port_is_not_taken_for_grpc_without_grpcio(banner_port):
+    """``pip install ray`` brings no grpcio: the plain HTTP/2 handshake tells a banner apart."""
+    probe_tcp("127.0.0.1", banner_port, "a GCS", timeout=2)
+    with pytest.raises(Unreachable, match=rf"127.0.0.1:{banner_port} is not there: the port "):
+        probe_http2("127.0.0.1", banner_port, "a GCS", timeout=2.0)
+
+
+def test_an_http2_server_answers_the_handshake(h2_port):
+    probe_http2("127.0.0.1", h2_port, "a GCS", timeout=2.0)
 
 
 def test_another_services_port_is_not_taken_for_grpc(banner_port):

@@ -11,35 +11,18 @@ rebuilds the same mixed class.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 from nbaccel.launch.wire.errors import shown_message, unlabelled
+from nbaccel.launch.wire.exception_state import copy_as, exception_instance, slot_fields
 
 __all__ = ["as_child_failed"]
 
-_MIXED: dict[type, type] = {}
 
-
-_OS_FIELDS = ("errno", "strerror", "filename", "filename2")  # OSError's, outside args/__dict__
-
-
-def _rebuild(original: type, args: tuple, state: dict[str, Any]) -> BaseException:
-    mixed = _mixed_class(original)
-    exc = mixed.__new__(mixed, *args)
-    exc.args = args
-    state = dict(state)
-    for name, value in zip(_OS_FIELDS, state.pop("_nbaccel_os_fields", ())):
-        setattr(exc, name, value)
-    exc.__dict__.update(state)
-    return exc
-
-
-def _state(exc: BaseException) -> dict[str, Any]:
-    state = dict(getattr(exc, "__dict__", {}))
-    if isinstance(exc, OSError):
-        state["_nbaccel_os_fields"] = tuple(getattr(exc, name) for name in _OS_FIELDS)
-    return state
+def _rebuild(original: type, args: tuple, fields: dict[str, Any], state: dict[str, Any]) -> Any:
+    return exception_instance(_mixed_class(original), args, fields, state)
 
 
 def _str(self: BaseException) -> str:
@@ -48,25 +31,25 @@ def _str(self: BaseException) -> str:
 
 
 def _reduce(self: BaseException) -> tuple[Any, ...]:
-    return _rebuild, (self._nbaccel_original_class, self.args, _state(self))
+    fields = slot_fields(self)
+    return _rebuild, (self._nbaccel_original_class, self.args, fields, dict(vars(self)))
 
 
+@functools.cache
 def _mixed_class(original: type) -> type:
+    """The subclass of ``original`` and ChildFailedError, made once per class."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    mixed = _MIXED.get(original)
-    if mixed is None:
-        namespace = {
-            "__module__": original.__module__,
-            "__qualname__": original.__qualname__,
-            "__doc__": original.__doc__,
-            "__reduce__": _reduce,
-            "__str__": _str,
-            "_nbaccel_original_class": original,
-        }
-        mixed = type(original.__name__, (original, ChildFailedError), namespace)
-        _MIXED[original] = mixed
-    return mixed
+    namespace = {
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+        "__reduce__": _reduce,
+        "__reduce_ex__": lambda self, protocol: _reduce(self),
+        "__str__": _str,
+        "_nbaccel_original_class": original,
+    }
+    return type(original.__name__, (original, ChildFailedError), namespace)
 
 
 def as_child_failed(exc: BaseException, name: str, rank: int | None = None) -> BaseException:
@@ -83,13 +66,9 @@ def as_child_failed(exc: BaseException, name: str, rank: int | None = None) -> B
     rank = int(getattr(exc, "rank", 0) if rank is None else rank)
     original = unlabelled(type(exc))  # a rank-labelled copy stands for its plain class
     try:
-        mixed = _rebuild(original, exc.args, _state(exc))
+        exc = copy_as(exc, _mixed_class(original))
     except TypeError:  # a built-in layout that cannot take a Python subclass mixed in
         return exc
-    mixed.__cause__, mixed.__context__ = exc.__cause__, exc.__context__
-    mixed.__suppress_context__ = exc.__suppress_context__
-    mixed.__traceback__ = exc.__traceback__
-    exc = mixed
     failure = ProcessFailure(local_rank=rank, pid=-1, exitcode=1, error_file="")
     failure.message = f"{original.__name__}: {exc}"
     failure.timestamp = int(time.time())

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from nbaccel.launch.host.descendants import become_subreaper, end_descendants
 from nbaccel.launch.rank import allocator, notebook_state, rendezvous
 from nbaccel.launch.rank import watch as rank_watch
 from nbaccel.launch.wire.channel import Connection, connect
@@ -190,6 +191,18 @@ def _connect_streams(
     return Connection(pairs[0][0]), Connection(pairs[1][0]), events
 
 
+def _say_ended(ended: list[str]) -> None:
+    """Tell the notebook (this rank's stderr) which processes the rank left running and were
+    ended with its launch, and how to keep one."""
+    if ended:
+        print(
+            f"nbaccel: ended {len(ended)} process(es) this rank started and left running: "
+            f"{', '.join(ended)}. A launch's processes end with it; start one with "
+            "NBACCEL_DETACH=1 in its environment to keep it.",
+            file=sys.stderr,
+        )
+
+
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:
     for hook in hooks:
         try:
@@ -318,6 +331,8 @@ class RankLoop:
         try:
             if self._after_call:
                 _run_hooks(self._after_call)
+            if self.spec.mode == Mode.CALL:  # a one-shot launch: what it started ends now
+                _say_ended(end_descendants())
             _flush_all()
             if error is not None:
                 self._report_error(call_id, error)
@@ -357,7 +372,9 @@ class RankLoop:
         """Serve calls until the driver says stop (``Mode.SERVE``)."""
         while True:
             message = self._next_message(_BETWEEN_CALLS)
-            if message[0] == Message.STOP:
+            if message[0] == Message.STOP:  # the pool shuts down: what its cells started ends
+                _say_ended(end_descendants())
+                _flush_all()
                 return 0
             if message[0] != Message.CALL:
                 continue
@@ -428,7 +445,7 @@ class RankLoop:
         torch-xla's runtime (rank 0 hosts its coordination service), or shared files of a result the
         driver has not mapped yet. A rank holding none of these exits as soon as it has reported, as
         a process of ``torch.multiprocessing`` does: its exit then overlaps the slower ranks' work
-        instead of following it (an 8-rank launch on 2 cores ends about 15% sooner).
+        instead of following it (a launch of many ranks on few cores ends sooner).
         """
         if self._result_files or "torch_xla" in sys.modules:
             return True
@@ -460,7 +477,12 @@ class RankLoop:
 
 
 def run_worker(spec: WorkerSpec) -> int:
-    """Entry point of every worker process; returns the process exit code."""
+    """Entry point of every worker process; returns the process exit code. Whatever the rank
+    started ends with it, however it was started (``host.descendants``)."""
+    become_subreaper()  # what this rank starts stays below it, setsid'd daemons included
     loop = RankLoop(spec)
     RankLoop.current = loop
-    return loop.run()
+    try:
+        return loop.run()
+    finally:
+        end_descendants()

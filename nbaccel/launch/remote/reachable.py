@@ -3,8 +3,9 @@
 A launch that names a cluster or a host checks it here first, within seconds: a TCP connection
 to the address (refused: nothing listens there; no answer: a firewall, a wrong network, a
 machine that is down; a name that does not resolve), and for a gRPC service (a Ray cluster's
-GCS, a Ray Client server) one call of a method only that service has (something answers, but
-not gRPC, or not that service: another service's port). Each failure is an
+GCS, a Ray Client server) one call of a method only that service has where grpcio is installed,
+else the HTTP/2 handshake every gRPC server answers (something answers, but not gRPC, or not
+that service: another service's port). Each failure is an
 :class:`Unreachable` (a ``ConnectionError``) naming the address and what did or did not answer,
 instead of the minutes of retries of the client that would otherwise connect. A SLURM launch
 asks the controller whether its allocation still runs (:func:`check_slurm_allocation`), and a
@@ -22,6 +23,7 @@ __all__ = [
     "check_local_address",
     "check_slurm_allocation",
     "probe_grpc",
+    "probe_http2",
     "probe_tcp",
     "split_address",
 ]
@@ -115,12 +117,21 @@ def probe_grpc(
     request: bytes = b"",
     timeout: float = PROBE_TIMEOUT,
 ) -> None:
-    """:func:`probe_tcp`, then one call of the gRPC ``method`` (``/package.Service/Method``,
-    with the serialized ``request``) at ``host:port`` (grpc, which Ray brings, imported here):
-    any answer but "unimplemented" is the service (an error of its own, such as a refused
-    authentication, included); raises :class:`Unreachable` saying what answered instead."""
+    """:func:`probe_tcp`, then whether a gRPC service answers at ``host:port``; raises
+    :class:`Unreachable` saying what answered instead.
+
+    With grpcio installed (``ray[default]`` and ``ray[client]`` bring it; ``pip install ray``
+    does not), one call of the gRPC ``method`` (``/package.Service/Method``, with the serialized
+    ``request``): any answer but "unimplemented" is the service (an error of its own, such as a
+    refused authentication, included). Without it, the HTTP/2 handshake every gRPC server
+    answers (:func:`probe_http2`): a port of another kind of service is still refused, another
+    gRPC service's port is left to the client that connects next."""
     probe_tcp(host, port, what, timeout)
-    import grpc
+    try:
+        import grpc
+    except ImportError:
+        probe_http2(host, port, what, timeout)
+        return
 
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     with grpc.insecure_channel(target) as channel:
@@ -134,15 +145,46 @@ def probe_grpc(
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED
                     else "it does not speak gRPC"
                 )
-                raise Unreachable(
-                    f"{what} at {target} is not there: the port accepts a TCP connection, but "
-                    f"{why} (another service listens there?); check the port."
-                ) from None
+                raise _not_there(what, target, why) from None
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 raise Unreachable(
                     f"{what} at {target} is not there: a gRPC or HTTP/2 service answers on that "
                     f"port, but not as {what} ({method} is unknown to it); check the port."
                 ) from None
+
+
+def _not_there(what: str, target: str, why: str) -> Unreachable:
+    return Unreachable(
+        f"{what} at {target} is not there: the port accepts a TCP connection, but {why} "
+        "(another service listens there?); check the port."
+    )
+
+
+#: what an HTTP/2 client sends first (RFC 9113 3.4): the preface, then its SETTINGS (empty)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4  # the frame type a server's first frame must have
+
+
+def probe_http2(host: str, port: int, what: str, timeout: float = PROBE_TIMEOUT) -> None:
+    """Speak the first words of HTTP/2 (cleartext, as gRPC without TLS does) to ``host:port``:
+    a server's first frame must be its SETTINGS. A banner, a close or silence is another kind
+    of service: :class:`Unreachable` naming the address and what came back."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_H2_PREFACE)
+            header = b""
+            while len(header) < 9:
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    break
+                header += chunk
+    except TimeoutError:
+        raise _not_there(what, target, f"no answer within {timeout:.0f} s") from None
+    except OSError as exc:
+        raise _not_there(what, target, f"it closed the connection ({exc})") from None
+    if len(header) < 9 or header[3] != _H2_SETTINGS or any(header[5:9]):
+        raise _not_there(what, target, "it does not speak gRPC (no HTTP/2 answer)")
 
 
 def check_slurm_allocation(job: str, timeout: float = 2 * PROBE_TIMEOUT) -> None:

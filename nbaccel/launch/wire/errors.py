@@ -1,23 +1,29 @@
 """Errors raised in the notebook when ranks fail, carrying the remote traceback.
 
 The original exception type is re-raised (``ValueError`` stays ``ValueError``) with its message
-prefixed by the rank, and a :class:`RemoteTraceback` attached as ``__cause__`` so the notebook
-shows the rank's own frames (launcher internals trimmed, notebook cell lines filled in).
+prefixed by the rank, and a :class:`RemoteTraceback` attached as the cause of the oldest exception
+of its chain, so the notebook shows the rank's own frames (launcher internals trimmed, notebook
+cell lines filled in).
 
-The traceback's text (frames, chain of causes, bounds) is ``nbaccel.launch.wire.tracebacks``'s; here
-an exception is pickled so that its own class comes back with its attributes, and given its
-rank's label.
+The traceback's text (frames, chain of causes, bounds) is ``nbaccel.launch.wire.tracebacks``'s;
+how an exception travels whole (type, args, attributes, notes, chain) is
+``nbaccel.launch.wire.exception_state``'s; here it is given its rank's label.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import sys
 import time
 from typing import Any
 
+from nbaccel.launch.wire.exception_state import (
+    exception_state,
+    oldest,
+    plain_class,
+    rebuilt_exception,
+)
 from nbaccel.launch.wire.labels import LOCAL_LABELS, RankLabels
 from nbaccel.launch.wire.tracebacks import (
     bounded_message,
@@ -38,6 +44,7 @@ __all__ = [
     "describe_exception",
     "is_peer_loss",
     "rebuild_exception",
+    "remote_traceback",
     "result_not_loadable",
     "shown_message",
     "unlabelled",
@@ -138,61 +145,15 @@ def _with_hint(exc: BaseException, message: str) -> str:
     return message + _NO_STDIN.get((type(exc).__name__, message), "")
 
 
-_BY_STATE = "nbaccel-exception-by-state"  # marks an exception pickled as (class, args, dict)
-
-
-def _pickled(exc: BaseException) -> bytes | None:
-    """``exc`` pickled so that the notebook can load it, or None.
-
-    Pickle rebuilds an exception by calling its class with ``args``, which fails for the many
-    classes whose ``__init__`` takes other arguments (``ShardError(shard, reason)`` passing a
-    formatted message up). Those travel as their class, args and attributes instead, and are
-    rebuilt without calling ``__init__`` (:func:`_loaded`): same class, same attributes, less
-    any attribute that cannot be pickled (a lock, a socket)."""
-    from nbaccel.launch.wire.pickling import dumps
-
-    def travels(value: Any) -> bool:
-        try:
-            dumps(value)
-        except Exception:
-            return False
-        return True
-
-    def by_state() -> tuple:
-        state = {name: value for name, value in vars(exc).items() if travels(value)}
-        return (_BY_STATE, type(exc), exc.args, state)
-
-    for attempt in (lambda: exc, by_state):
-        try:
-            pickled = dumps(attempt())
-            _loaded(pickle.loads(pickled))
-            return pickled
-        except Exception:
-            continue
-    return None
-
-
-def _loaded(value: Any) -> Any:
-    """What :func:`_pickled` sent, as the exception (an object of another kind as it is)."""
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == _BY_STATE:
-        _, cls, args, state = value
-        exc = cls.__new__(cls, *args)
-        exc.args = args
-        exc.__dict__.update(state)
-        return exc
-    return value
-
-
 def describe_exception(exc: BaseException) -> dict[str, Any]:
     """What a worker sends about an exception: type, message, frames, and the pickled object."""
-    pickled = _pickled(exc)
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "name": type(exc).__name__,
         "message": _with_hint(exc, safe_message(exc)),
         "frames": user_frames(exc.__traceback__),
         "chain": chain(exc),
-        "pickled": pickled,
+        "exception": exception_state(exc),
         "time": time.time(),
         # the rank to name, when the worker knows better than the driver (an XLA device thread)
         "rank": getattr(exc, "_nbaccel_rank", None),
@@ -207,149 +168,41 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
-def _same_type(info: dict[str, Any]) -> BaseException | None:
-    """An instance of the rank's exception class when it is importable here, built without its
-    constructor (which may need keyword arguments the message cannot give back): same type, so
-    ``except``/``isinstance`` work, carrying the rank's message."""
-    import importlib
-
-    module, _, qualname = str(info.get("type", "")).rpartition(".")
-    if not module or "<" in qualname:
-        return None
-    try:
-        target: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            target = getattr(target, part)
-        if not (isinstance(target, type) and issubclass(target, BaseException)):
-            return None
-        exc = target.__new__(target)
-        BaseException.__init__(exc, info["message"])
-    except Exception:
-        return None
-    return exc
-
-
-_LABELLED: dict[type, type] = {}
-
-
-def _labelled_class(base: type) -> type:
-    """A subclass of ``base`` that shows a fixed text (``_nbaccel_text``) as its message, for
-    exceptions whose own ``__str__`` cannot carry the rank (``OSError``'s errno form, a custom
-    ``__str__``, non-string args such as ``ValueError(42)``). Same name, so the notebook shows
-    the original type; ``isinstance`` and ``except`` work; it pickles as ``base``."""
-    cls = _LABELLED.get(base)
-    if cls is None:
-
-        def __str__(self: BaseException) -> str:
-            return self.__dict__.get("_nbaccel_text", "")
-
-        def __reduce__(self: BaseException) -> Any:
-            reduced = base.__reduce__(self)
-            state = {k: v for k, v in (reduced[2] or {}).items() if k != "_nbaccel_text"}
-            return (base, *reduced[1:2], state or None, *reduced[3:])
-
-        cls = type(
-            base.__name__,
-            (base,),
-            {
-                "__str__": __str__,
-                "__reduce__": __reduce__,
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__doc__": base.__doc__,
-                "_nbaccel_labelled_base": base,
-            },
-        )
-        _LABELLED[base] = cls
-    return cls
-
-
-def unlabelled(cls: type) -> type:
-    """The exception class a labelled copy (:func:`_labelled_class`) stands for; ``cls``
-    itself for every other class."""
-    return cls.__dict__.get("_nbaccel_labelled_base", cls)
-
-
 def shown_message(exc: BaseException, own_str: Any) -> str:
-    """What ``exc`` shows: its rank label text when :func:`rebuild_exception` gave it one,
+    """What ``exc`` shows: the text :func:`rebuild_exception` gave it (the rank's, labelled),
     else ``own_str(exc)`` (its class's own ``__str__``)."""
     text = getattr(exc, "__dict__", {}).get("_nbaccel_text")
     return text if text is not None else own_str(exc)
-
-
-def _labelled_copy(exc: BaseException, text: str) -> BaseException:
-    """``exc`` as an instance of :func:`_labelled_class`, its args and attributes kept."""
-    cls = _labelled_class(type(exc))
-    try:
-        copy = cls.__new__(cls, *exc.args)
-    except Exception:
-        copy = cls.__new__(cls)
-    copy.args = exc.args
-    copy.__dict__.update(vars(exc))
-    if isinstance(exc, OSError):
-        for name in ("errno", "strerror", "filename", "filename2"):
-            try:
-                setattr(copy, name, getattr(exc, name))
-            except (AttributeError, TypeError):
-                pass
-    copy.__dict__["_nbaccel_text"] = text
-    copy.__traceback__ = exc.__traceback__
-    return copy
-
-
-def _label(exc: BaseException, text: str) -> BaseException:
-    """``exc`` showing ``text`` (``[rank N] <the rank's message>``), of the same type.
-
-    The common case (a single string argument that ``__str__`` shows as it is) gets the label
-    in front of its argument; every other shape of args or ``__str__`` (``ValueError(42)``,
-    ``OSError(errno, text)``, ``KeyError``, a custom ``__str__``, even one that raises) gets a
-    labelled subclass of the same name, so no shape loses the label or the type.
-    """
-    if len(exc.args) == 1 and isinstance(exc.args[0], str):
-        original = exc.args
-        exc.args = (text,)
-        try:
-            if str(exc) == text:  # its __str__ shows its argument (NameError, ValueError...)
-                return exc
-        except Exception:
-            pass
-        exc.args = original
-    return _labelled_copy(exc, text)
 
 
 def rebuild_exception(
     info: dict[str, Any], rank: int, labels: RankLabels = LOCAL_LABELS
 ) -> BaseException:
     """The exception to raise in the notebook for a rank's error (``describe_exception``'s
-    dict): the original type when it can be rebuilt here, its message prefixed with the rank
-    as ``labels`` (its worker group's) name it, and the rank's traceback as its cause. The one
-    place a rank's exception becomes the notebook's."""
+    dict): the rank's exception rebuilt whole (``exception_state``: its type or a stand-in of
+    the same name, args, attributes, notes, group members, chain), showing the rank's message
+    prefixed with the rank as ``labels`` (its worker group's) name it, with the rank's traceback
+    as the cause of the oldest exception of its chain. The one place a rank's exception becomes
+    the notebook's."""
+    message = str(info.get("message", ""))
+    text = f"[{labels.label(rank)}] {bounded_message(message)}".rstrip()
     exc: BaseException | None = None
-    if info.get("pickled") is not None:
+    state = info.get("exception")
+    if state is not None:
         try:
-            exc = _loaded(pickle.loads(info["pickled"]))
+            exc = rebuilt_exception(state, text)
+            str(exc)  # the report must never fail on the way to the notebook
         except Exception:
-            exc = None
-        if exc is not None and not isinstance(exc, BaseException):
             exc = None
     if exc is None:
-        exc = _same_type(info)
-    labelled: BaseException | None = None
-    if exc is not None:
-        try:
-            message = str(info.get("message", ""))
-            shown = bounded_message(message)
-            text = f"[{labels.label(rank)}] {shown}".rstrip()
-            # a cut message must stay whole in args: only a labelled copy shows other text
-            labelled = _label(exc, text) if shown is message else _labelled_copy(exc, text)
-            str(labelled)  # the report must never fail on the way to the notebook
-        except Exception:
-            labelled = None
-    if labelled is None:
-        labelled = RankError(rank, info["name"], info["message"], labels)
-    labelled.rank = rank  # type: ignore[attr-defined]
-    labelled.__cause__ = RemoteTraceback(format_frames(info, rank))
-    return labelled
+        exc = RankError(rank, info["name"], message, labels)
+    exc.rank = rank  # type: ignore[attr-defined]
+    remote = format_frames(info, rank)
+    dropped = (state or {}).get("dropped") or ()
+    if dropped:
+        remote += f"\n(not carried to the notebook: {', '.join(dropped)})"
+    oldest(exc).__cause__ = RemoteTraceback(remote)
+    return exc
 
 
 def result_not_loadable(rank: int, exc: BaseException) -> dict[str, Any]:
@@ -377,8 +230,20 @@ def result_not_loadable(rank: int, exc: BaseException) -> dict[str, Any]:
     return info
 
 
+def remote_traceback(exc: BaseException) -> str | None:
+    """The rank's traceback text that :func:`rebuild_exception` attached to ``exc`` (as the
+    cause of the oldest exception of its chain), or None."""
+    end = oldest(exc)
+    return end.text if isinstance(end, RemoteTraceback) else None
+
+
+def unlabelled(cls: type) -> type:
+    """The exception class a rebuilt exception's class stands for (``cls`` for any other)."""
+    return plain_class(cls)
+
+
 def add_to_message(exc: BaseException, extra: str) -> None:
-    """Append ``extra`` to the message ``exc`` shows, whatever shape :func:`_label` gave it."""
+    """Append ``extra`` to the message ``exc`` shows (the text the rebuild gave it)."""
     if "_nbaccel_text" in getattr(exc, "__dict__", {}):
         exc.__dict__["_nbaccel_text"] += extra
     elif exc.args and isinstance(exc.args[0], str):

@@ -47,7 +47,7 @@ from nbaccel.launch.host.log_store import reclaim_after
 from nbaccel.launch.launchers.forkserver import hold as server_hold
 from nbaccel.launch.launchers.forkserver.huge_pages import collapse_writable_memory
 from nbaccel.launch.launchers.forkserver.kernel_modules import file_stamps, is_candidate
-from nbaccel.launch.launchers.forkserver.reaper import Reaper, become_subreaper
+from nbaccel.launch.launchers.forkserver.reaper import Reaper
 from nbaccel.launch.rank.inherited import note_inherited
 from nbaccel.launch.wire.protocol import ServerMessage
 
@@ -99,7 +99,6 @@ def _child_main(spec_bytes: bytes, server_fds: tuple[int, ...]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    become_subreaper()  # what this rank starts stays below it (see forkserver.reaper)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
