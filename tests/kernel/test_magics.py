@@ -180,7 +180,13 @@ def test_rank_errors_show_bounded_in_the_cell(nb):
 def test_name_error_says_to_push(nb):
     (error,) = cell_errors(nb["name_error_cell"])
     assert error.ename == "NameError"
-    assert "%dist_push only_here" in error.evalue
+    assert error.evalue == "name 'only_here' is not defined"  # as the rank saw it
+    shown = "\n".join(error.traceback)  # the hint and the rank: notes under the message
+    assert (
+        "'only_here' exists in the notebook: send it to the ranks with %dist_push only_here"
+        in shown
+    )
+    assert "\nraised on rank " in shown
 
 
 def test_pool_keeps_working_after_error_and_interrupt(nb):
