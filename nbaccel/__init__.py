@@ -40,7 +40,9 @@ from nbaccel.launch.wire.errors import LaunchTimeout, RankCrashed, RankError, Re
 from nbaccel.launch.wire.unpicklable import UnpicklableError
 from nbaccel.notebook import tracker as _notebook_tracker  # noqa: F401 (log_with="notebook")
 from nbaccel.notebook.kernel.detached import Run, attach, runs
+from nbaccel.notebook.kernel.detached_pool import pools
 from nbaccel.notebook.kernel.launcher import debug_launcher, notebook_launcher
+from nbaccel.notebook.kernel.pool import attach_pool
 from nbaccel.notebook.kernel.widgets.device_map_view import show_device_map
 from nbaccel.training.accelerator.core import Accelerator
 from nbaccel.training.config.configuration import (
@@ -73,6 +75,8 @@ __all__ = [
     "Run",
     "RunStopped",
     "attach",
+    "attach_pool",
+    "pools",
     "runs",
     "AcceleratorState",
     "AutocastKwargs",

@@ -61,6 +61,13 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "A warm empty `%%distributed` cell as the client sees it, and the magic's own time, "
         "against a plain cell and against nbdistributed.",
     ),
+    "magics_detached.json": (
+        "Warm cells on a detached pool after %dist_attach",
+        "python benchmarks/bench_magics.py --detached",
+        "A warm empty `%%distributed` cell on a detached pool, in a fresh kernel after "
+        "`%dist_attach`, against a kernel's own pool; kernels alternate, medians of each "
+        "kernel's median over the repeats.",
+    ),
     "call_path.json": (
         "A warm pool call after idle gaps",
         "python benchmarks/bench_call_path.py",

@@ -11,12 +11,11 @@ an epoch is marked finished, so loading it starts the next epoch.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
 __all__ = ["attach_stateful_base", "stateful_base_class", "stateful_variant"]
-
-_VARIANTS: dict[type, type] = {}
 
 
 def stateful_base_class() -> type:
@@ -35,15 +34,17 @@ def stateful_variant(cls: type) -> type:
     base = stateful_base_class()
     if issubclass(cls, base):
         return cls
-    variant = _VARIANTS.get(cls)
-    if variant is None:
+    return _variant(cls, base)
 
-        def body(ns: dict[str, Any]) -> None:
-            ns.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
 
-        variant = types.new_class(cls.__name__, (cls, base), exec_body=body)
-        _VARIANTS[cls] = variant
-    return variant
+@functools.cache
+def _variant(cls: type, base: type) -> type:
+    """The subclass of ``cls`` and ``base``, made once per class."""
+
+    def body(ns: dict[str, Any]) -> None:
+        ns.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+
+    return types.new_class(cls.__name__, (cls, base), exec_body=body)
 
 
 def attach_stateful_base(loader: Any, dataset: Any, kwargs: dict[str, Any]) -> None:

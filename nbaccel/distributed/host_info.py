@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -212,12 +213,25 @@ def override_numa_affinity(local_process_index: int, verbose: bool | None = None
         print(f"Process {local_process_index} pinned to CPUs {spec}")
 
 
-_NUMA_DONE: set[int] = set()
+class _Pinned:
+    """The process indices this process has pinned to their NUMA node's CPUs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._indices: set[int] = set()
+
+    def first(self, index: int) -> bool:
+        """True the first time ``index`` is asked for (it is then noted as pinned)."""
+        with self._lock:
+            new = index not in self._indices
+            self._indices.add(index)
+            return new
+
+
+_pinned = _Pinned()
 
 
 def set_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
     """:func:`override_numa_affinity`, once per process index."""
-    if local_process_index in _NUMA_DONE:
-        return
-    _NUMA_DONE.add(local_process_index)
-    override_numa_affinity(local_process_index, verbose=verbose)
+    if _pinned.first(local_process_index):
+        override_numa_affinity(local_process_index, verbose=verbose)

@@ -268,20 +268,6 @@ def get_current_device_type() -> tuple[str, str]:
     return "cpu", "MULTI_CPU"
 
 
-def _refuse_stack(stack: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def decorator(func: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                f"{func.__name__} needs {stack}, which nbaccel does not drive; use DDP or FSDP2 "
-                "(FullyShardedDataParallelPlugin) instead."
-            )
-
-        return wrapper
-
-    return decorator
-
-
 def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
     """``func`` raises ImportError naming the extra when DeepSpeed is not installed."""
 

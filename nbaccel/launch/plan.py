@@ -1,17 +1,21 @@
 """What a launch is: how many ranks, where, how they start, and each rank's environment.
 
-Every front builds one :class:`LaunchPlan` with :meth:`LaunchPlan.create`, which is the single
-place for the defaults (see :data:`CPU_DEFAULT_NUM_PROCESSES`), the validation of the options
-(before anything starts) and the announcement line. The plan then gives each rank its
-environment: the torchrun-style variables that ``PartialState`` reads (RANK, WORLD_SIZE, ...)
-and nbaccel's own (NBACCEL_LAUNCHER, NBACCEL_MIXED_PRECISION, NBACCEL_CPU).
+Every front builds one :class:`LaunchPlan` with :meth:`LaunchPlan.create`, and the plan is
+complete when created: the defaults (see :data:`CPU_DEFAULT_NUM_PROCESSES`), the validation of
+the options against this machine (before anything starts), the hosts placed (a remote launch's
+scheduler asked once), the ranks' extra environment (the request's, such as
+``PARALLELISM_CONFIG_*``) and the launcher's options (the preload setting read once). The rest
+of the launch only reads it: the launcher (:meth:`LaunchPlan.make_launcher`), the announcement
+line, and each rank's environment: the torchrun-style variables that ``PartialState`` reads
+(RANK, WORLD_SIZE, ...) and nbaccel's own (NBACCEL_LAUNCHER, NBACCEL_MIXED_PRECISION,
+NBACCEL_CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +24,13 @@ import torch
 from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
-from nbaccel.launch.launchers.forkserver.kernel_modules import preload_setting
+from nbaccel.launch.launchers.forkserver.kernel_modules import PreloadSetting, preload_setting
 from nbaccel.launch.rank import allocator
 from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
 
 if TYPE_CHECKING:
+    from nbaccel.launch.launchers.base import ProcessLauncher
     from nbaccel.launch.remote.options import RemoteOptions
 
 __all__ = [
@@ -159,6 +164,9 @@ class LaunchPlan:
     line_prefix: str | None = None  # template of each output line's prefix (RankLabels)
     #: ranks on other hosts (ssh or slurm): the hosts, and how the agents start
     remote: RemoteOptions | None = None
+    #: the preload setting of the launch (``preload``, else ``NBACCEL_PRELOAD``), read once by
+    #: :meth:`create`; None in a plan built field by field (read when the launcher is made)
+    setting: PreloadSetting | None = None
 
     @classmethod
     def create(
@@ -174,14 +182,18 @@ class LaunchPlan:
         devices; raises before anything starts.
 
         ``remote``: hosts built apart (the engine's own tests); by default the request's.
-        A pool (``Front.MAGIC``) runs CPU ranks when there is no GPU, and its ranks start
-        without mixed precision: each cell sets its own (``%%distributed --mixed_precision``).
+        ``extra_env``: the front's own variables for the ranks, on top of the request's
+        (:meth:`LaunchRequest.rank_environment`). A pool (``Front.MAGIC``) runs CPU ranks when
+        there is no GPU, and its ranks start without mixed precision or the request's
+        variables: each cell sets its own (``%%distributed --mixed_precision``).
         """
         _refuse_nested_launch()
         allocator.settings(os.environ)  # a malloc variable the ranks could not read: say so now
         request = request or LaunchRequest()
         if front == Front.MAGIC and request.mixed_precision != "no":
             request = dataclasses.replace(request, mixed_precision="no")  # a cell's, not the pool's
+        if front != Front.MAGIC:  # a pool's cells each bring theirs
+            extra_env = {**request.rank_environment(), **(extra_env or {})}
         remote = remote or request.remote
         gpus = torch.cuda.device_count()
         cpu = request.cpu or (front == Front.MAGIC and gpus == 0)
@@ -223,6 +235,7 @@ class LaunchPlan:
             preload=request.preload,
             fork_while_importing=front == Front.LAUNCHER and request.start_method == "auto",
             line_prefix=request.log_line_prefix_template,
+            setting=preload_setting(request.preload),
         )
 
     @classmethod
@@ -268,19 +281,25 @@ class LaunchPlan:
             remote=remote,
             preload=request.preload,
             line_prefix=request.log_line_prefix_template,
+            setting=preload_setting(request.preload),
         )
 
     def launcher_options(self) -> dict[str, Any]:
         """What ``make_launcher`` needs besides the kind (the hosts, for remote kinds; what the
         fork server imports for the ranks, for the default kind)."""
+        setting = self.setting if self.setting is not None else preload_setting(self.preload)
         if self.remote is not None:
-            return {"remote": self.remote, "setting": preload_setting(self.preload)}
+            return {"remote": self.remote, "setting": setting}
         if self.kind == LaunchKind.FORKSERVER:
-            return {
-                "setting": preload_setting(self.preload),
-                "fork_while_importing": self.fork_while_importing,
-            }
+            return {"setting": setting, "fork_while_importing": self.fork_while_importing}
         return {}
+
+    def make_launcher(self, preload: Iterable[str] = ()) -> ProcessLauncher:
+        """The launcher variant of this plan, with its options (``preload``: modules the front
+        wants the fork server to import for its ranks)."""
+        from nbaccel.launch.registry import make_launcher
+
+        return make_launcher(self.kind, preload=tuple(preload), **self.launcher_options())
 
     # ------------------------------------------------------------------ what it is
     @property

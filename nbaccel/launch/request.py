@@ -235,9 +235,14 @@ class LaunchRequest:
     memory: bool = option(True, "the per-rank memory monitor", Front.LAUNCHER,
                           check=_flag("memory"))  # fmt: skip
     detach: bool = option(
-        False, "run under this user's supervisor, outliving the kernel or shell: returns a "
-        "Run handle at once (nbaccel.runs(), nbaccel.attach(id), nbaccel runs ...)",
-        Front.LAUNCHER | Front.CLI, check=_flag("detach"),
+        False, "run under this user's supervisor, outliving the kernel or shell: a launch "
+        "returns a Run handle at once (nbaccel.runs(), nbaccel.attach(id), nbaccel runs ...); "
+        "a pool keeps its ranks and names for the next kernel to attach (nbaccel pools)",
+        Front.LAUNCHER | Front.MAGIC | Front.CLI, check=_flag("detach"),
+    )  # fmt: skip
+    detach_idle: float = option(
+        3600.0, "a detached pool with no kernel attached for this many seconds ends",
+        Front.MAGIC, check=positive_number("detach_idle"), parse=float, metavar="S",
     )  # fmt: skip
     hosts: str | Sequence[str] | None = option(
         None, "run the ranks on these hosts through ssh, one agent per host: node1:4,node2:4",

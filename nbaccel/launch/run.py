@@ -26,7 +26,6 @@ from nbaccel.launch.launchers.xla import (
     use_compile_cache,
 )
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.errors import failure_text
 from nbaccel.launch.wire.protocol import LaunchKind
@@ -61,7 +60,7 @@ def run_function(
         interval: longest wait between two checks of the ranks.
     """
     __tracebackhide__ = True
-    launcher = make_launcher(plan.kind, preload=tuple(preload), **plan.launcher_options())
+    launcher = plan.make_launcher(preload)
     shared = None
     if launcher.pickles_work:  # raises UnpicklableError naming the object, before any process
         work, shared = pack(

@@ -1,7 +1,8 @@
-"""The shape of the code, checked from the source with ``ast``: files stay small, the engine
-and the notebook layer keep no module state assigned through ``global``, and a class in
-``launch/`` holds the objects that do its parts rather than being assembled from mixins that
-share its private state."""
+"""The shape of the code, checked from the source with ``ast``: files past the size to review
+are the ones reviewed, the engine and the notebook layer keep no module state assigned through
+``global``, no module keeps a container it changes at run time (state lives with an owning
+object and its lock), and a class in ``launch/`` holds the objects that do its parts rather
+than being assembled from mixins that share its private state."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "nbaccel"
 LAUNCH = ROOT / "launch"
-MAX_LINES = 500
+#: the length at which a file is reviewed: one concept may run past it (then it is listed in
+#: REVIEWED with what it holds), several concepts are split into their own files
+REVIEW_AT = 500
+REVIEWED: dict[str, str] = {}
 
 
 def _trees(folder: Path) -> dict[str, ast.Module]:
@@ -26,6 +30,62 @@ def _trees(folder: Path) -> dict[str, ast.Module]:
 def _globals(tree: ast.Module) -> list[int]:
     """Lines of ``global`` statements."""
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Global)]
+
+
+_CONTAINER_CALLS = {
+    "dict", "list", "set", "deque", "defaultdict", "OrderedDict", "Counter", "bytearray",
+    "WeakValueDictionary", "WeakKeyDictionary", "WeakSet",
+}  # fmt: skip
+_MUTATORS = {
+    "append", "appendleft", "extend", "extendleft", "insert", "add", "update", "pop", "popitem",
+    "popleft", "remove", "discard", "clear", "setdefault", "sort", "reverse", "rotate",
+    "__setitem__", "__delitem__", "difference_update", "intersection_update",
+    "symmetric_difference_update",
+}  # fmt: skip
+
+
+def _is_container(node: ast.expr | None) -> bool:
+    if isinstance(node, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp):
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        return name in _CONTAINER_CALLS
+    return False
+
+
+def _changed_module_containers(tree: ast.Module) -> list[str]:
+    """``name:line`` of the containers a module assigns at its top level (``_live = deque()``)
+    and changes inside a function (an item set or deleted, a mutating method called): a
+    registry in a module global, which the ``global`` check does not see. ``__all__`` (built
+    at import) is not state."""
+    containers: dict[str, int] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if _is_container(value):
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id != "__all__":
+                    containers[target.id] = node.lineno
+    changed = set()
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            target: ast.expr | None = None
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
+                target = node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = node.func.value if node.func.attr in _MUTATORS else None
+            choices = [target.body, target.orelse] if isinstance(target, ast.IfExp) else [target]
+            for choice in choices:
+                if isinstance(choice, ast.Name) and choice.id in containers:
+                    changed.add((containers[choice.id], choice.id))
+    return [f"{name}:{line}" for line, name in sorted(changed)]
 
 
 def _base_names(cls: ast.ClassDef) -> list[str]:
@@ -96,16 +156,17 @@ def _mixin_problems(tree: ast.Module, where: str, sharing: set[str] | None = Non
     return problems
 
 
-def test_no_file_over_the_limit():
-    long = {
-        name: count
-        for name, count in (
-            (str(p.relative_to(ROOT.parent)), len(p.read_text().splitlines()))
-            for p in ROOT.rglob("*.py")
-        )
-        if count > MAX_LINES
+def test_files_past_the_review_mark_were_reviewed():
+    """A file past REVIEW_AT lines is a point to review, not a reason to split one concept
+    across files: it is listed in REVIEWED with the one concept it holds, or split where it
+    holds several. Entries for files back under the mark are dropped."""
+    lengths = {
+        str(p.relative_to(ROOT.parent)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")
     }
-    assert long == {}, f"split these by composition (objects a class holds): {long}"
+    long = {name: count for name, count in lengths.items() if count > REVIEW_AT}
+    unreviewed = {name: count for name, count in long.items() if name not in REVIEWED}
+    assert unreviewed == {}, f"review these (one concept: list in REVIEWED; several: split): {long}"
+    assert sorted(set(REVIEWED) - set(long)) == []
 
 
 @pytest.mark.parametrize("folder", ["launch", "notebook"])
@@ -113,6 +174,14 @@ def test_no_module_state_is_assigned_through_global(folder: str):
     """State lives with its owner (an object the module holds), as in the engine."""
     trees = _trees(ROOT / folder)
     found = {name: lines for name, tree in trees.items() if (lines := _globals(tree))}
+    assert found == {}
+
+
+def test_no_module_keeps_a_container_it_changes_at_run_time():
+    """Registries of live objects, caches and once-only sets are attributes of an owning
+    object with its lock (``_fleets = _Fleets()``), never a module's dict, list or set."""
+    trees = _trees(ROOT)
+    found = {name: c for name, tree in trees.items() if (c := _changed_module_containers(tree))}
     assert found == {}
 
 
@@ -174,3 +243,39 @@ def test_the_checks_see_what_they_forbid():
         "g.py: Group inherits Ends"
     ]
     assert _globals(ast.parse("x = 0\ndef f():\n    global x\n    x = 1\n")) == [3]
+    registries = ast.parse(
+        textwrap.dedent(
+            """
+            _live = deque()
+            _by_id: dict = {}
+            _seen = set()
+            TABLE = {"a": 1}
+            __all__ = ["f"]
+
+            def f(view, whole):
+                _live.append(view)
+                _by_id[id(view)] = view
+                (_seen if whole else set()).add(view)
+                __all__.append("g")
+                return TABLE["a"]
+            """
+        )
+    )
+    assert _changed_module_containers(registries) == ["_live:2", "_by_id:3", "_seen:4"]
+    owned = ast.parse(
+        textwrap.dedent(
+            """
+            class _Views:
+                def __init__(self):
+                    self._lock = threading.Lock()
+                    self._live = deque()
+
+                def add(self, view):
+                    with self._lock:
+                        self._live.append(view)
+
+            _views = _Views()
+            """
+        )
+    )
+    assert _changed_module_containers(owned) == []

@@ -5,6 +5,7 @@ after. :func:`align_module_device` materialises them outside a forward.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -228,14 +229,27 @@ class AlignDevicesHook(ModelHook):
         return module
 
 
-_STREAMS: dict[torch.device, Any] = {}
+class _SideStreams:
+    """One CUDA side stream per device, made on first use and kept for the process: the
+    prefetches of every hook on that device share it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_device: dict[torch.device, Any] = {}
+
+    def on(self, device: torch.device) -> Any:
+        with self._lock:
+            stream = self._by_device.get(device)
+            if stream is None:
+                stream = self._by_device[device] = torch.cuda.Stream(device)
+            return stream
+
+
+_side_streams = _SideStreams()
 
 
 def _side_stream(device: torch.device) -> Any:
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device)
-    return stream
+    return _side_streams.on(device)
 
 
 def has_offloaded_params(module: nn.Module) -> bool:

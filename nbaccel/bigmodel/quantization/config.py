@@ -20,16 +20,10 @@ _FLOAT_NAMES.update({str(d).replace("torch.", ""): d for d in list(_FLOAT_NAMES.
 
 
 class QuantizedDtype:
-    """Bytes per weight of the quantized formats, for planning (``int4`` is half a byte)."""
+    """The quantized formats a config targets: ``int8``, ``int4`` (half a byte a weight)."""
 
     INT8 = torch.int8
     INT4 = "int4"
-
-    @staticmethod
-    def bytes_per_weight(target: Any) -> float:
-        if target == QuantizedDtype.INT4 or getattr(target, "value", None) == "int4":
-            return 0.5
-        return 1.0
 
 
 def _float_dtype(value: Any, what: str) -> torch.dtype:

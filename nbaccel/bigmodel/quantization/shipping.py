@@ -15,8 +15,6 @@ import torch
 
 __all__ = ["register_quantized_pickling"]
 
-_REGISTERED: set[type] = set()
-
 
 def _rebuild(cls: type, data: torch.Tensor, requires_grad: bool, state: dict) -> Any:
     param = torch.Tensor._make_subclass(cls, data, requires_grad)
@@ -32,6 +30,5 @@ def _reduce(param: Any) -> tuple[Any, tuple]:
 def register_quantized_pickling(bnb: Any) -> None:
     """Register the reducers for bitsandbytes' quantized parameter classes (once)."""
     for cls in (bnb.nn.Params4bit, bnb.nn.Int8Params):
-        if cls not in _REGISTERED:
+        if copyreg.dispatch_table.get(cls) is not _reduce:
             copyreg.pickle(cls, _reduce)
-            _REGISTERED.add(cls)

@@ -29,7 +29,7 @@ from typing import Any
 
 from nbaccel.launch.detached.paths import runs_root
 
-__all__ = ["ENDED", "RunFolder", "RunInfo", "RunState", "list_runs", "remove_runs"]
+__all__ = ["ENDED", "RunFolder", "RunInfo", "RunState", "list_runs", "remove_runs", "write_atomic"]
 
 
 class RunState:
@@ -79,7 +79,8 @@ class RunInfo:
         }
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (0600) through a rename: a reader sees the old or the new."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as handle:
@@ -137,7 +138,7 @@ class RunFolder:
 
     def write_info(self, info: RunInfo) -> None:
         """Replace ``run.json`` (atomically)."""
-        _write_atomic(self.file("run.json"), json.dumps(dataclasses.asdict(info)).encode())
+        write_atomic(self.file("run.json"), json.dumps(dataclasses.asdict(info)).encode())
 
     def update(self, **changes: Any) -> RunInfo:
         """Change some fields of ``run.json``; the new info."""
@@ -149,7 +150,7 @@ class RunFolder:
         """Pickle ``value`` (cloudpickle: notebook functions by value) into file ``name``."""
         import cloudpickle
 
-        _write_atomic(self.file(name), cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        write_atomic(self.file(name), cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
     def read_pickle(self, name: str) -> Any:
         """The value pickled in file ``name``."""
@@ -158,7 +159,7 @@ class RunFolder:
 
     def write_json(self, name: str, value: Any) -> None:
         """``value`` as JSON in file ``name`` (atomically, 0600)."""
-        _write_atomic(self.file(name), json.dumps(value).encode())
+        write_atomic(self.file(name), json.dumps(value).encode())
 
     def read_json(self, name: str) -> Any:
         """The JSON value in file ``name``."""

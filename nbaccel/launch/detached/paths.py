@@ -46,11 +46,13 @@ def runs_root() -> Path:
     return private_dir(chosen)
 
 
-def socket_path(root: Path) -> Path:
-    """The supervisor's socket for the runs under ``root``."""
-    beside = root / _SOCKET_NAME
+def socket_path(root: Path, name: str = _SOCKET_NAME) -> Path:
+    """The socket ``name`` of the folder ``root``: the supervisor's (for the runs under
+    ``root``), or a detached pool's (in its folder)."""
+    beside = root / name
     if len(os.fsencode(beside)) <= _MAX_SOCKET_PATH:
         return beside
-    tag = hashlib.sha256(os.fsencode(root)).hexdigest()[:12]
+    named = root if name == _SOCKET_NAME else beside  # the supervisor's as it always was
+    tag = hashlib.sha256(os.fsencode(named)).hexdigest()[:12]
     short = private_dir(Path(tempfile.gettempdir()) / f"nbaccel-{os.getuid()}")
     return short / f"{tag}.sock"

@@ -10,6 +10,7 @@ keeps ``run.json``'s last line current (rewritten at most once a second).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launch.detached.folder import RunFolder
@@ -18,44 +19,63 @@ from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.labels import RankLabels
 from nbaccel.launch.wire.protocol import Stream
 
-__all__ = ["RecordingRenderer"]
+__all__ = ["RecordingRenderer", "RelayRenderer"]
 
 _INFO_INTERVAL = 1.0
 _LAST_LINE_CHARS = 200
 
 
-class RecordingRenderer(Renderer):
+class RelayRenderer(Renderer):
+    """Turns each renderer call into a record (``("line", rank, stream, text)``, ...) handed to
+    ``write``: into a journal, or down a detached pool's link to the attached kernel, where
+    :func:`~nbaccel.launch.detached.replay.apply_record` makes the same call again."""
+
+    def __init__(self, write: Callable[[tuple], None]) -> None:
+        self.write = write
+
+    def use_labels(self, labels: RankLabels) -> None:
+        super().use_labels(labels)
+        self.write(("labels", labels))
+
+    def start(self, announcement: str, num_processes: int) -> None:
+        self.write(("start", announcement, num_processes))
+
+    def line(self, rank: int, stream: Stream, text: str) -> None:
+        self.write(("line", rank, str(stream), text))
+
+    def overflow(self, rank: int, stream: Stream, text: str) -> None:
+        self.write(("over", rank, str(stream), text))
+
+    def event(self, rank: int, kind: Any, payload: Any) -> None:
+        self.write(("event", rank, str(kind), payload))
+
+    def notice(self, text: str) -> None:
+        self.write(("notice", text))
+
+    def finish(self, ok: bool, failed: list[int] | None = None) -> None:
+        self.write(("finish", ok, failed))
+
+
+class RecordingRenderer(RelayRenderer):
     """Writes a launch's renderer calls into ``folder``'s journal."""
 
     def __init__(self, folder: RunFolder) -> None:
         self.folder = folder
         self.journal = JournalWriter(folder.file("journal.bin"))
+        super().__init__(self.journal.write)
         self._last_line = ""
         self._info_at = 0.0
 
-    def use_labels(self, labels: RankLabels) -> None:
-        super().use_labels(labels)
-        self.journal.write(("labels", labels))
-
-    def start(self, announcement: str, num_processes: int) -> None:
-        self.journal.write(("start", announcement, num_processes))
-
     def line(self, rank: int, stream: Stream, text: str) -> None:
-        self.journal.write(("line", rank, str(stream), text))
+        super().line(rank, stream, text)
         self._note_line(rank, text)
 
     def overflow(self, rank: int, stream: Stream, text: str) -> None:
-        self.journal.write(("over", rank, str(stream), text))
+        super().overflow(rank, stream, text)
         self._note_line(rank, text)
 
-    def event(self, rank: int, kind: Any, payload: Any) -> None:
-        self.journal.write(("event", rank, str(kind), payload))
-
-    def notice(self, text: str) -> None:
-        self.journal.write(("notice", text))
-
     def finish(self, ok: bool, failed: list[int] | None = None) -> None:
-        self.journal.write(("finish", ok, failed))
+        super().finish(ok, failed)
         self.flush_info()
 
     def _note_line(self, rank: int, text: str) -> None:

@@ -16,7 +16,7 @@ from nbaccel.launch.detached.journal import JournalReader
 from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.protocol import EventKind, Stream
 
-__all__ = ["Replay"]
+__all__ = ["Replay", "apply_record"]
 
 _POLL = 0.1
 
@@ -26,6 +26,30 @@ def _word(kind: Any, vocabulary: type) -> Any:
         return vocabulary(kind)
     except ValueError:
         return kind
+
+
+def apply_record(renderer: Renderer, record: tuple) -> None:
+    """Make on ``renderer`` the call that ``record`` (a
+    :class:`~nbaccel.launch.detached.recorder.RelayRenderer`'s) stands for."""
+    kind, *fields = record
+    r = renderer
+    if kind == "line":
+        rank, stream, text = fields
+        r.line(rank, _word(stream, Stream), text)
+    elif kind == "over":
+        rank, stream, text = fields
+        r.overflow(rank, _word(stream, Stream), text)
+    elif kind == "event":
+        rank, event, payload = fields
+        r.event(rank, _word(event, EventKind), payload)
+    elif kind == "notice":
+        r.notice(fields[0])
+    elif kind == "labels":
+        r.use_labels(fields[0])
+    elif kind == "start":
+        r.start(*fields)
+    elif kind == "finish":
+        r.finish(*fields)
 
 
 class Replay:
@@ -49,27 +73,9 @@ class Replay:
         return len(records)
 
     def _apply(self, record: tuple) -> None:
-        kind, *fields = record
-        r = self.renderer
-        if kind == "line":
-            rank, stream, text = fields
-            r.line(rank, _word(stream, Stream), text)
-        elif kind == "over":
-            rank, stream, text = fields
-            r.overflow(rank, _word(stream, Stream), text)
-        elif kind == "event":
-            rank, event, payload = fields
-            r.event(rank, _word(event, EventKind), payload)
-        elif kind == "notice":
-            r.notice(fields[0])
-        elif kind == "labels":
-            r.use_labels(fields[0])
-        elif kind == "start":
-            r.start(*fields)
-            self.open = True
-        elif kind == "finish":
-            r.finish(*fields)
-            self.open = False
+        apply_record(self.renderer, record)
+        if record[0] in ("start", "finish"):
+            self.open = record[0] == "start"
 
     def run(
         self,

@@ -85,7 +85,7 @@ def run_attempt(folder: RunFolder, stop: _Stop) -> None:
                             "fresh ranks.")  # fmt: skip
         work = folder.read_pickle("work.pkl")
         request = work["request"]
-        plan = LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment())
+        plan = LaunchPlan.create(Front.LAUNCHER, request)
         folder.update(num_processes=plan.num_processes)
         report = run_function(
             plan,

@@ -6,10 +6,14 @@ only on a Unix socket of mode 0600 inside the 0700 root, and answers only its ow
 peer's uid, ``SO_PEERCRED``, where the platform has it). Requests are one JSON line each,
 answers too: nothing arriving on the socket is unpickled.
 
-It starts one runner process per run attempt (:mod:`nbaccel.launch.detached.runner`), passes
+It starts one runner process per run attempt (:mod:`nbaccel.launch.detached.runner`) and one
+host process per detached pool (the module its folder's ``launch.json`` names; the pool folders
+are :mod:`nbaccel.launch.detached.pool_folder`'s), passes
 stop requests on as SIGINT (then SIGTERM, then SIGKILL of the runner's process group), and marks
 a run whose runner vanished. On SIGTERM/SIGINT/SIGHUP it stops its runs cleanly and marks them;
-killed outright, its runners see their pipe close and stop themselves. With no run going for
+killed outright, its runners and pool hosts see their pipe close and stop themselves. A pool
+host is stopped with SIGTERM (it ends its ranks), then SIGKILL of its process group; the folder
+of a pool whose host vanished is removed. With no run or pool going for
 ``NBACCEL_SUPERVISOR_IDLE`` seconds (default 600) it exits. With ``NBACCEL_RUNS_MAX_AGE_DAYS``
 set, it removes the folders of runs that ended longer ago than that, at start and hourly.
 """
@@ -32,6 +36,7 @@ from typing import IO, Any
 
 from nbaccel.launch.detached.folder import RunFolder, RunState, remove_runs
 from nbaccel.launch.detached.paths import private_dir, socket_path
+from nbaccel.launch.detached.pool_folder import PoolFolder, pools_root
 
 __all__ = ["IDLE_VAR", "MAX_AGE_VAR", "Supervisor", "main", "peer_uid"]
 
@@ -39,6 +44,7 @@ IDLE_VAR = "NBACCEL_SUPERVISOR_IDLE"
 MAX_AGE_VAR = "NBACCEL_RUNS_MAX_AGE_DAYS"
 _PRUNE_EVERY = 3600.0
 _STOP_STEPS = (("SIGTERM", 20.0), ("SIGKILL", 30.0))  # seconds after the SIGINT
+_POOL_KILL_AFTER = 30.0  # seconds after a pool host's SIGTERM
 _REQUEST_TIMEOUT = 5.0
 
 
@@ -66,6 +72,7 @@ class Supervisor:
         self.root = root
         self.path = socket_path(root)
         self.runners: dict[str, _Runner] = {}
+        self.pools: dict[str, _Runner] = {}  # pool id -> its host process
         self.idle = float(os.environ.get(IDLE_VAR, "600"))
         self.last_busy = time.monotonic()
         self.closing = False
@@ -100,11 +107,12 @@ class Supervisor:
                 for _key, _ in selector.select(timeout=0.25):
                     self._accept()
                 self._reap()
+                self._reap_pools()
                 self._prune()
                 if self.closing:
                     self._stop_all()
                     return
-                if self.runners:
+                if self.runners or self.pools:
                     self.last_busy = time.monotonic()
                 elif time.monotonic() - self.last_busy > self.idle:
                     return
@@ -135,8 +143,11 @@ class Supervisor:
         """Stop every run (SIGINT, then escalate), mark them, wait for the runners."""
         for run_id in list(self.runners):
             self._stop(run_id, "its supervisor ended")
-        while self.runners:
+        for pool_id in list(self.pools):
+            self._stop_pool(pool_id)
+        while self.runners or self.pools:
             self._reap()
+            self._reap_pools()
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ requests
@@ -170,10 +181,19 @@ class Supervisor:
         op = request.get("op")
         self.last_busy = time.monotonic()
         if op == "ping":
-            return {"ok": True, "pid": os.getpid(), "runs": sorted(self.runners)}
+            return {"ok": True, "pid": os.getpid(), "runs": sorted(self.runners),
+                    "pools": sorted(self.pools)}  # fmt: skip
         if op == "shutdown":
             self.closing = True
             return {"ok": True}
+        if op in ("pool-start", "pool-stop"):
+            pool_id = str(request.get("pool", ""))
+            if not pool_id or "/" in pool_id or pool_id.startswith("."):
+                raise ValueError(f"not a pool id: {pool_id!r}")
+            if op == "pool-start":
+                self._start_pool(pool_id)
+                return {"ok": True}
+            return {"ok": True, "stopping": self._stop_pool(pool_id)}
         run_id = str(request.get("run", ""))
         if not run_id or "/" in run_id or run_id.startswith("."):
             raise ValueError(f"not a run id: {run_id!r}")
@@ -258,6 +278,55 @@ class Supervisor:
             folder.update(state=RunState.FAILED, ended=time.time(), runner_pid=None,
                           reason=f"its runner process ended with code {code} before the run "
                           f"did; see {folder.file('runner.log')}")  # fmt: skip
+
+    # ------------------------------------------------------------------ pool hosts
+    def _start_pool(self, pool_id: str) -> None:
+        if pool_id in self.pools:
+            raise ValueError(f"pool {pool_id} already has its host process")
+        folder = PoolFolder(pools_root(self.root) / pool_id)
+        launch = json.loads(folder.file("launch.json").read_text())
+        log = os.open(folder.file("host.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            process = subprocess.Popen(
+                [launch["python"], "-m", launch["entry"], str(folder.path)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=launch["env"],
+                cwd=launch["cwd"] if os.path.isdir(launch["cwd"]) else str(folder.path),
+                start_new_session=True,
+            )
+        finally:
+            os.close(log)
+        self.pools[pool_id] = _Runner(pool_id, process)
+
+    def _stop_pool(self, pool_id: str) -> bool:
+        host = self.pools.get(pool_id)
+        if host is None:
+            return False
+        if host.stopping_since is None:
+            host.stopping_since = time.monotonic()
+            _signal(host.process, signal.SIGTERM)
+        return True
+
+    def _reap_pools(self) -> None:
+        for pool_id, host in list(self.pools.items()):
+            if host.process.poll() is None:
+                late = host.stopping_since is not None and host.step == 0
+                if late and time.monotonic() - host.stopping_since > _POOL_KILL_AFTER:
+                    host.step = 1
+                    _kill_group(host.process)
+                continue
+            if host.process.stdin is not None:
+                host.process.stdin.close()
+            del self.pools[pool_id]
+            folder = PoolFolder(pools_root(self.root) / pool_id)
+            if folder.path.exists():  # its host did not end it: say so here, then tidy up
+                log = folder.file("host.log")
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                print(f"nbaccel supervisor: pool {pool_id}'s host ended with code "
+                      f"{host.process.returncode}:\n{tail}", file=sys.stderr)  # fmt: skip
+                folder.remove()
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:

@@ -11,6 +11,7 @@ rebuilds the same mixed class.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -18,8 +19,6 @@ from nbaccel.launch.wire.errors import shown_message, unlabelled
 from nbaccel.launch.wire.exception_state import copy_as, exception_instance, slot_fields
 
 __all__ = ["as_child_failed"]
-
-_MIXED: dict[type, type] = {}
 
 
 def _rebuild(original: type, args: tuple, fields: dict[str, Any], state: dict[str, Any]) -> Any:
@@ -36,23 +35,21 @@ def _reduce(self: BaseException) -> tuple[Any, ...]:
     return _rebuild, (self._nbaccel_original_class, self.args, fields, dict(vars(self)))
 
 
+@functools.cache
 def _mixed_class(original: type) -> type:
+    """The subclass of ``original`` and ChildFailedError, made once per class."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    mixed = _MIXED.get(original)
-    if mixed is None:
-        namespace = {
-            "__module__": original.__module__,
-            "__qualname__": original.__qualname__,
-            "__doc__": original.__doc__,
-            "__reduce__": _reduce,
-            "__reduce_ex__": lambda self, protocol: _reduce(self),
-            "__str__": _str,
-            "_nbaccel_original_class": original,
-        }
-        mixed = type(original.__name__, (original, ChildFailedError), namespace)
-        _MIXED[original] = mixed
-    return mixed
+    namespace = {
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+        "__reduce__": _reduce,
+        "__reduce_ex__": lambda self, protocol: _reduce(self),
+        "__str__": _str,
+        "_nbaccel_original_class": original,
+    }
+    return type(original.__name__, (original, ChildFailedError), namespace)
 
 
 def as_child_failed(exc: BaseException, name: str, rank: int | None = None) -> BaseException:

@@ -7,7 +7,7 @@ Two limits are checked, each with the numbers and the fix in its error:
   ``RLIMIT_NPROC`` (``ulimit -u``; root is exempt);
 - memory: each rank costs at least :data:`RANK_FLOOR_BYTES` of private memory when it is
   forked from the fork server (page tables, stacks, the pages Python's reference counts
-  dirty: 4-20 MiB measured on a fresh rank), and a whole interpreter with torch imported when it
+  dirty), and a whole interpreter with torch imported when it
   is started fresh (``spawn``: the fork server's own resident size, measured when one runs).
   Available memory is the system's ``MemAvailable``, lowered by the tightest cgroup memory limit
   above this process (:func:`~nbaccel.distributed.host_memory.available_memory`).

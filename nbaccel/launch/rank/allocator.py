@@ -4,16 +4,16 @@ A training step frees what the next one allocates again: gradients (``zero_grad`
 optimizer's temporaries, activations. glibc gives a freed block at the top of its heap back to
 the system once more than a threshold is free there (128 KiB at first, raised as it sees large
 frees), and a block over its mmap threshold gets a mapping of its own, unmapped when freed. The
-next step then faults in every 4 KiB page it touches again. On a 2-rank CPU step of a small MLP
-(1.3 M parameters, AdamW) that was 2,000-3,000 page faults and 3-4 ms of a 16 ms step, or none,
-depending only on where the loop calls ``zero_grad``. Ranks forked from the fork server never
+next step then faults in every 4 KiB page it touches again: thousands of page faults per step
+of a small model, a good part of its time, or none, depending only on where the loop calls
+``zero_grad`` (figures: ``benchmarks/bench_training.py``). Ranks forked from the fork server never
 read the notebook's ``MALLOC_*_`` variables either: glibc reads them when a process starts.
 
 So each rank, before the user's code runs, sets (``mallopt``): blocks under 8 MiB come from the
 heap, and up to 32 MiB free at its top is kept for reuse. Larger blocks (an embedding table, its
 gradient) keep a mapping of their own, given back when freed as glibc does: a rank's unique
-memory after its first step stays what it was (a small Llama: 312 MiB, against 468 MiB with
-32 MiB / 128 MiB). Where the notebook's environment has
+memory after its first step stays what it was (``benchmarks/results/first_step_llama_uss.json``).
+Where the notebook's environment has
 its own ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_MMAP_MAX_``, those apply instead, as in a freshly started process. Nothing is set under
 ``NBACCEL_KEEP_FREED_MEMORY=0``, where ``GLIBC_TUNABLES`` tunes ``glibc.malloc``, where another

@@ -53,7 +53,7 @@ def capture() -> dict[str, Any]:
 def modules(state: dict[str, Any]) -> tuple[str, ...]:
     """The modules :func:`apply` imports for ``state`` beyond the engine's (torch): worth
     preloading in the fork server, or each rank imports them as it starts (``numpy.random``
-    is about 10 ms of a rank's start on 2 cores)."""
+    is a noticeable part of a rank's start on few cores)."""
     return ("numpy.random",) if "numpy" in state else ()
 
 

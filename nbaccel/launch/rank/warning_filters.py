@@ -3,7 +3,7 @@
 A filter holds its warning category, a class; unpickling it in a rank imports the class's
 module. A kernel's filters name IPython's own (``IPython.core.completer``'s provisional
 completer warning), so every rank of every launch imported IPython, traitlets and pygments as it
-started (an 8-rank no-op launch from a kernel took 0.28-0.37 s instead of 0.06 s on 2 cores).
+started, several times the cost of a no-op launch (``benchmarks/bench_launcher.py``).
 Filters travel as names instead. A category whose module the rank has already imported is the
 class itself; any other stands in as a placeholder that matches once its module is imported,
 never importing it: a warning of that category cannot be raised before its module is imported.

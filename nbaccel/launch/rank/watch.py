@@ -4,8 +4,8 @@ while calls run (a notebook's memory sampler).
 A rank's main thread reads its calls itself (see :mod:`nbaccel.launch.rank.worker`), so this thread
 sleeps in ``poll`` on the driver's connection without asking to read: messages do not wake it,
 a hang-up does, even while a call runs. Duties are registered with :func:`every`; one thread
-serves them all (a thread costs a forked rank about 0.5 ms to start, mostly page faults on the
-thread-local storage of torch's libraries). Between calls it looks every ``_LOOK`` seconds while
+serves them all (a thread costs a forked rank page faults on the thread-local storage of
+torch's libraries as it starts). Between calls it looks every ``_LOOK`` seconds while
 calls come in quick succession (a call's start then wakes no thread), and sleeps once none came
 for ``_SLEEP_AFTER`` seconds (an idle pool's ranks wake for nothing); a call's start wakes it
 only then. Without duties it only waits for the hang-up.

@@ -445,7 +445,7 @@ class RankLoop:
         torch-xla's runtime (rank 0 hosts its coordination service), or shared files of a result the
         driver has not mapped yet. A rank holding none of these exits as soon as it has reported, as
         a process of ``torch.multiprocessing`` does: its exit then overlaps the slower ranks' work
-        instead of following it (an 8-rank launch on 2 cores ends about 15% sooner).
+        instead of following it (a launch of many ranks on few cores ends sooner).
         """
         if self._result_files or "torch_xla" in sys.modules:
             return True

@@ -304,17 +304,35 @@ def _collect(process: AgentProcess) -> None:
     stream.close()
 
 
-_fleets: dict[str, WarmAgents] = {}
-_fleets_lock = threading.Lock()
+class _Fleets:
+    """This kernel's agents, one :class:`WarmAgents` per address they connect back to."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_address: dict[str, WarmAgents] = {}
+
+    def at(self, address: str) -> WarmAgents:
+        with self._lock:
+            fleet = self._by_address.get(address)
+            if fleet is None:
+                fleet = self._by_address[address] = WarmAgents(address)
+            return fleet
+
+    def all(self, forget: bool = False) -> list[WarmAgents]:
+        """Every fleet now (``forget``: and let them go)."""
+        with self._lock:
+            fleets = list(self._by_address.values())
+            if forget:
+                self._by_address.clear()
+            return fleets
+
+
+_fleets = _Fleets()
 
 
 def warm_agents(address: str) -> WarmAgents:
     """This kernel's agents that connect back to ``address`` (made on first use)."""
-    with _fleets_lock:
-        fleet = _fleets.get(address)
-        if fleet is None:
-            fleet = _fleets[address] = WarmAgents(address)
-        return fleet
+    return _fleets.at(address)
 
 
 def kernel_mirror(setting: PreloadSetting) -> list[str]:
@@ -335,8 +353,7 @@ def mirror_to_agents(setting: PreloadSetting | None = None) -> None:
     setting = setting or preload_setting()
     if not setting.mirrors():
         return
-    with _fleets_lock:
-        fleets = list(_fleets.values())
+    fleets = _fleets.all()
     scan = (len(sys.modules), setting.exclude, len(refused_modules()))
     for fleet in fleets:
         fleet.mirror(scan, lambda: kernel_mirror(setting))
@@ -344,17 +361,14 @@ def mirror_to_agents(setting: PreloadSetting | None = None) -> None:
 
 def live_agents() -> list[AgentHandle]:
     """Every agent of this kernel that is alive now, on any host."""
-    with _fleets_lock:
-        fleets = list(_fleets.values())
+    fleets = _fleets.all()
     return [handle for fleet in fleets for handle in fleet.live()]
 
 
 def shutdown_agents() -> None:
     """End every agent of this kernel (their ranks with them); the next launch starts new ones.
     Runs at the kernel's exit."""
-    with _fleets_lock:
-        fleets = list(_fleets.values())
-        _fleets.clear()
+    fleets = _fleets.all(forget=True)
     for fleet in fleets:
         fleet.close()
 

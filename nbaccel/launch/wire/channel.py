@@ -23,6 +23,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -221,7 +222,22 @@ class Address:
         return self.family == "unix" and not self.relayed
 
 
-_swept_roots: set[str] = set()  # temp folders this process has swept already
+class _Sweeps:
+    """The temp folders this process has swept of stale private folders already."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._roots: set[str] = set()
+
+    def first(self, root: str) -> bool:
+        """True the first time ``root`` is asked for (it is then noted as swept)."""
+        with self._lock:
+            new = root not in self._roots
+            self._roots.add(root)
+            return new
+
+
+_sweeps = _Sweeps()
 _PRIVATE_DIR = re.compile(r"^nbaccel-(\d+)-")
 #: longest temp folder that leaves room for ``/nbaccel-<pid>-<random>/channel`` in a socket path
 _LONGEST_ROOT = 64
@@ -236,8 +252,7 @@ def _private_dir() -> str:
     root = tempfile.gettempdir()
     if len(root) > _LONGEST_ROOT and os.path.isdir("/tmp"):
         root = "/tmp"  # a Unix socket path must fit in ~104 bytes
-    if root not in _swept_roots:
-        _swept_roots.add(root)
+    if _sweeps.first(root):
         _sweep_stale_dirs(root)
     return tempfile.mkdtemp(prefix=f"nbaccel-{os.getpid()}-", dir=root)  # 0700
 

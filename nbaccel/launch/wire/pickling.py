@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 import types
 from collections import ChainMap
 from enum import Enum
@@ -80,10 +81,31 @@ def dumps(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:
 
 #: types the C pickler saves exactly as cloudpickle would: builtins, and classes registered with
 #: :func:`plain_class` (importable nbaccel classes: the protocol's words, a packed payload)
-_ATOMS: set[type] = {type(None), bool, int, float, complex, str, bytes}
-_PLAIN_INSTANCES: set[type] = set()
-_WORDS: set[type] = set()  # str enums (the protocol's words): a message's tag travels as its value
-_PLAIN_FUNCTIONS: set[types.FunctionType] = set()
+class _PlainKinds:
+    """What the C pickler saves as cloudpickle would: ``atoms`` (builtins, enums and classes
+    registered whole), ``instances`` (classes whose instances are plain when their attributes
+    are), ``words`` (str enums: a message's tag travels as its value) and ``functions``
+    (module-level functions sent by name). Registered at import; read on every message."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.atoms: set[type] = {type(None), bool, int, float, complex, str, bytes}
+        self.instances: set[type] = set()
+        self.words: set[type] = set()
+        self.functions: set[types.FunctionType] = set()
+
+    def add_class(self, cls: type, whole: bool) -> None:
+        with self._lock:
+            (self.atoms if whole or issubclass(cls, Enum) else self.instances).add(cls)
+            if issubclass(cls, Enum) and issubclass(cls, str):
+                self.words.add(cls)
+
+    def add_function(self, function: types.FunctionType) -> None:
+        with self._lock:
+            self.functions.add(function)
+
+
+_KINDS = _PlainKinds()
 
 
 def plain_class(cls: type | None = None, *, whole: bool = False) -> Any:
@@ -95,9 +117,7 @@ def plain_class(cls: type | None = None, *, whole: bool = False) -> Any:
     inside it: one message costs a few checks, not one per attribute."""
 
     def register(cls: type) -> type:
-        (_ATOMS if whole or issubclass(cls, Enum) else _PLAIN_INSTANCES).add(cls)
-        if issubclass(cls, Enum) and issubclass(cls, str):
-            _WORDS.add(cls)
+        _KINDS.add_class(cls, whole)
         return cls
 
     return register if cls is None else register(cls)
@@ -109,22 +129,22 @@ def plain_function(function: types.FunctionType) -> types.FunctionType:
     with plain arguments is packed without cloudpickle's per-object Python hooks."""
     if function.__module__ == "__main__" or "<" in function.__qualname__:
         raise ValueError(f"{function.__qualname__} cannot be pickled by name: not module-level")
-    _PLAIN_FUNCTIONS.add(function)
+    _KINDS.add_function(function)
     return function
 
 
 def _plain(obj: Any) -> bool:
-    """True when ``obj`` is built of builtins and registered classes only (see ``_ATOMS``)."""
+    """True when ``obj`` is built of builtins and registered classes only (``_PlainKinds``)."""
     kind = type(obj)
-    if kind in _ATOMS:
+    if kind in _KINDS.atoms:
         return True
     if kind is tuple or kind is list:
         return all(map(_plain, obj))
     if kind is dict:
         return all(map(_plain, obj)) and all(map(_plain, obj.values()))
-    if kind in _PLAIN_INSTANCES:
+    if kind in _KINDS.instances:
         return all(map(_plain, vars(obj).values()))
-    return kind is types.FunctionType and obj in _PLAIN_FUNCTIONS
+    return kind is types.FunctionType and obj in _KINDS.functions
 
 
 def dumps_message(obj: Any) -> bytes:
@@ -136,7 +156,7 @@ def dumps_message(obj: Any) -> bytes:
     plain value, which the receiver compares with the members (equal, same hash): loading a
     member by name looks up its module and class, several times the cost of the whole message
     on a core that idled (a cell's call and outcome on each rank)."""
-    if type(obj) is tuple and obj and type(obj[0]) in _WORDS:
+    if type(obj) is tuple and obj and type(obj[0]) in _KINDS.words:
         obj = (str(obj[0]), *obj[1:])
     if is_plain(obj):
         return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)

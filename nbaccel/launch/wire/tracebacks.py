@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import threading
 from typing import Any
 
 __all__ = [
@@ -31,9 +32,27 @@ __all__ = [
 _PACKAGE = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # .../nbaccel
+
+
 #: nbaccel's own files as path pieces that match any host's copy of the package: trimmed from
 #: a rank's tracebacks (here, on the rank) and its stack dumps (``stack_dumps``, in the notebook)
-_INTERNAL: list[str] = ["/nbaccel/launch/"]
+class _InternalPaths:
+    """Path pieces of the frames trimmed from a rank's tracebacks: the engine's, and those
+    :func:`hide_frames_of` adds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pieces: tuple[str, ...] = ("/nbaccel/launch/",)
+
+    def add(self, piece: str) -> None:
+        with self._lock:
+            self._pieces = (*self._pieces, piece)
+
+    def match(self, path: str) -> bool:
+        return any(piece in path for piece in self._pieces)
+
+
+_INTERNAL = _InternalPaths()
 
 # Characters of a rank's exception message the notebook shows (as many as of one output line).
 MESSAGE_SHOWN_CHARS = 10_000
@@ -63,16 +82,16 @@ def hide_frames_of(path: str) -> None:
     full = os.path.abspath(path)
     inside = os.path.relpath(full, _PACKAGE)
     if inside.startswith(".."):  # not nbaccel's: this host's path
-        _INTERNAL.append(full.replace(os.sep, "/"))
+        _INTERNAL.add(full.replace(os.sep, "/"))
     else:
         folder = "/" if os.path.isdir(full) else ""
-        _INTERNAL.append("/nbaccel/" + inside.replace(os.sep, "/") + folder)
+        _INTERNAL.add("/nbaccel/" + inside.replace(os.sep, "/") + folder)
 
 
 def internal_frame(filename: str) -> bool:
     """``filename`` (a frame's, on any host) is one of nbaccel's own files."""
     path = filename.replace("\\", "/")
-    return any(piece in path for piece in _INTERNAL)
+    return _INTERNAL.match(path)
 
 
 def user_frames(tb: Any) -> list[tuple[str, int, str, str | None]]:

@@ -31,6 +31,7 @@ import pickle
 import re
 import secrets
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +66,35 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 _SEGMENT_NAME = re.compile(r"nbaccel-(\d+)-[0-9a-f]{16}(\.new)?")
 
 
-# objects forked ranks inherit from the driver instead of unpickling them: id -> object
-_INHERITED: dict[int, Any] = {}
+class _InheritedObjects:
+    """Objects forked ranks inherit from the driver instead of unpickling them, by id: held
+    while a packed call refers to them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[int, Any] = {}
+
+    def keep(self, obj: Any) -> int:
+        with self._lock:
+            self._by_id[id(obj)] = obj
+        return id(obj)
+
+    def forget(self, key: int) -> None:
+        with self._lock:
+            self._by_id.pop(key, None)
+
+    def get(self, key: int) -> Any:
+        """The object of ``key``; UnpicklingError when this process does not hold it."""
+        with self._lock:
+            if key not in self._by_id:
+                raise pickle.UnpicklingError(
+                    "an inherited multiprocessing object is missing: this process was not "
+                    "forked from the one that packed it."
+                )
+            return self._by_id[key]
+
+
+_INHERITED = _InheritedObjects()
 
 
 @dataclass
@@ -106,7 +134,7 @@ class Packed:
     def forget_inherited(self) -> None:
         """Drop the driver's references to the objects the forked ranks inherited."""
         for key in self.inherited:
-            _INHERITED.pop(key, None)
+            _INHERITED.forget(key)
         self.inherited = []
 
 
@@ -251,8 +279,7 @@ class _Pickler(Pickler):
         if isinstance(obj, self._inheritance_only):
             if not self._inherit:
                 raise InheritanceOnly(obj)
-            _INHERITED[id(obj)] = obj
-            self.inherited.append(id(obj))
+            self.inherited.append(_INHERITED.keep(obj))
             return ("nbaccel-inherited", id(obj))
         if (
             self._share
@@ -316,12 +343,7 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         tag, index = pid
         if tag == "nbaccel-inherited":
-            if index not in _INHERITED:
-                raise pickle.UnpicklingError(
-                    "an inherited multiprocessing object is missing: this process was not "
-                    "forked from the one that packed it."
-                )
-            return _INHERITED[index]
+            return _INHERITED.get(index)
         if tag != "nbaccel-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         return self._tensors[index]

@@ -61,16 +61,19 @@ class Run(DetachedRun):
 class RunList(list):
     """The runs of :func:`runs`: a list of ``RunInfo``, shown as a table."""
 
+    empty = "no detached runs"  # what an empty list says
+    narrow = "last line"  # the column cut to 60 characters
+
     def _rows(self) -> list[dict[str, str]]:
         return [info.row() for info in self]
 
     def __repr__(self) -> str:
         rows = self._rows()
         if not rows:
-            return "no detached runs"
+            return self.empty
         columns = list(rows[0])
         widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
-        widths["last line"] = min(widths["last line"], 60)
+        widths[self.narrow] = min(widths[self.narrow], 60)
         lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
         lines += ["  ".join(r[c][: widths[c]].ljust(widths[c]) for c in columns) for r in rows]
         return "\n".join(lines)
@@ -78,7 +81,7 @@ class RunList(list):
     def _repr_html_(self) -> str:
         rows = self._rows()
         if not rows:
-            return "<i>no detached runs</i>"
+            return f"<i>{html.escape(self.empty)}</i>"
         head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r.values()) + "</tr>"

@@ -135,14 +135,14 @@ def launch_request(
                 "the launching process's runtime): leave detach out on a TPU host."
             )
         # checked here, before anything starts (the run's own process plans it again)
-        plan = LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment())
+        plan = LaunchPlan.create(Front.LAUNCHER, request)
         return start_detached(function, args, request, hooks, WORKER_PRELOAD, plan.num_processes)
     renderer = renderer or choose_renderer()
     if xla:
         return launch_xla(function, args, request, renderer=renderer, setup=hooks)
     try:
         report = run_function(
-            LaunchPlan.create(Front.LAUNCHER, request, extra_env=request.rank_environment()),
+            LaunchPlan.create(Front.LAUNCHER, request),
             function,
             args,
             renderer=renderer,

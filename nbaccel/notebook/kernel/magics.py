@@ -28,6 +28,7 @@ from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, add_note
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.cell_renderer import CellRenderer, status_bundle
+from nbaccel.notebook.kernel.detached_pool import pools
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
 from nbaccel.notebook.preload import POOL_PRELOAD
 from nbaccel.values.booleans import parse_bool
@@ -58,7 +59,7 @@ def _bad_input_is_usage() -> Iterator[None]:
 @magics_class
 class DistributedMagics(Magics):
     """``%%distributed``, ``%dist_push``, ``%dist_pull``, ``%dist_status``, ``%dist_restart``,
-    ``%dist_shutdown``, ``%dist_mode`` and ``%%local``."""
+    ``%dist_shutdown``, ``%dist_attach``, ``%dist_mode`` and ``%%local``."""
 
     auto = False
 
@@ -284,14 +285,41 @@ class DistributedMagics(Magics):
         """The pool's ranks: pid, device, memory, busy/idle and uptime."""
         if self._parse(self.dist_status, line) is None:
             return
+        from IPython.display import display
+
         pool = pool_module.get_pool()
         if pool is None:
             print("No pool is running.")
-            return
-        from IPython.display import display
+        else:
+            header = f"Pool of {pool.describe()}"
+            display(status_bundle(pool.status(), header), raw=True)
+        found = pools()
+        if found:
+            print("Detached pools of this user:")
+            display(found)
 
-        header = f"Pool of {pool.describe()}"
-        display(status_bundle(pool.status(), header), raw=True)
+    @magic_arguments()
+    @argument("pool_id", nargs="?", metavar="ID", help="the pool (default: the newest).")
+    @argument("--takeover", action="store_true", help="take it from the kernel that holds it.")
+    @argument("-h", "--help", action="store_true", help="show this help.")
+    @line_magic
+    def dist_attach(self, line: str) -> None:
+        """Make a detached pool (%%distributed --detach) this kernel's pool, names intact."""
+        args = self._parse(self.dist_attach, line)
+        if args is None:
+            return
+        try:
+            pool = pool_module.attach_pool(args.pool_id, args.takeover)
+        except (ValueError, RuntimeError) as exc:
+            raise UsageError(str(exc)) from None
+        info, welcome = pool.info(), pool.welcome
+        last = f"; last cell: {info.last_cell}" if info.last_cell else ""
+        print(f"Attached to the detached pool {pool.id}: {pool.describe()}{last}.")
+        taken = welcome.get("taken_from")
+        if taken:
+            print(f"[nbaccel] took it over from kernel pid {taken.get('pid')}.", file=sys.stderr)
+        if welcome.get("lost"):
+            print(f"[nbaccel] {welcome['lost']}", file=sys.stderr)
 
     @magic_arguments()
     @argument("-h", "--help", action="store_true", help="show this help.")
@@ -312,7 +340,7 @@ class DistributedMagics(Magics):
     @argument("-h", "--help", action="store_true", help="show this help.")
     @line_magic
     def dist_shutdown(self, line: str) -> None:
-        """Stop the pool's worker processes."""
+        """Stop the pool's worker processes (a detached pool attached here ends too)."""
         if self._parse(self.dist_shutdown, line) is None:
             return
         print("Pool shut down." if pool_module.shutdown_pool() else "No pool is running.")
@@ -391,7 +419,7 @@ def load_ipython_extension(ipython: Any) -> None:
     if auto_mode_transform not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(auto_mode_transform)
     if not _extension.atexit_registered:
-        atexit.register(pool_module.shutdown_pool)
+        atexit.register(pool_module.release_pool)  # a detached pool goes on
         _extension.atexit_registered = True
     try:
         warm_up(POOL_PRELOAD)  # the fork server imports torch while the user types
@@ -400,8 +428,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext nbaccel``: stop the pool, leave auto mode."""
+    """``%unload_ext nbaccel``: stop the pool (let go of a detached one), leave auto mode."""
     DistributedMagics.auto = False
     if auto_mode_transform in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(auto_mode_transform)
-    pool_module.shutdown_pool()
+    pool_module.release_pool()

@@ -26,17 +26,29 @@ from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.host.ports import free_port
 from nbaccel.launch.host.processes import describe_exit
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.registry import make_launcher
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.spec import Mode
 from nbaccel.notebook.kernel import pool_status, pool_values
 from nbaccel.notebook.kernel.cell_renderer import CellRenderer
 from nbaccel.notebook.kernel.deferred_interrupt import DeferredInterrupt
+from nbaccel.notebook.kernel.detached_pool import (
+    DetachedPool,
+    attach_detached_pool,
+    start_detached_pool,
+)
 from nbaccel.notebook.preload import POOL_PRELOAD
 from nbaccel.notebook.rank import pool_worker
 from nbaccel.notebook.rank.instrumentation import worker_setup
 
-__all__ = ["Pool", "PoolChangedError", "get_pool", "shutdown_pool", "start_pool"]
+__all__ = [
+    "Pool",
+    "PoolChangedError",
+    "attach_pool",
+    "get_pool",
+    "release_pool",
+    "shutdown_pool",
+    "start_pool",
+]
 
 _MPL_BACKEND = "module://nbaccel.notebook.rank.mpl_backend"
 # the options that say where a pool's ranks run (its hosts and how their agents start)
@@ -122,6 +134,7 @@ class Pool:
             and request.backend in (None, self.backend, self.effective_backend)
             and request.remote in (None, self.request.remote)  # as asked (Ray: before placing)
             and (self.cpu or not request.cpu)
+            and not request.detach  # a detached pool is another pool: the supervisor's
         )
 
     def keeping(self, request: LaunchRequest) -> LaunchRequest:
@@ -153,7 +166,7 @@ class Pool:
             n,
             lambda index: plan.rank_env(index, port),
             self._wrap(renderer),
-            make_launcher(plan.kind, preload=POOL_PRELOAD, **plan.launcher_options()),
+            plan.make_launcher(POOL_PRELOAD),
             mode=Mode.SERVE,
             setup=[
                 *worker_setup(memory=True),
@@ -201,6 +214,10 @@ class Pool:
         with self._lock:
             self._take_over("shut down")
             self._close_group()
+
+    def release(self) -> None:
+        """What this kernel's end does to its pool: :meth:`shutdown` (a detached one lets go)."""
+        self.shutdown()
 
     def restart(self, renderer: Renderer | None = None, reason: str = "") -> None:
         """Stop the ranks and start fresh ones; names defined on the workers are lost."""
@@ -364,29 +381,33 @@ class Pool:
 
 
 class _Registry:
-    """The kernel's one pool, and the lock that guards starting and stopping it (start_pool /
-    shutdown_pool from several threads)."""
+    """The kernel's one pool (its own, or a detached one it is attached to), and the lock that
+    guards starting and stopping it (start_pool / shutdown_pool from several threads)."""
 
     def __init__(self) -> None:
-        self.pool: Pool | None = None
+        self.pool: Pool | DetachedPool | None = None
         self.lock = threading.RLock()
 
 
 _registry = _Registry()
 
 
-def get_pool() -> Pool | None:
-    """The pool started by ``%%distributed`` or :func:`start_pool`, or None."""
+def get_pool() -> Pool | DetachedPool | None:
+    """The pool started by ``%%distributed`` or :func:`start_pool` (or attached with
+    :func:`attach_pool`), or None."""
     pool = _registry.pool
     return pool if pool is not None and pool.running else None
 
 
 def start_pool(
     request: LaunchRequest | None = None, renderer: Renderer | None = None, **options: Any
-) -> Pool:
+) -> Pool | DetachedPool:
     """The running pool when it can serve ``request`` (:meth:`Pool.serves`), else a new one
     (the old one is shut down, with a notice on ``renderer``). What the request leaves out
     keeps the running pool's value (:meth:`Pool.keeping`), else takes the plan's default.
+    ``detach=True`` starts a pool under this user's supervisor, which outlives the kernel
+    (:mod:`~nbaccel.notebook.kernel.detached_pool`); an attached detached pool is never
+    replaced by a cell that asks for another one (it is refused, naming the fix).
 
     Without a request, ``options`` are its keywords: ``start_pool(num_processes=2)``.
     """
@@ -400,8 +421,24 @@ def start_pool(
             if renderer is not None:
                 renderer.start("", current.num_processes)
             return current
+        if isinstance(current, DetachedPool):
+            raise ValueError(
+                f"this kernel is attached to the detached pool {current.id} "
+                f"({current.num_processes} ranks, backend {current.backend or 'default'}), "
+                "which this cell's options do not fit: leave them out to run on it, or end it "
+                "first with %dist_shutdown (its names are lost)."
+            )
         if current is not None:  # what is not asked for stays as it is
             request = current.keeping(request)
+        if request.detach:
+            if current is not None:
+                if renderer is not None:
+                    renderer.notice("stopping this kernel's pool for a detached one; names "
+                                    "defined on its ranks are lost.")  # fmt: skip
+                current.shutdown()
+            _registry.pool = None
+            _registry.pool = start_detached_pool(request, renderer)
+            return _registry.pool
         pool = Pool(request)
         if current is not None:  # the new settings are valid: only now stop the running pool
             if renderer is not None:
@@ -414,7 +451,7 @@ def start_pool(
                 )
             current.shutdown()
         if renderer is not None:
-            where = make_launcher(pool.plan.kind, **pool.plan.launcher_options()).describe()
+            where = pool.plan.make_launcher().describe()
             renderer.start(pool.plan.announcement(where), pool.num_processes)
         pool.start(renderer)
         _registry.pool = pool
@@ -422,10 +459,40 @@ def start_pool(
 
 
 def shutdown_pool() -> bool:
-    """Stop the pool; False when none was running."""
+    """Stop the pool (a detached one too: it ends); False when none was running."""
     with _registry.lock:
         pool, _registry.pool = _registry.pool, None
         if pool is None or not pool.running:
             return False
         pool.shutdown()
         return True
+
+
+def release_pool() -> None:
+    """What the kernel's end does: stop its own pool, let go of a detached one (which waits
+    for the next attach)."""
+    with _registry.lock:
+        pool, _registry.pool = _registry.pool, None
+        if pool is not None:
+            pool.release()
+
+
+def attach_pool(pool_id: str | None = None, takeover: bool = False) -> DetachedPool:
+    """Make the detached pool ``pool_id`` (default: the newest) this kernel's pool, names
+    intact. Refused, saying why, when this kernel runs a pool of its own, when another kernel
+    holds the pool (``takeover=True`` takes it), for an unknown id (naming the pools), or when
+    the pool runs other nbaccel/torch versions."""
+    with _registry.lock:
+        current = get_pool()
+        if isinstance(current, Pool):
+            raise ValueError(
+                f"this kernel runs its own pool ({current.num_processes} ranks): end it with "
+                "%dist_shutdown first (its names are lost), or attach from another kernel."
+            )
+        if current is not None and (pool_id is None or current.id.startswith(pool_id)):
+            return current
+        pool = attach_detached_pool(pool_id, takeover)
+        if current is not None:
+            current.release()
+        _registry.pool = pool
+        return pool

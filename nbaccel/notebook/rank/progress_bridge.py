@@ -226,7 +226,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Bridges tqdm front ends imported later (``tqdm.notebook`` costs 0.4 s, so not eagerly)."""
+    """Bridges tqdm front ends imported later (``tqdm.notebook``'s import is slow: never
+    eagerly)."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name not in _CLASSES:

@@ -19,6 +19,7 @@ and the device loader in :mod:`nbaccel.data.xla_loader`; both are re-exported he
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -52,8 +53,27 @@ __all__ = [
 ]
 
 
-# ids of parameters whose gradients reduce_gradients already averaged for the coming step
-_REDUCED: set[int] = set()
+class _ReducedGradients:
+    """The parameters whose gradients :func:`reduce_gradients` already averaged for the coming
+    step (by id), taken by the step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[int] = set()
+
+    def note(self, parameters: Any) -> None:
+        with self._lock:
+            self._ids.update(id(p) for p in parameters if p.grad is not None)
+
+    def take(self, params: list[Any]) -> bool:
+        """All of ``params`` were reduced already; forget every note (the step takes them)."""
+        with self._lock:
+            already = bool(params) and all(id(p) in self._ids for p in params)
+            self._ids.clear()
+            return already
+
+
+_reduced = _ReducedGradients()
 
 
 def _world_size() -> int:
@@ -72,7 +92,7 @@ def reduce_gradients(parameters: Any) -> None:
     grads = [p.grad for p in parameters if p.grad is not None]
     if grads and _world_size() > 1:
         xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / _world_size())
-    _REDUCED.update(id(p) for p in parameters if p.grad is not None)
+    _reduced.note(parameters)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
@@ -80,8 +100,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any
     import torch_xla.core.xla_model as xm
 
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    already = bool(params) and all(id(p) in _REDUCED for p in params)
-    _REDUCED.clear()
+    already = _reduced.take(params)
     if already:
         result = optimizer.step(closure) if closure is not None else optimizer.step()
     else:

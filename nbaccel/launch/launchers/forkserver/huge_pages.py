@@ -1,12 +1,12 @@
 """Make the fork server cheap to fork: its writable memory in transparent huge pages.
 
-After ``import torch`` the server holds ~150 MB of private anonymous memory (the C heap and
-Python's arenas), about 40,000 pages of 4 KiB. ``fork`` copies one page-table entry per page,
-and every forked rank's exit drops them again: about 3 ms per fork and 6 ms per exit here, paid
-once per rank and launch, on 2 cores the larger part of an 8-rank launch. Collapsed into 2 MiB
-pages (Linux's ``MADV_COLLAPSE``, kernel 6.1+), the same memory is ~75 entries: fork ~1.7 ms,
-exit ~2.6 ms. A rank that writes to a huge page gets its own 4 KiB copy, as before (the kernel
-splits the mapping), so nothing changes for the ranks but the cost.
+After ``import torch`` the server holds a large private anonymous memory (the C heap and
+Python's arenas) in 4 KiB pages. ``fork`` copies one page-table entry per page, and every forked
+rank's exit drops them again, once per rank and launch: on few cores, a large part of a launch of
+many ranks. Collapsed into 2 MiB pages (Linux's ``MADV_COLLAPSE``, kernel 6.1+), the same memory
+is 512 times fewer entries, and forks and exits cost less (launch times:
+``benchmarks/bench_launcher.py``). A rank that writes to a huge page gets its own 4 KiB copy, as
+before (the kernel splits the mapping), so nothing changes for the ranks but the cost.
 
 Best effort: elsewhere than Linux, on older kernels, or without memory for huge pages nothing
 happens. ``NBACCEL_HUGE_PAGES=0`` (or ``false``, ``off``) turns it off.

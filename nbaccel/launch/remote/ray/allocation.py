@@ -75,11 +75,11 @@ class Allocation:
     def release(self) -> None:
         """Kill the keepers (their agents and ranks end with them); remove the placement
         group."""
-        with _lock:
+        with _kernel.lock:
             if self.released:
                 return
             self.released = True
-            _allocations.pop(self.id, None)
+            _kernel.by_id.pop(self.id, None)
             if self.timer is not None:
                 self.timer.cancel()
         if not self.ray.is_initialized():
@@ -91,14 +91,21 @@ class Allocation:
             self.ray.util.remove_placement_group(self.group)
 
 
-_allocations: dict[str, Allocation] = {}
-_lock = threading.RLock()
+class _KernelAllocations:
+    """This kernel's allocations by id (warm or leased), with the lock every change takes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.by_id: dict[str, Allocation] = {}
+
+
+_kernel = _KernelAllocations()
 
 
 def find(allocation_id: str | None) -> Allocation | None:
     """The allocation of this id, unless released."""
-    with _lock:
-        return _allocations.get(allocation_id or "")
+    with _kernel.lock:
+        return _kernel.by_id.get(allocation_id or "")
 
 
 def _key(address: str, count: int, options: RayOptions) -> Hashable:
@@ -111,8 +118,8 @@ def lease(options: RayOptions, count: int, pool: bool) -> Allocation:
     (the cluster cannot hold them) or RuntimeError (it could not place them now)."""
     ray = connect(options.address)
     key = _key(cluster_address(ray), count, options)
-    with _lock:
-        idle = [a for a in _allocations.values() if not a.leased and not a.released]
+    with _kernel.lock:
+        idle = [a for a in _kernel.by_id.values() if not a.leased and not a.released]
         match = next((a for a in idle if a.key == key and not a.broken), None)
         if match is not None:
             match.leased = True
@@ -234,8 +241,8 @@ def _place(ray: Any, key: Hashable, options: RayOptions, count: int, pool: bool)
         pool=pool,
         keep_warm=options.keep_warm,
     )
-    with _lock:
-        _allocations[allocation.id] = allocation
+    with _kernel.lock:
+        _kernel.by_id[allocation.id] = allocation
     return allocation
 
 
@@ -281,7 +288,7 @@ def give_back(allocation: Allocation, broken: str = "") -> None:
     if allocation.broken or allocation.pool or allocation.keep_warm <= 0:
         allocation.release()
         return
-    with _lock:
+    with _kernel.lock:
         if allocation.released:
             return
         allocation.leased = False
@@ -292,7 +299,7 @@ def give_back(allocation: Allocation, broken: str = "") -> None:
 
 
 def _expire(allocation: Allocation) -> None:
-    with _lock:
+    with _kernel.lock:
         if allocation.leased or allocation.released:
             return
     allocation.release()
@@ -301,17 +308,11 @@ def _expire(allocation: Allocation) -> None:
 def release_all() -> int:
     """Remove every allocation of this kernel (warm or not); how many there were. Runs at the
     kernel's exit."""
-    with _lock:
-        allocations = list(_allocations.values())
+    with _kernel.lock:
+        allocations = list(_kernel.by_id.values())
     for allocation in allocations:
         allocation.release()
     return len(allocations)
-
-
-def warm_count() -> int:
-    """Allocations kept warm now (none leased)."""
-    with _lock:
-        return sum(1 for a in _allocations.values() if not a.leased)
 
 
 atexit.register(release_all)

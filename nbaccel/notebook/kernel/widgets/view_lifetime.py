@@ -12,6 +12,7 @@ its widgets.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from typing import Any, Protocol
 
@@ -26,7 +27,24 @@ class FreezableView(Protocol):
         """Replace the live view by its static snapshot and close its widgets."""
 
 
-_live: deque[FreezableView] = deque()
+class _LiveViews:
+    """The finished views of this kernel still interactive, oldest first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._views: deque[FreezableView] = deque()
+
+    def add(self, view: FreezableView, limit: int) -> list[FreezableView]:
+        """Keep ``view``; the views pushed past ``limit`` (to freeze)."""
+        with self._lock:
+            self._views.append(view)
+            return [self._views.popleft() for _ in range(len(self._views) - limit)]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+_live = _LiveViews()
 
 
 def _limit() -> int:
@@ -55,9 +73,8 @@ def close_widgets(ids: set[str]) -> None:
 
 def finished(view: FreezableView) -> None:
     """``view`` has finished: keep it interactive for now, freeze the ones past the limit."""
-    _live.append(view)
-    while len(_live) > _limit():
-        _live.popleft().freeze()
+    for old in _live.add(view, _limit()):
+        old.freeze()
 
 
 def live_views() -> int:

@@ -193,8 +193,3 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labels[:, 1:].reshape(-1),
         ignore_index=-100,
     )
-
-
-def stage_of(model: Any) -> Any:
-    """The :class:`DecoderStage` inside a prepared pipeline model (or ``model`` itself)."""
-    return getattr(model, "stage_module", model)
