@@ -68,6 +68,8 @@ class Lane:
 #: where CI keeps DeepSpeed's JIT builds between runs on one machine (torch's own default is
 #: ~/.cache/torch_extensions; a fresh clone's .torch-extensions/ would build them every run)
 CI_EXTENSIONS = os.path.expanduser("~/.cache/nbaccel-torch-extensions")
+#: the extras lane's venvs, one per extra (made once per machine; nbaccel reinstalled each run)
+CI_EXTRAS_DIR = os.path.expanduser("~/.cache/nbaccel-extras")
 #: and the torch-xla lane's venv (torch 2.9 with its CUDA libraries: a few GB to download)
 CI_XLA_VENV = os.path.expanduser("~/.cache/nbaccel-xla-venv")
 
@@ -100,6 +102,12 @@ LANES = [
         ),
     ),
     Lane("gpu", "tests marked gpu + offload benchmark", _no_gpu, ci_limit_s=300),
+    Lane(
+        "extras",
+        "each extra in a venv holding only nbaccel[<extra>], with its smoke check",
+        ci_env={"NBACCEL_EXTRAS_DIR": CI_EXTRAS_DIR},
+        ci_limit_s=2400,
+    ),
 ]
 
 
