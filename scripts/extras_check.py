@@ -108,7 +108,7 @@ def _zero1_step() -> tuple[int, int, float]:
     optimizer.step()
     optimizer.zero_grad()
     moved = any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
-    return model.zero_optimization_stage(), int(moved), float(loss)
+    return model.zero_optimization_stage(), int(moved), float(loss.detach())
 
 
 def check_deepspeed() -> None:
