@@ -143,7 +143,7 @@ class PartialState:
     def _setup(self, cpu: bool, kwargs: dict[str, Any]) -> None:
         launch = detect_launch_environment()
         self.launch_environment = launch
-        self.device = _pick_device(cpu or bool(env_flag("NBACCEL_CPU")), launch)
+        self.device = _pick_device(cpu or bool(env_flag("ACCELERATE_USE_CPU")), launch)
         self.backend = kwargs.pop("backend", None) or _default_backend(self.device)
         timeout = kwargs.pop("timeout", None)
         if self.device.type == "xla":
@@ -371,7 +371,7 @@ class AcceleratorState(PartialState):
                 self._use_deepspeed_plugins(deepspeed_plugin)
             return
         self.__dict__.update(partial.__dict__)
-        chosen = mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION") or "no"
+        chosen = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
         chosen = str(chosen).lower()
         if chosen not in MIXED_PRECISION_CHOICES:
             raise ValueError(
