@@ -59,6 +59,9 @@ def check_ray() -> None:
         print("extras-check: note: grpcio is installed here (Ray brought it)")
     except ImportError:
         print("extras-check: grpcio is not installed: the address check runs without it")
+    # as the Ray lane does (tests/ray/conftest.py): a ~/.ray/auth_token left by any local
+    # ray.init() turns token authentication on for `ray start` nodes, but not for their clients
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = time.monotonic()
     cluster = RayCluster(cpus=(2,)).start()
     try:
