@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 _MPL_BACKEND = "module://nbaccel.notebook.rank.mpl_backend"
+_END_SEEN = 5.0  # s for the launcher to report a rank whose connection was found closed
 # the options that say where a pool's ranks run (its hosts and how their agents start)
 _HOST_OPTIONS = tuple(
     name for name in LaunchRequest.options(Front.REMOTE) if name != "num_processes"
@@ -259,7 +260,11 @@ class Pool:
         try:
             targets = self.ranks if ranks is None else sorted(set(ranks))
             with DeferredInterrupt() as interrupt:
-                call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
+                try:
+                    call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
+                except (BrokenPipeError, ConnectionResetError):
+                    group = self._lost_before_call(group)
+                    call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
                 try:
                     report = run_call(
                         group,
@@ -310,6 +315,19 @@ class Pool:
             self._caller = threading.get_ident()
             self._ended_by = None
             return group
+
+    def _lost_before_call(self, group: WorkerGroup) -> WorkerGroup:
+        """A rank's connection was closed when the call was sent to it: the rank ended just
+        before the cell, before its launcher said so. Restart the pool (as for a rank that
+        exited while idle); the new group, for the call to be sent again."""
+        group.release_shared()
+        deadline = time.monotonic() + _END_SEEN
+        while group.alive() and time.monotonic() < deadline:  # its exit, to name the rank
+            group.pump(0.05)
+        dead = [r for r in self.ranks if r not in pool_status.alive_ranks(group)]
+        self.restart(reason=f"rank(s) {dead or 'of the pool'} ended before this cell")
+        assert self.group is not None
+        return self.group
 
     def _recover(self, report: Any, renderer: Renderer) -> None:
         """After an unfinished call: restart the pool when ranks are stuck or gone."""
