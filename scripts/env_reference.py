@@ -23,18 +23,6 @@ __all__ = ["MEANING", "collect", "render"]
 # What each variable does, one entry a paragraph: "NAME (setting)" for what a user may set,
 # "NAME (set)" for what nbaccel sets in its ranks; the lines below it are the description.
 _MEANINGS = """
-NBACCEL_CPU (setting)
-    `1`: ranks use the CPU even where there are GPUs (what `cpu=True` and `--cpu` set for the
-    ranks).
-
-NBACCEL_MIXED_PRECISION (setting)
-    The precision an `Accelerator` uses when its `mixed_precision` is not given (`no`, `fp16`,
-    `bf16`, `fp8`); the launchers set it from their own option.
-
-NBACCEL_GRADIENT_ACCUMULATION_STEPS (setting)
-    Gradient accumulation steps when the `Accelerator` is left at 1 (set by `nbaccel launch
-    --gradient_accumulation_steps`).
-
 NBACCEL_DEBUG_MODE (setting)
     `true`: collectives first compare the shapes every rank passes and fail naming the mismatch
     (Accelerate's `ACCELERATE_DEBUG_MODE` works too).
@@ -45,27 +33,6 @@ NBACCEL_LOG_LEVEL (setting)
 NBACCEL_TORCH_DEVICE (setting)
     Force the torch device the state objects pick (`cuda:1`, `cpu`); `ACCELERATE_TORCH_DEVICE`
     works too.
-
-NBACCEL_DYNAMO_BACKEND (setting)
-    The `torch.compile` backend an `Accelerator` uses when `dynamo_backend` is not given.
-
-NBACCEL_DYNAMO_MODE (setting)
-    `torch.compile`'s mode (with `NBACCEL_DYNAMO_BACKEND`; set by `nbaccel launch
-    --dynamo_mode`).
-
-NBACCEL_DYNAMO_USE_FULLGRAPH (setting)
-    `torch.compile(fullgraph=True)` (set by `nbaccel launch --dynamo_use_fullgraph`).
-
-NBACCEL_DYNAMO_USE_DYNAMIC (setting)
-    `torch.compile(dynamic=True)` (set by `nbaccel launch --dynamo_use_dynamic`).
-
-NBACCEL_DYNAMO_USE_REGIONAL_COMPILATION (setting)
-    Compile each repeated block once instead of the whole model (set by `nbaccel launch
-    --dynamo_use_regional_compilation`).
-
-NBACCEL_DYNAMO_ (setting)
-    The prefix: every `NBACCEL_DYNAMO_*` (or `ACCELERATE_DYNAMO_*`) variable is read into the
-    `Accelerator`'s dynamo options.
 
 NBACCEL_USE_FSDP (setting)
     `true`: an `Accelerator` without a plugin takes its FSDP options from the `FSDP_*` variables
@@ -221,7 +188,10 @@ def render() -> str:
         "site is built. Options of a launch are better given as keywords or flags "
         "([launch options](launch-options.md)); these are for what a launch does not take, and "
         "for scripts started by `nbaccel launch`. Where Accelerate has the same variable "
-        "(`ACCELERATE_*`), both are read.",
+        "(`ACCELERATE_*`), both are read. The settings of a launch reach the ranks as "
+        "Accelerate's own variables (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_CPU`, "
+        "`FSDP_*`, ...): see [Accelerate's launch environment](../launching.md"
+        "#accelerates-launch-environment).",
         "",
     ]
     for kind, title in (("setting", "Settings"), ("set", "Set by nbaccel in its ranks")):

@@ -8,15 +8,19 @@ Output comes back as rank-labelled lines. The exit code is the script's: 0 when 
 finished, the code of the first failing rank's ``sys.exit(code)``, 1 for an uncaught exception
 (its traceback printed, naming the rank), 130 on Ctrl-C.
 
-Options not given come from the config file (``--config_file``, else the default one that
-``nbaccel config`` writes; see :mod:`nbaccel.commands.config.config_args`). ``--num_processes``
-is the total over all machines; ``--num_machines``/``--machine_rank``/``--main_process_ip``/
-``--main_process_port`` start one node of a multi-node run. A config with ``mpirun_hostfile``
-runs the script under ``mpirun``. ``--use_deepspeed`` (or a DEEPSPEED config) tells each rank's
-``Accelerator()`` to run DeepSpeed ZeRO as the DeepSpeed options say, checked before anything
-starts. ``--use_megatron_lm`` (or a MEGATRON_LM config, its ``megatron_lm_config:`` keys) does the
-same for ``MegatronLMPlugin``, on CPU ranks (gloo) or GPUs. SageMaker configs are refused with a
-clear error before anything starts.
+Options not given come from the config file (``--config_file``, else the default one that ``nbaccel
+config`` writes, else the one ``accelerate config`` wrote, named in one line; see
+:mod:`nbaccel.commands.config.config_args`). Every rank gets the variables ``accelerate launch``
+sets for the same settings (:mod:`nbaccel.launch.options.accelerate_env`), so transformers'
+``Trainer`` (which builds Accelerate's own ``Accelerator``) runs as under ``accelerate launch``; a
+setting that Accelerator cannot carry out on these ranks (FSDP on CPU) is said in one line.
+``--num_processes`` is the total over all machines; ``--num_machines``/``--machine_rank``/
+``--main_process_ip``/``--main_process_port`` start one node of a multi-node run. A config with
+``mpirun_hostfile`` runs the script under ``mpirun``. ``--use_deepspeed`` (or a DEEPSPEED config)
+tells each rank's ``Accelerator()`` to run DeepSpeed ZeRO as the DeepSpeed options say, checked
+before anything starts. ``--use_megatron_lm`` (or a MEGATRON_LM config, its ``megatron_lm_config:``
+keys) does the same for ``MegatronLMPlugin``, on CPU ranks (gloo) or GPUs. SageMaker configs are
+refused with a clear error before anything starts.
 ``--detach`` hands the run to this user's supervisor and returns at once, printing the run's id
 (follow it with ``nbaccel runs logs ID --follow``; see ``nbaccel runs``).
 """
@@ -24,6 +28,7 @@ clear error before anything starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import subprocess
@@ -31,6 +36,7 @@ import sys
 from typing import Any
 
 from nbaccel.commands._launch_parser import launch_command_parser
+from nbaccel.launch.options.accelerate_env import launch_settings, settings_names
 
 __all__ = ["launch_command", "launch_command_parser", "main", "register", "run", "run_script"]
 
@@ -101,11 +107,14 @@ def _apply_config(args: argparse.Namespace, config: Any) -> bool:
         args.gpu_ids = getattr(config, "gpu_ids", None) or "all"
     given = getattr(args, "nondefault", set())
     if str(getattr(config.compute_environment, "value", "")) == "LOCAL_MACHINE":
+        known = set(vars(args)) | settings_names() | _ALSO_ACCEPTED
         for name, value in vars(config).items():
             if isinstance(value, dict):
                 prefix = _SECTION_PREFIX.get(name, "")
                 for key, item in value.items():
                     key = key if key.startswith(prefix) else prefix + key
+                    if key not in known and not key.startswith("megatron_lm_"):
+                        _refuse_key(name, key, known)
                     if key not in given:
                         setattr(args, key, item)
             elif name not in _HANDLED_APART and getattr(args, name, None) is None:
@@ -117,12 +126,38 @@ def _apply_config(args: argparse.Namespace, config: Any) -> bool:
     return False
 
 
+# keys Accelerate's config writes that no launch setting here takes (IPEX left Accelerate)
+_ALSO_ACCEPTED = frozenset({"mpirun_ccl", "ipex"})
+_SECTION_WORDS = {"fsdp_config": "fsdp_", "deepspeed_config": "", "dynamo_config": "dynamo_",
+                  "fp8_config": "fp8_", "parallelism_config": "parallelism_config_",
+                  "mpirun_config": "mpirun_"}  # fmt: skip
+
+
+def _refuse_key(section: str, key: str, known: set[str]) -> None:
+    """A config key that names no setting: refused, naming the ones its section takes."""
+    if section == "deepspeed_config":
+        from nbaccel.launch.options.accelerate_env import CONTRACT
+
+        accepted = sorted(
+            {r.setting for r in CONTRACT if r.group == "deepspeed"} - {"use_deepspeed"}
+            | {"gradient_accumulation_steps", "deepspeed_hostfile", "deepspeed_multinode_launcher",
+               "deepspeed_exclusion_filter", "deepspeed_inclusion_filter"}
+        )  # fmt: skip
+    else:
+        start = _SECTION_WORDS.get(section, section.removesuffix("_config") + "_")
+        accepted = sorted(k for k in known if k.startswith(start))
+    raise ValueError(
+        f"The config file's {section} key {key!r} names no setting: use one of "
+        f"{', '.join(accepted) or '(none)'}."
+    )
+
+
 def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespace, Any, bool]:
     """Check the options and fill the missing ones (config file, then defaults); returns
     ``(args, config or None, precision_from_config)``. Errors name the fix."""
     import torch
 
-    from nbaccel.commands.config.config_args import default_config_file, load_config_from_file
+    from nbaccel.commands.config.config_args import default_launch_config, load_config_from_file
     from nbaccel.distributed.environment_patch import get_int_from_env
 
     chosen = [f"--{name}" for name in _PARADIGMS if getattr(args, name, False)]
@@ -131,8 +166,13 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
     if args.multi_gpu and args.num_processes is not None and args.num_processes < 2:
         raise ValueError("--multi_gpu needs at least 2 processes (--num_processes 2 or more).")
     config, from_config, notes = None, False, []
-    if args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu):
-        config = load_config_from_file(args.config_file)
+    config_file, which = args.config_file, ""
+    if config_file is None and not args.cpu:
+        config_file, which = default_launch_config()
+    if config_file is not None:
+        config = load_config_from_file(config_file)
+        if which and not args.quiet:
+            print(f"nbaccel launch: settings from {which}, {config_file}.", file=sys.stderr)
         from_config = _apply_config(args, config)
         if args.num_processes == -1:
             raise ValueError("This config file leaves the process count open: pass "
@@ -298,13 +338,16 @@ def _launch(args: argparse.Namespace) -> int:
     """Validate, then run; returns the exit code (raises on bad options)."""
     from nbaccel.launch.command_env import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
-    args, config, _ = _validate_launch_command(args)
+    args, config, precision_from_config = _validate_launch_command(args)
     _refuse_unsupported(args, config)
-    if args.use_fsdp and str(args.fsdp_version or 1) == "1":
-        if not args.quiet:
-            logger.warning("nbaccel runs FSDP2 only: FSDP_VERSION is not passed on (convert "
-                           "the config with `nbaccel to-fsdp2`).")  # fmt: skip
-        args.fsdp_version = None
+    if args.use_fsdp and str(args.fsdp_version or 1) == "1" and not args.quiet:
+        print("nbaccel launch: fsdp_version 1: Accelerate's Accelerator gets FSDP_VERSION=1 "
+              "as under accelerate launch; nbaccel's own Accelerator runs FSDP2 instead "
+              "(convert the config with `nbaccel to-fsdp2`).", file=sys.stderr)  # fmt: skip
+    if args.use_deepspeed:  # which DeepSpeed fields the config file set (Accelerate's rule)
+        fields = list(config.deepspeed_config) if config is not None else []
+        fields += ["mixed_precision"] if precision_from_config else []
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
     target, per_machine = _check_target(args)
     if getattr(args, "mpirun_hostfile", None) or args.no_python:
         if args.no_python and (args.num_processes or 1) > 1 and not args.mpirun_hostfile:
@@ -318,6 +361,7 @@ def _launch(args: argparse.Namespace) -> int:
 
         env.update(deepspeed_environment(args, args.num_processes))
     request = _request(args, per_machine, int(args.master_port) if world else None)
+    request = dataclasses.replace(request, settings=launch_settings(vars(args)))
     if request.use_megatron_lm:  # the plugin is built once here: refusals before any rank
         from nbaccel.training.strategies.megatron.launch import megatron_check
 

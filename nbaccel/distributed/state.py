@@ -142,7 +142,8 @@ class PartialState:
     def _setup(self, cpu: bool, kwargs: dict[str, Any]) -> None:
         launch = detect_launch_environment()
         self.launch_environment = launch
-        self.device = _pick_device(cpu or os.environ.get("NBACCEL_CPU") == "1", launch)
+        forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+        self.device = _pick_device(cpu or forced, launch)
         self.backend = kwargs.pop("backend", None) or _default_backend(self.device)
         timeout = kwargs.pop("timeout", None)
         if self.device.type == "xla":
@@ -370,7 +371,7 @@ class AcceleratorState(PartialState):
                 self._use_deepspeed_plugins(deepspeed_plugin)
             return
         self.__dict__.update(partial.__dict__)
-        chosen = mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION") or "no"
+        chosen = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
         chosen = str(chosen).lower()
         if chosen not in MIXED_PRECISION_CHOICES:
             raise ValueError(

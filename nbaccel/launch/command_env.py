@@ -17,8 +17,12 @@ import sys
 from shutil import which
 from typing import Any
 
+from nbaccel.launch.options.accelerate_env import (
+    accelerate_environment,
+    check_fsdp_settings,
+    launch_settings,
+)
 from nbaccel.launch.prepare_for_launch import PrepareForLaunch  # accelerate.utils.launch's too
-from nbaccel.values.booleans import parse_bool
 
 __all__ = [
     "PrepareForLaunch",
@@ -30,14 +34,6 @@ __all__ = [
 ]
 
 _PRECISIONS = ("no", "fp16", "bf16", "fp8")
-# FSDP options whose values go to the ranks as FSDP_<NAME> variables.
-_FSDP_OPTIONS = (
-    "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-    "fsdp_min_num_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
-    "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch",
-    "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
-    "fsdp_activation_checkpointing",
-)  # fmt: skip
 
 
 def _check_local(address: str) -> None:
@@ -54,52 +50,29 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _flag(value: Any) -> str:
-    return "true" if parse_bool(value) else "false"
-
-
 def launch_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The variables every rank of this launch gets on top of the current environment."""
-    env: dict[str, str] = {}
+    """The variables every rank of this launch gets on top of the current environment:
+    Accelerate's launch contract for ``args`` (:mod:`nbaccel.launch.options.accelerate_env`), the
+    threads and the visible GPUs."""
     precision = str(_get(args, "mixed_precision", "no")).lower()
     if precision not in _PRECISIONS:
         raise ValueError(
             f"Unknown mixed_precision {precision!r}: choose one of {', '.join(_PRECISIONS)}."
         )
-    env["NBACCEL_MIXED_PRECISION"] = precision
-    cpu = bool(_get(args, "cpu", False) or _get(args, "use_cpu", False))
-    env["ACCELERATE_USE_CPU"] = str(cpu)
-    if cpu:
-        env["NBACCEL_CPU"] = "1"
+    settings = launch_settings(vars(args))
+    settings.setdefault("dynamo_backend", "no")
+    check_fsdp_settings(settings)
+    env = accelerate_environment(settings)
+    if settings["cpu"]:
         # Intel OpenMP: pin threads and let them sleep soon, as CPU training wants.
         env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
         env["KMP_BLOCKTIME"] = "1"
-    if _get(args, "debug", False):
-        env["NBACCEL_DEBUG_MODE"] = "true"
     gpu_ids = _get(args, "gpu_ids", "all")
     if str(gpu_ids) != "all":
         env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
-    backend = str(_get(args, "dynamo_backend", "no")).upper()
-    if backend != "NO":
-        env["NBACCEL_DYNAMO_BACKEND"] = backend
-        env["NBACCEL_DYNAMO_MODE"] = str(_get(args, "dynamo_mode", "default"))
-        env["NBACCEL_DYNAMO_USE_FULLGRAPH"] = _flag(_get(args, "dynamo_use_fullgraph", False))
-        env["NBACCEL_DYNAMO_USE_DYNAMIC"] = _flag(_get(args, "dynamo_use_dynamic", False))
-        env["NBACCEL_DYNAMO_USE_REGIONAL_COMPILATION"] = _flag(
-            _get(args, "dynamo_use_regional_compilation", False)
-        )
-    steps = getattr(args, "gradient_accumulation_steps", None)
-    if steps is not None:
-        env["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(steps)
     threads = getattr(args, "num_cpu_threads_per_process", None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    if _get(args, "use_fsdp", False):
-        env["ACCELERATE_USE_FSDP"] = "true"
-        for name in _FSDP_OPTIONS:
-            value = getattr(args, name, None)
-            if value is not None:
-                env[name.upper()] = str(value)
     return env
 
 
@@ -192,7 +165,7 @@ def prepare_tpu(
     if str(_get(args, "mixed_precision", "no")).lower() == "bf16":
         current_env["XLA_USE_BF16"] = "1"
     if _get(args, "debug", False):
-        current_env["NBACCEL_DEBUG_MODE"] = "true"
+        current_env["ACCELERATE_DEBUG_MODE"] = "true"
     current_env.setdefault("PJRT_DEVICE", "TPU")
     if pod:
         args.vm = _get(args, "vm", [])

@@ -7,8 +7,9 @@ scheduler asked once), the ranks' extra environment (the request's, such as
 ``PARALLELISM_CONFIG_*``) and the launcher's options (the preload setting read once). The rest
 of the launch only reads it: the launcher (:meth:`LaunchPlan.make_launcher`), the announcement
 line, and each rank's environment: the torchrun-style variables that ``PartialState`` reads
-(RANK, WORLD_SIZE, ...) and nbaccel's own (NBACCEL_LAUNCHER, NBACCEL_MIXED_PRECISION,
-NBACCEL_CPU).
+(RANK, WORLD_SIZE, ...), Accelerate's launch contract for the request's settings
+(``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_CPU``, ``FSDP_*``...:
+:mod:`nbaccel.launch.options.accelerate_env`) and NBACCEL_LAUNCHER.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from nbaccel.launch.host.capacity import check_capacity
 from nbaccel.launch.host.master_address import check_local_master_addr
 from nbaccel.launch.host.ports import check_port
 from nbaccel.launch.launchers.forkserver.kernel_modules import PreloadSetting, preload_setting
+from nbaccel.launch.options.accelerate_env import accelerate_environment, contract_notices
 from nbaccel.launch.rank import allocator
 from nbaccel.launch.request import START_METHODS, Front, LaunchRequest
 from nbaccel.launch.wire.protocol import LaunchKind
@@ -138,6 +140,16 @@ def resolve_kind(start_method: str, xla: bool = False) -> LaunchKind:
     return LaunchKind(start_method)
 
 
+def _settings(front: Front, request: LaunchRequest) -> dict[str, Any]:
+    """The request's settings by Accelerate's names; none for a pool, whose cells bring theirs."""
+    return {} if front == Front.MAGIC else request.accelerate_settings()
+
+
+def _role(rank: int, world: int) -> dict[str, str]:
+    """torchrun's role variables (one role, named ``default``, as torchrun names it)."""
+    return {"ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)}
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """The ranks of this node and the world they belong to. Build it with :meth:`create`."""
@@ -167,6 +179,8 @@ class LaunchPlan:
     #: the preload setting of the launch (``preload``, else ``NBACCEL_PRELOAD``), read once by
     #: :meth:`create`; None in a plan built field by field (read when the launcher is made)
     setting: PreloadSetting | None = None
+    #: the request's settings by Accelerate's names (``LaunchRequest.accelerate_settings``)
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -236,6 +250,7 @@ class LaunchPlan:
             fork_while_importing=front == Front.LAUNCHER and request.start_method == "auto",
             line_prefix=request.log_line_prefix_template,
             setting=preload_setting(request.preload),
+            settings=_settings(front, request),
         )
 
     @classmethod
@@ -282,6 +297,7 @@ class LaunchPlan:
             preload=request.preload,
             line_prefix=request.log_line_prefix_template,
             setting=preload_setting(request.preload),
+            settings=_settings(front, request),
         )
 
     def launcher_options(self) -> dict[str, Any]:
@@ -352,10 +368,8 @@ class LaunchPlan:
     def rank_env(self, index: int, port: int) -> dict[str, str]:
         """The full environment of this node's ``index``-th process."""
         env = dict(os.environ)
-        env.update(
-            NBACCEL_LAUNCHER=self.front.launcher_name,
-            NBACCEL_MIXED_PRECISION=self.mixed_precision,
-        )
+        env.update(self.accelerate_environment())
+        env["NBACCEL_LAUNCHER"] = self.front.launcher_name
         if self.xla:  # torch-xla sets up its own world; the launcher names the process
             from nbaccel.launch.launchers.xla import XLA_PROCESS_VAR
 
@@ -369,7 +383,9 @@ class LaunchPlan:
                 LOCAL_WORLD_SIZE=str(self.remote.layout.hosts[node].slots),
                 GROUP_RANK=str(node),
                 NODE_RANK=str(node),
+                GROUP_WORLD_SIZE=str(len(self.remote.layout.hosts)),
             )
+            env.update(_role(index, self.num_processes))
         else:
             env.update(
                 RANK=str(self.global_rank(index)),
@@ -377,10 +393,25 @@ class LaunchPlan:
                 WORLD_SIZE=str(self.world_size),
                 LOCAL_WORLD_SIZE=str(self.num_processes),
                 GROUP_RANK=str(self.node_rank),
+                GROUP_WORLD_SIZE=str(self.num_nodes),
                 MASTER_ADDR=self.master_addr,
                 MASTER_PORT=str(port),
             )
-        if self.cpu:
-            env["NBACCEL_CPU"] = "1"
+            env.update(_role(self.global_rank(index), self.world_size))
         env.update(self.extra_env)
         return env
+
+    def accelerate_environment(self) -> dict[str, str]:
+        """Accelerate's launch contract for this launch: the variables ``accelerate launch``
+        would set for the same settings (precision and CPU as this plan decided them)."""
+        return accelerate_environment(
+            {**self.settings, "mixed_precision": self.mixed_precision, "cpu": self.cpu}
+        )
+
+    def notices(self) -> list[str]:
+        """One line per setting that Accelerate's ``Accelerator`` (Trainer, PEFT, TRL) cannot
+        carry out on these ranks, naming what runs instead (none when the hosts' devices are
+        not known here)."""
+        if self.remote is not None and not self.cpu:
+            return []
+        return contract_notices(self.accelerate_environment(), self.gpus)

@@ -30,12 +30,13 @@ from typing import Any
 
 from nbaccel.distributed.state import MIXED_PRECISION_CHOICES
 from nbaccel.launch.launchers.forkserver.kernel_modules import PRELOAD_HELP, check_preload
+from nbaccel.launch.options.accelerate_env import accelerate_environment
 from nbaccel.launch.options.megatron import PREFIX, megatron_environment
 from nbaccel.launch.options.megatron import megatron_option as _megatron
 from nbaccel.launch.options.spec import Front, Option, option
 from nbaccel.launch.remote.options import REMOTE_KINDS, RemoteOptions, remote_options
 from nbaccel.launch.wire.labels import check_line_prefix
-from nbaccel.values.mesh_sizes import AXES, check_mesh, mesh_environment
+from nbaccel.values.mesh_sizes import AXES, check_mesh
 
 __all__ = ["START_METHODS", "Front", "LaunchRequest", "Option", "option"]
 
@@ -336,6 +337,9 @@ class LaunchRequest:
     megatron_lm_calculate_per_token_loss: bool | None = _megatron(bool, "refused if true")
     megatron_lm_use_rotary_position_embeddings: bool | None = _megatron(bool, "refused (model)")
     remote: RemoteOptions | None = field(default=None, init=False, compare=False, repr=False)
+    #: Accelerate's launch settings a text front adds to the options above (a config file's
+    #: ``fsdp_config:``, ``deepspeed_config:``, dynamo and FSDP flags...), by Accelerate's names
+    settings: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -368,10 +372,25 @@ class LaunchRequest:
         if product is not None and alone:
             object.__setattr__(self, "num_processes", product)
 
+    def accelerate_settings(self) -> dict[str, Any]:
+        """This launch's settings by Accelerate's names (what :data:`CONTRACT` maps to the
+        ranks' variables): the options, then what a text front added (``settings``)."""
+        own = {
+            "mixed_precision": self.mixed_precision,
+            "cpu": self.cpu,
+            "use_deepspeed": self.use_deepspeed,
+            "use_megatron_lm": self.use_megatron_lm,
+            "parallelism_config_cp_comm_strategy": self.parallelism_config_cp_comm_strategy,
+            **{f"{_PC}{axis}_size": size for axis, size in self._mesh_sizes().items()},
+            **self._megatron_given(),
+        }
+        return {**own, **{k: v for k, v in self.settings.items() if v is not None}}
+
     def rank_environment(self) -> dict[str, str]:
-        """What the ranks' ``ParallelismConfig()`` and ``Accelerator()`` read (Accelerate's
-        ``PARALLELISM_CONFIG_*`` variables); empty when no size was given."""
-        return mesh_environment(self._mesh_sizes(), self.parallelism_config_cp_comm_strategy)
+        """The variables ``accelerate launch`` would give the ranks for this request
+        (``ACCELERATE_MIXED_PRECISION``, ``PARALLELISM_CONFIG_*``...; see
+        :mod:`nbaccel.launch.options.accelerate_env`)."""
+        return accelerate_environment(self.accelerate_settings())
 
     def _check_world(self) -> None:
         if not 0 <= self.node_rank < self.num_nodes:

@@ -70,6 +70,8 @@ def run_function(
     else:
         work = Inline(function, tuple(args), dict(kwargs or {}))
     renderer.start(plan.announcement(launcher.describe()), plan.num_processes)
+    for line in plan.notices():  # never silently different from what was asked
+        renderer.notice(line)
     ok, failed = False, None
     try:
         attempt = 0

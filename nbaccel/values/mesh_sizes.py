@@ -1,6 +1,6 @@
-"""The sizes of a parallel mesh as launch options: checked against the world, and passed to the
-ranks as the ``PARALLELISM_CONFIG_*`` variables that ``ParallelismConfig()`` reads (Accelerate's
-names). Used by the launch request (``parallelism_config_*_size`` options) before any rank starts.
+"""The sizes of a parallel mesh as launch options, checked against the world before any rank
+starts (the ``parallelism_config_*_size`` options; the ranks get them as Accelerate's
+``PARALLELISM_CONFIG_*`` variables, :mod:`nbaccel.launch.options.accelerate_env`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["AXES", "check_mesh", "mesh_environment"]
+__all__ = ["AXES", "check_mesh"]
 
 #: the axes a launch can size, in the mesh's order
 AXES = ("dp_replicate", "dp_shard", "tp", "cp")
@@ -38,15 +38,3 @@ def check_mesh(sizes: Mapping[str, int | None], world: int | None, cpu: bool) ->
                 "parallelism_config_cp_size=1 here, or launch on GPUs."
             )
     return product
-
-
-def mesh_environment(sizes: Mapping[str, int | None], cp_comm: str | None) -> dict[str, str]:
-    """``PARALLELISM_CONFIG_<AXIS>_SIZE`` (and ``..._CP_COMM_STRATEGY``) for the ranks, with
-    ``ACCELERATE_USE_PARALLELISM_CONFIG`` so that a plain ``Accelerator()`` uses them; empty
-    when nothing was given."""
-    env = {f"PARALLELISM_CONFIG_{a.upper()}_SIZE": str(s) for a, s in sizes.items() if s}
-    if cp_comm is not None:
-        env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = cp_comm
-    if env:
-        env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
-    return env

@@ -76,14 +76,14 @@ CELLS = {
         "import os\n"
         "from nbaccel import PartialState\n"
         "state = PartialState()\n"
-        'os.environ["NBACCEL_MIXED_PRECISION"], state.process_index, state.num_processes'
+        'os.environ["ACCELERATE_MIXED_PRECISION"], state.process_index, state.num_processes'
     ),
     # --mixed_precision is for its cell only: the next plain cell is back to the default
     "after_mixed_precision": (
         "%%distributed\n"
         "import os\n"
         "from nbaccel import AcceleratorState\n"
-        'os.environ["NBACCEL_MIXED_PRECISION"], AcceleratorState().mixed_precision'
+        'os.environ["ACCELERATE_MIXED_PRECISION"], AcceleratorState().mixed_precision'
     ),
     "timeout": "%%distributed --timeout 1\nimport time\ntime.sleep(30)",
     "bad_n": "%%distributed -n 0\npass",

@@ -233,7 +233,7 @@ def _load_weight(ckpt):
 def test_sigkill_during_save_state_leaves_previous_checkpoint(tmp_path):
     script = tmp_path / "saver.py"
     script.write_text(_SAVER)
-    env = {**os.environ, "NBACCEL_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "True", "OMP_NUM_THREADS": "1"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     runs = {}

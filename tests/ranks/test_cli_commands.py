@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = """
 import os, sys
 print(f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
-      f"precision={os.environ['NBACCEL_MIXED_PRECISION']} cpu={os.environ.get('NBACCEL_CPU')} "
+      f"precision={os.environ['ACCELERATE_MIXED_PRECISION']} "
+      f"cpu={os.environ.get('ACCELERATE_USE_CPU')} "
       f"threads={os.environ.get('OMP_NUM_THREADS')} argv={sys.argv[1:]}")
 """
 
@@ -113,7 +114,7 @@ def test_launch_takes_missing_options_from_the_config(tmp_path):
     done = _cli(tmp_path, "launch", "--config_file", str(config), "show.py", "--x", "1")
     assert done.returncode == 0, done.stderr
     for rank in (0, 1):
-        assert f"rank={rank} world=2 precision=bf16 cpu=1 threads=1 argv=['--x', '1']" in (
+        assert f"rank={rank} world=2 precision=bf16 cpu=True threads=1 argv=['--x', '1']" in (
             done.stdout
         )
     # A command-line option wins over the file; hyphenated spellings are accepted.
@@ -243,8 +244,8 @@ def test_multi_process_env_picks_a_free_port_for_port_zero():
     env = prepare_multi_gpu_env(args)
     assert args.master_port.isdigit() and args.master_port != "0"
     assert env["MASTER_PORT"] == args.master_port and args.nproc_per_node == "2"
-    assert env["NBACCEL_MIXED_PRECISION"] == "fp16" and env["FSDP_VERSION"] == "2"
-    assert env["ACCELERATE_USE_FSDP"] == "true" and env["NBACCEL_CPU"] == "1"
+    assert env["ACCELERATE_MIXED_PRECISION"] == "fp16" and env["FSDP_VERSION"] == "2"
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_USE_CPU"] == "True"
 
 
 def test_script_arguments_become_typed_hyperparameters():

@@ -225,7 +225,7 @@ def test_uneven_shapes_raise_a_clear_error_on_every_rank() -> None:
 def single(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NBACCEL_CPU", "1")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
 
 
 def test_collectives_on_one_process(single: None) -> None:

@@ -20,7 +20,7 @@ LAUNCH_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "NBACCEL_LAUNCHER",
-    "NBACCEL_MIXED_PRECISION",
+    "ACCELERATE_MIXED_PRECISION",
     "SLURM_PROCID",
     "OMPI_COMM_WORLD_RANK",
 )
@@ -183,8 +183,8 @@ def _auto_device() -> tuple[str, str, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU default")
 def test_no_gpu_defaults_to_multi_cpu_on_gloo() -> None:
-    """Without NBACCEL_CPU or cpu=True, a 2-rank world on a machine without GPUs is MULTI_CPU."""
-    results = run_on_ranks(_auto_device, env={"NBACCEL_CPU": "0"})
+    """Without ACCELERATE_USE_CPU or cpu=True, 2 ranks on a machine without GPUs are MULTI_CPU."""
+    results = run_on_ranks(_auto_device, env={"ACCELERATE_USE_CPU": "False"})
     assert results == [("cpu", "MULTI_CPU", "gloo")] * 2
 
 
@@ -278,7 +278,7 @@ def test_accelerator_state_mixed_precision(single: PartialState) -> None:
 def test_accelerator_state_reads_mixed_precision_env(
     single: PartialState, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("NBACCEL_MIXED_PRECISION", "fp16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     assert AcceleratorState().mixed_precision == "fp16"
 
 

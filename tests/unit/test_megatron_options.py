@@ -215,7 +215,13 @@ def test_launch_options_need_use_megatron_lm_and_become_the_ranks_environment():
                                    megatron_lm_sequence_parallelism="true")  # fmt: skip
     env = request.megatron_environment()
     assert env == {"ACCELERATE_USE_MEGATRON_LM": "true", "MEGATRON_LM_TP_DEGREE": "2",
-                   "MEGATRON_LM_SEQUENCE_PARALLELISM": "True"}  # fmt: skip
+                   "MEGATRON_LM_SEQUENCE_PARALLELISM": "True", "MEGATRON_LM_PP_DEGREE": "1",
+                   "MEGATRON_LM_USE_CUSTOM_FSDP": "False",
+                   "MEGATRON_LM_GRADIENT_CLIPPING": "1.0",
+                   **{f"MEGATRON_LM_{name}": "False" for name in (
+                       "NO_LOAD_OPTIM", "EOD_MASK_LOSS", "NO_SAVE_OPTIM", "OPTIMIZER_CPU_OFFLOAD",
+                       "USE_PRECISION_AWARE_OPTIMIZER", "OVERLAP_CPU_OPTIMIZER_D2H_H2D",
+                   )}}  # fmt: skip
     assert megatron_check(env, 4) == env
     with pytest.raises(ValueError, match="does not divide --num_processes 3"):
         megatron_check(env, 3)

@@ -27,10 +27,16 @@ def test_mesh_product_must_equal_the_world():
                       parallelism_config_dp_shard_size=2)  # fmt: skip
     request = LaunchRequest(parallelism_config_tp_size=2, parallelism_config_dp_shard_size=2)
     assert request.num_processes == 4  # the mesh decides the count when none is given
-    assert request.rank_environment() == {
+    assert request.rank_environment() == {  # every axis, as accelerate launch writes them
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1",
         "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
         "PARALLELISM_CONFIG_TP_SIZE": "2",
-        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_CP_SIZE": "1",
+        "PARALLELISM_CONFIG_CP_BACKEND": "torch",
+        "PARALLELISM_CONFIG_SP_SIZE": "1",
+        "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed",
     }
     from nbaccel import notebook_launcher
 

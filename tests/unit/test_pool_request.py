@@ -21,7 +21,7 @@ def test_the_pool_keeps_the_request_it_was_given():
 
 def test_a_cells_mixed_precision_is_not_the_pools():
     pool = Pool(LaunchRequest(num_processes=2, cpu=True, mixed_precision="bf16"))
-    assert pool.plan.rank_env(0, 1234)["NBACCEL_MIXED_PRECISION"] == "no"
+    assert pool.plan.rank_env(0, 1234)["ACCELERATE_MIXED_PRECISION"] == "no"
 
 
 def test_what_a_new_request_leaves_out_is_the_running_pools():

@@ -72,7 +72,7 @@ def test_every_boolean_reader_agrees_on_true(word, monkeypatch) -> None:
     with init_empty_weights():
         assert torch.nn.BatchNorm1d(2).running_mean.device.type == "meta"
     args = argparse.Namespace(dynamo_backend="inductor", dynamo_use_fullgraph=word)
-    assert launch_environment(args)["NBACCEL_DYNAMO_USE_FULLGRAPH"] == "true"
+    assert launch_environment(args)["ACCELERATE_DYNAMO_USE_FULLGRAPH"] == "True"
 
 
 @pytest.mark.parametrize("word", FALSE_WORDS)
@@ -81,7 +81,7 @@ def test_every_boolean_reader_agrees_on_false(word, monkeypatch) -> None:
     monkeypatch.setenv("ACCELERATE_USE_FSDP", word)
     assert FullyShardedDataParallelPlugin.from_environment() is None
     args = argparse.Namespace(dynamo_backend="inductor", dynamo_use_fullgraph=word)
-    assert launch_environment(args)["NBACCEL_DYNAMO_USE_FULLGRAPH"] == "false"
+    assert launch_environment(args)["ACCELERATE_DYNAMO_USE_FULLGRAPH"] == "False"
 
 
 def test_a_misspelt_flag_is_an_error_naming_the_variable(monkeypatch) -> None:

@@ -26,7 +26,9 @@ __all__ = [
     "ClusterConfig",
     "SageMakerConfig",
     "cache_dir",
+    "accelerate_default_config_file",
     "default_config_file",
+    "default_launch_config",
     "default_json_config_file",
     "default_yaml_config_file",
     "load_config_from_file",
@@ -50,6 +52,31 @@ default_config_file = (
     if os.path.isfile(default_json_config_file) and not os.path.isfile(default_yaml_config_file)
     else default_yaml_config_file
 )
+
+
+def accelerate_default_config_file() -> str:
+    """Where ``accelerate config`` writes its default file, as Accelerate finds it:
+    ``$HF_HOME/accelerate`` (``HF_HOME`` defaults to ``$XDG_CACHE_HOME/huggingface``, that to
+    ``~/.cache/huggingface``), the YAML file unless only the JSON one exists."""
+    hf_home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
+    )
+    folder = os.path.join(os.path.expanduser(hf_home), "accelerate")
+    yaml_file = os.path.join(folder, "default_config.yaml")
+    json_file = os.path.join(folder, "default_config.json")
+    return json_file if os.path.isfile(json_file) and not os.path.isfile(yaml_file) else yaml_file
+
+
+def default_launch_config() -> tuple[str | None, str]:
+    """The config file a launch without ``--config_file`` reads, and how to name it: nbaccel's
+    default (``nbaccel config``), else the one ``accelerate config`` wrote; ``(None, "")``
+    when neither exists."""
+    if os.path.isfile(default_config_file):
+        return default_config_file, "nbaccel's default config"
+    accelerate_file = accelerate_default_config_file()
+    if os.path.isfile(accelerate_file):
+        return accelerate_file, "the default config `accelerate config` wrote"
+    return None, ""
 
 
 def _yaml() -> Any:
@@ -104,7 +131,7 @@ class BaseConfig:
     distributed_type: DistributedType | SageMakerDistributedType  # NO, MULTI_GPU, FSDP, ...
     mixed_precision: str  # no, fp16, bf16 or fp8
     use_cpu: bool  # CPU ranks even where there are GPUs
-    debug: bool  # collectives check their shapes first (NBACCEL_DEBUG_MODE)
+    debug: bool  # collectives check their shapes first (ACCELERATE_DEBUG_MODE)
 
     def __post_init__(self) -> None:
         if isinstance(self.compute_environment, str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nbaccel.launch.options.accelerate_env import accelerate_environment
 from nbaccel.launch.options.spec import Front, option
 from nbaccel.values.booleans import parse_bool
 
@@ -57,7 +58,4 @@ def megatron_environment(given: Mapping[str, Any], use: bool) -> dict[str, str]:
         )
     if not use:
         return {}
-    env = {"ACCELERATE_USE_MEGATRON_LM": "true"}
-    for name, value in given.items():
-        env["MEGATRON_LM_" + name[len(PREFIX) :].upper()] = str(value)
-    return env
+    return accelerate_environment({"use_megatron_lm": True, **given})

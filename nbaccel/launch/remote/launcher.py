@@ -29,6 +29,7 @@ from nbaccel.launch.launchers.forkserver.kernel_modules import (
     PreloadSetting,
     preload_setting,
 )
+from nbaccel.launch.options.accelerate_env import is_contract_variable
 from nbaccel.launch.remote.hosts import Host
 from nbaccel.launch.remote.messages import Kind
 from nbaccel.launch.remote.options import RemoteOptions
@@ -370,17 +371,22 @@ class RemoteLauncher(ProcessLauncher):
 
 
 _RANK_VARIABLES = frozenset(
-    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"}
-)
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+     "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE"}
+)  # fmt: skip
 
 
 def _launch_variables(env: dict[str, str]) -> dict[str, str]:
     """What the launch set in a rank's environment (the rest is the host's own): the rank's
-    variables, nbaccel's, and whatever differs from this kernel's environment."""
+    variables, nbaccel's, Accelerate's launch contract, and whatever differs from this kernel's
+    environment."""
     return {
         k: v
         for k, v in env.items()
-        if k in _RANK_VARIABLES or k.startswith("NBACCEL_") or os.environ.get(k) != v
+        if k in _RANK_VARIABLES
+        or k.startswith("NBACCEL_")
+        or is_contract_variable(k)
+        or os.environ.get(k) != v
     }
 
 

@@ -24,6 +24,7 @@ from IPython.utils.process import arg_split
 
 from nbaccel.distributed.host_info import check_fp8_launch
 from nbaccel.launch.launchers.forkserver.launcher import warm_up
+from nbaccel.launch.options.accelerate_env import accelerate_environment
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.launch.wire.errors import LaunchTimeout, add_to_message
 from nbaccel.notebook.kernel import pool as pool_module
@@ -179,8 +180,7 @@ class DistributedMagics(Magics):
         pool = self._ensure_pool(request, renderer)
         with _bad_input_is_usage():
             ranks = parse_ranks(args.ranks, pool.num_processes)
-        env = {"NBACCEL_MIXED_PRECISION": request.mixed_precision} if args.mixed_precision else {}
-        env = {**env, **request.rank_environment()} or None  # --parallelism_config_*
+        env = self._cell_environment(args, request) or None
         ok = False
         try:
             values = pool.run_cell(cell, ranks, push, request.timeout, filename, 2, env, renderer)
@@ -201,6 +201,19 @@ class DistributedMagics(Magics):
         finally:
             renderer.finish(ok)
         _show_values(renderer, values)
+
+    @staticmethod
+    def _cell_environment(args: Namespace, request: LaunchRequest) -> dict[str, str]:
+        """Accelerate's launch variables for what this cell's line asked (``--mixed_precision``,
+        ``--parallelism_config_*``): set on the pool's ranks for this cell only."""
+        settings = {
+            name: value
+            for name, value in request.accelerate_settings().items()
+            if name.startswith("parallelism_config_") or name.startswith("megatron_lm_")
+        }
+        if args.mixed_precision:
+            settings["mixed_precision"] = request.mixed_precision
+        return accelerate_environment(settings)
 
     def _register_source(self, line: str, cell: str) -> str:
         """Put the cell in the notebook's linecache so the ranks' tracebacks show its lines."""

@@ -149,7 +149,7 @@ def accumulation_plugin(
     plugin: GradientAccumulationPlugin | None, steps: int
 ) -> GradientAccumulationPlugin:
     """The Accelerator's accumulation settings: the plugin, or ``steps`` (or the launcher's
-    ``NBACCEL_GRADIENT_ACCUMULATION_STEPS`` when left at 1); both at once is refused."""
+    ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` when left at 1); both at once is refused."""
     if plugin is not None:
         if steps != 1:
             raise ValueError(
@@ -157,7 +157,7 @@ def accumulation_plugin(
                 "both (set num_steps on the plugin)."
             )
         return plugin
-    env_steps = os.environ.get("NBACCEL_GRADIENT_ACCUMULATION_STEPS")
+    env_steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     if steps == 1 and env_steps:
         steps = int(env_steps)
     return GradientAccumulationPlugin(num_steps=steps)

@@ -85,13 +85,13 @@ class CustomDtype(Enum):
 
 
 def _env(name: str) -> str | None:
-    return os.environ.get(f"NBACCEL_{name}", os.environ.get(f"ACCELERATE_{name}"))
+    return os.environ.get(f"ACCELERATE_{name}")
 
 
 @dataclass
 class TorchDynamoPlugin:
     """How ``Accelerator.prepare`` compiles models with ``torch.compile``. Unset fields come
-    from ``NBACCEL_DYNAMO_*`` (or ``ACCELERATE_DYNAMO_*``) variables."""
+    from the launch's ``ACCELERATE_DYNAMO_*`` variables."""
 
     backend: DynamoBackend | str | None = None
     mode: str | None = None
@@ -128,9 +128,7 @@ class TorchDynamoPlugin:
     def to_kwargs(self) -> dict[str, Any]:
         """Only the options that differ from a plugin built with no ``*_DYNAMO_*`` variables
         (what a ``KwargsHandler`` returns): the explicit choices of this run."""
-        variables = [
-            k for k in os.environ if k.startswith(("NBACCEL_DYNAMO_", "ACCELERATE_DYNAMO_"))
-        ]
+        variables = [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]
         saved = {k: os.environ.pop(k) for k in variables}
         try:
             default = type(self)().to_dict()

@@ -1,6 +1,6 @@
 """How ``Accelerator.prepare`` compiles a model: ``dynamo_backend=`` or a ``TorchDynamoPlugin``
 (its backend, mode, fullgraph, dynamic, options and ``use_regional_compilation``), or the
-launcher's ``NBACCEL_DYNAMO_*`` variables. Every field is applied; none is read and dropped.
+launcher's ``ACCELERATE_DYNAMO_*`` variables. Every field is applied; none is read and dropped.
 Plus the one line that says what a prepared model runs with (precision and compilation)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Compilation:
     Args:
         dynamo_backend: ``Accelerator(dynamo_backend=...)`` (wins over the plugin's backend).
         plugin: a ``TorchDynamoPlugin`` (or a dict of its fields), or None (then the launcher's
-            ``NBACCEL_DYNAMO_BACKEND`` / ``NBACCEL_DYNAMO_USE_REGIONAL_COMPILATION`` variables).
+            ``ACCELERATE_DYNAMO_BACKEND`` / ``..._USE_REGIONAL_COMPILATION`` variables).
     """
 
     def __init__(self, dynamo_backend: Any = None, plugin: Any = None) -> None:
@@ -36,11 +36,12 @@ class Compilation:
         self.backend = _backend_name(
             dynamo_backend
             or (get("backend") if plugin is not None else None)
-            or env("NBACCEL_DYNAMO_BACKEND")
+            or env("ACCELERATE_DYNAMO_BACKEND")
         )
         regional = get("use_regional_compilation") if plugin is not None else None
         if regional is None:
-            regional = env("NBACCEL_DYNAMO_USE_REGIONAL_COMPILATION", "").lower() in ("1", "true")
+            word = env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "")
+            regional = word.lower() in ("1", "true")
         self.regional = bool(regional)
         self.options: dict[str, Any] = {}
         if plugin is not None:

@@ -110,7 +110,9 @@ class FullyShardedDataParallelPlugin:
     fp8_requested: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.fsdp_version = int(os.environ.get("FSDP_VERSION", self.fsdp_version))
+        launched = os.environ.get("FSDP_VERSION", "").strip()
+        if launched:  # a launch's FSDP_VERSION=1 is Accelerate's default: FSDP2 here (said)
+            self.fsdp_version = 2 if launched == "1" else int(launched)
         if self.fsdp_version == 1:
             raise NotImplementedError(
                 "fsdp_version=1 (FullyShardedDataParallel) is not supported by nbaccel: only FSDP2 "
@@ -294,7 +296,7 @@ class FullyShardedDataParallelPlugin:
                 options[field_name] = flag
         for field_name, env_name in (
             ("auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY"),
-            ("transformer_cls_names_to_wrap", "FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP"),
+            ("transformer_cls_names_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP"),
             ("state_dict_type", "FSDP_STATE_DICT_TYPE"),
         ):
             if os.environ.get(env_name):
