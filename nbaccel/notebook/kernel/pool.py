@@ -51,7 +51,6 @@ __all__ = [
 ]
 
 _MPL_BACKEND = "module://nbaccel.notebook.rank.mpl_backend"
-_END_SEEN = 5.0  # s for the launcher to report a rank whose connection was found closed
 # the options that say where a pool's ranks run (its hosts and how their agents start)
 _HOST_OPTIONS = tuple(
     name for name in LaunchRequest.options(Front.REMOTE) if name != "num_processes"
@@ -266,14 +265,8 @@ class Pool:
                     group = self._lost_before_call(group)
                     call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
                 try:
-                    report = run_call(
-                        group,
-                        call_id,
-                        targets,
-                        timeout,
-                        POOL,
-                        lambda: interrupt.count > 0 or self._ended_by is not None,
-                    )
+                    stop = lambda: interrupt.count > 0 or self._ended_by is not None  # noqa: E731
+                    report = run_call(group, call_id, targets, timeout, POOL, stop)
                 finally:
                     group.release_shared()
             ended = self._ended_by
@@ -317,17 +310,12 @@ class Pool:
             return group
 
     def _lost_before_call(self, group: WorkerGroup) -> WorkerGroup:
-        """A rank's connection was closed when the call was sent to it: the rank ended just
-        before the cell, before its launcher said so. Restart the pool (as for a rank that
-        exited while idle); the new group, for the call to be sent again."""
+        """A rank ended just before the cell (its connection closed, its launcher has not said
+        so yet): restart the pool, as for a rank that exited while idle; the new group."""
         group.release_shared()
-        deadline = time.monotonic() + _END_SEEN
-        while group.alive() and time.monotonic() < deadline:  # its exit, to name the rank
-            group.pump(0.05)
         dead = [r for r in self.ranks if r not in pool_status.alive_ranks(group)]
         self.restart(reason=f"rank(s) {dead or 'of the pool'} ended before this cell")
-        assert self.group is not None
-        return self.group
+        return self.group  # type: ignore[return-value]
 
     def _recover(self, report: Any, renderer: Renderer) -> None:
         """After an unfinished call: restart the pool when ranks are stuck or gone."""
@@ -364,15 +352,9 @@ class Pool:
         __tracebackhide__ = True
         if push:
             self.push(push, ranks=ranks, renderer=renderer)
+        cell = (source, filename, first_line, env)
         return self.call(
-            pool_worker.run_cell,
-            source,
-            filename,
-            first_line,
-            env,
-            ranks=ranks,
-            timeout=timeout,
-            renderer=renderer,
+            pool_worker.run_cell, *cell, ranks=ranks, timeout=timeout, renderer=renderer
         )
 
     def push(
