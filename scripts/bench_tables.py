@@ -98,6 +98,22 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "Preparation and forward with blocks on disk, against the in-memory model and "
         "accelerate's disk offload; outputs checked identical.",
     ),
+    "load.json": (
+        "Loading a 1B checkpoint onto the CPU",
+        "python benchmarks/bench_load.py",
+        "A 1B Llama (fp32, 4 safetensors shards, in the page cache) loaded in fresh processes, "
+        "medians of 3: the load call, load + one forward (which touches every weight) and peak "
+        "RSS, fp32 / bf16 / nf4 / int8 and half the layers on disk, beside transformers' "
+        "`from_pretrained` (`BitsAndBytesConfig` for nf4 and int8) and Accelerate's "
+        "`init_empty_weights` + `load_checkpoint_and_dispatch`; logits and quantized weights "
+        "checked equal to transformers'.",
+    ),
+    "load_gpu.json": (
+        "Loading a checkpoint onto a GPU",
+        "python benchmarks/bench_load.py --gpu --size 0.5b --modes fp32,bf16",
+        "The same comparison onto cuda:0: nbaccel streams the mapped shards through pinned "
+        "staging buffers.",
+    ),
     "widgets.json": (
         "Progress bars and memory monitor",
         "python benchmarks/bench_widgets.py",

@@ -82,6 +82,12 @@ LANES = [
         ci_limit_s=1500,
     ),
     Lane(
+        "hf",
+        "Accelerate's launch contract and Trainer/PEFT/TRL vs accelerate launch",
+        ci_env={"TORCH_EXTENSIONS_DIR": CI_EXTENSIONS},
+        ci_limit_s=1200,
+    ),
+    Lane(
         "lowbit",
         "8-bit and nf4 Llama vs transformers (CI: the small Llama)",
         ci_env={"NBACCEL_LOWBIT_SIZE": "small"},

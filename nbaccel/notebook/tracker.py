@@ -13,25 +13,14 @@ Importing this module registers the tracker; ``nbaccel/__init__.py`` does, so
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from nbaccel.launch.rank.worker import emit, on_worker
-from nbaccel.notebook.events import METRICS, MetricsUpdate
+from nbaccel.launch.rank.worker import on_worker
+from nbaccel.notebook.rank.metrics_sender import MetricsSender, scalars
 from nbaccel.training.tracking.registry import register_tracker_class
 from nbaccel.training.tracking.trackers import GeneralTracker
 
 __all__ = ["NotebookTracker"]
-
-
-def _scalars(values: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for key, value in values.items():
-        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-            value = value.item()
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out[key] = float(value)
-    return out
 
 
 def _in_kernel() -> bool:
@@ -51,13 +40,11 @@ class NotebookTracker(GeneralTracker):
     def __init__(self, run_name: str = "run", interval: float = 1.0, **kwargs: Any) -> None:
         super().__init__(run_name)
         self.interval = interval
-        self._pending: list[tuple[float, dict[str, float]]] = []
-        self._sent_at = 0.0
         self._steps = 0
-        self._remote = on_worker()
+        self._sender = MetricsSender(run_name, interval) if on_worker() else None
         self.plot = None
         self._handle = None
-        if not self._remote:
+        if self._sender is None:
             from nbaccel.notebook.kernel.widgets.metrics import MetricsPlot
 
             self.plot = MetricsPlot(run_name, interval)
@@ -67,17 +54,15 @@ class NotebookTracker(GeneralTracker):
         return self.plot
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        scalars = _scalars(values)
-        if not scalars:
+        numbers = scalars(values)
+        if not numbers:
             return
         point = float(self._steps if step is None else step)
         self._steps += 1
-        if self._remote:
-            self._pending.append((point, scalars))
-            if time.monotonic() - self._sent_at >= self.interval:
-                self._send()
+        if self._sender is not None:
+            self._sender.add(point, numbers)
             return
-        self.plot.add(scalars, point)
+        self.plot.add(numbers, point)
         if self.plot.widget is None and _in_kernel():
             from IPython.display import display
 
@@ -86,15 +71,9 @@ class NotebookTracker(GeneralTracker):
             self._handle = display(bundle, raw=True, display_id=True)
         self.plot.refresh()
 
-    def _send(self, final: bool = False) -> None:
-        if self._pending or final:
-            emit(METRICS, MetricsUpdate(self.run_name, self._pending, final))
-        self._pending = []
-        self._sent_at = time.monotonic()
-
     def finish(self) -> None:
-        if self._remote:
-            self._send(final=True)
+        if self._sender is not None:
+            self._sender.flush(final=True)
             return
         if self.plot is None or not self.plot.history:
             return

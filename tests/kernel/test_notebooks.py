@@ -104,3 +104,15 @@ def test_widgets_notebook_stores_live_widgets():
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     bars = [m["state"] for m in state.values() if m["model_name"] == "FloatProgressModel"]
     assert bars and any(b.get("value") == b.get("max") for b in bars)
+
+
+def test_transformers_trainer_notebook():
+    texts = _run("transformers_trainer.ipynb")
+    assert "391 blocks of 64 bytes; a Llama with 361,088 parameters" in texts[0]
+    assert "[rank 0] 100%" in texts[2] and "60/60" in texts[2]  # the Trainer's bar, rank 0's
+    assert "[rank 1] 100%" not in texts[2]  # one run on 2 ranks: rank 1 shows no bar
+    assert "Trainer: 12 logged steps; last: loss=" in texts[2]  # the metrics plot
+    first, last = (float(v) for v in texts[3].split("loss went from ")[1].split()[0:3:2])
+    assert last < first - 1.0  # a byte-level model starts near ln 256 and learns the text
+    generated = texts[3].split("\n", 1)[1]
+    assert generated.startswith("The fork server ") and len(generated.strip()) > 40

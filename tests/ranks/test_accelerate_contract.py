@@ -1,7 +1,12 @@
 """Accelerate's launch contract: what a rank sees under ``nbaccel launch`` is what it sees under
 ``accelerate launch`` for the same config file, variable by variable, and transformers'
 ``Trainer`` (plain, PEFT LoRA, TRL ``SFTTrainer``) trains the same under both, and under
-``notebook_launcher`` and ``%%distributed``. Real launchers, real libraries, 2 CPU ranks."""
+``notebook_launcher`` and ``%%distributed``. Real launchers, real libraries, 2 CPU ranks.
+
+The default suite runs the table, the refusals, two configs' parity and the Trainer under
+``notebook_launcher``; the rest (six more configs, the Trainer under ``nbaccel launch``, the FSDP
+and DeepSpeed config files, a ``%%distributed`` cell) is the ``hf`` lane (``scripts/test-hf``,
+NBACCEL_HF_FULL=1): each is a pair of 2-rank launches of transformers, a minute or more here."""
 
 from __future__ import annotations
 
@@ -21,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "accelerate_configs"
 TRAINER = ROOT / "tests" / "_hf_trainer.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
+#: the hf lane's cases (scripts/test-hf); the default suite keeps one of each kind
+lane = pytest.mark.skipif(
+    os.environ.get("NBACCEL_HF_FULL") != "1",
+    reason="long: pairs of transformers launches (run scripts/test-hf)",
+)
 
 DUMP = """\
 import json, os, sys
@@ -128,8 +138,9 @@ def test_without_config_file_the_one_accelerate_config_wrote_is_read_and_named(
 # ---------------------------------------------------------------------------- parity
 @pytest.mark.parametrize(
     "config",
-    ["ddp_bf16", "fsdp", "deepspeed_zero2_cpu", "deepspeed_json", "deepspeed_grad_acc",
-     "parallelism", "dynamo", "megatron"],
+    ["ddp_bf16", "fsdp",
+     *(pytest.param(name, marks=lane) for name in ("deepspeed_zero2_cpu", "deepspeed_json",
+       "deepspeed_grad_acc", "parallelism", "dynamo", "megatron"))],
 )  # fmt: skip
 def test_a_rank_sees_what_accelerate_launch_gives_it(configs: Path, config: str) -> None:
     _accelerate(configs, "--config_file", f"{config}.yaml", "dump.py", str(configs / "acc"))
@@ -172,6 +183,7 @@ def accelerate_bf16(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return _trainer_records(folder / "t")
 
 
+@lane
 def test_trainer_peft_and_trl_train_in_bf16_under_nbaccel_launch(configs, accelerate_bf16):
     _nbaccel(configs, "--config_file", "ddp_bf16.yaml", str(TRAINER), str(configs / "t"),
              "plain,peft,trl")  # fmt: skip
@@ -188,6 +200,7 @@ def test_trainer_peft_and_trl_train_in_bf16_under_notebook_launcher(tmp_path, ac
     _same_training(accelerate_bf16, _trainer_records(tmp_path / "t"), "bf16", "MULTI_CPU")
 
 
+@lane
 def test_trainer_with_the_fsdp_config_trains_bf16_ddp_and_says_so(configs: Path) -> None:
     _accelerate(configs, "--config_file", "fsdp.yaml", str(TRAINER), str(configs / "a"))
     result = _nbaccel(configs, "--config_file", "fsdp.yaml", str(TRAINER), str(configs / "n"))
@@ -198,8 +211,23 @@ def test_trainer_with_the_fsdp_config_trains_bf16_ddp_and_says_so(configs: Path)
                    "MULTI_CPU")  # fmt: skip
 
 
-def test_trainer_with_a_deepspeed_config_with_use_cpu_runs_deepspeed(configs: Path) -> None:
+@pytest.fixture(scope="module")
+def shared_memory_op(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Accelerate runs DeepSpeed as it ships: each rank loads DeepSpeed's shared-memory op, a JIT
+    build (a minute or two, once per extensions folder). Built here first, in one process, so
+    the two ranks of the launch load it instead of racing to build it."""
     pytest.importorskip("deepspeed")
+    build = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+             "ShareMemCommBuilder().load(verbose=False)")  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-c", build], check=True, env=env, timeout=900,
+                   capture_output=True)  # fmt: skip
+
+
+@lane
+def test_trainer_with_a_deepspeed_config_with_use_cpu_runs_deepspeed(
+    configs: Path, shared_memory_op: None
+) -> None:
     _accelerate(configs, "--config_file", "deepspeed_zero2_cpu.yaml", str(TRAINER),
                 str(configs / "a"))  # fmt: skip
     _nbaccel(configs, "--config_file", "deepspeed_zero2_cpu.yaml", str(TRAINER),
@@ -208,6 +236,7 @@ def test_trainer_with_a_deepspeed_config_with_use_cpu_runs_deepspeed(configs: Pa
                    "DEEPSPEED")  # fmt: skip
 
 
+@lane
 def test_trainer_in_a_distributed_cell_with_mixed_precision(tmp_path, accelerate_bf16) -> None:
     from kernel import cell_errors, run_notebook
 

@@ -8,6 +8,15 @@ loading error lists the missing and unexpected keys. Files, indexes and tied nam
 are filled from whichever name the checkpoint has and stay tied. Disk-mapped tensors from
 safetensors are indexed in place, not copied; from ``.bin`` they are written once as safetensors
 into ``offload_folder``.
+
+What is mapped and what is copied: a safetensors tensor bound for the CPU in the dtype it is
+stored in becomes the parameter as it is, a view of the file's private memory map (its pages are
+read when first touched, shared with the page cache, copied only if written to). A tensor whose
+dtype changes is cast from the mapping into new memory and its mapped pages are released. A
+tensor bound for a GPU is streamed through pinned staging buffers (:class:`HostToDevice`), its
+mapped pages released after. A load that fails (a corrupt or truncated file, a shape that does
+not fit, a file changed while it was read) puts back every tensor it had replaced, so no
+half-loaded model is left in use.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from torch import nn
 
 from nbaccel.bigmodel import offload as _offload
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
+from nbaccel.bigmodel.loading.host_to_device import HostToDevice
 from nbaccel.bigmodel.offload import save_offload_index
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.planning.device_map import _lookup, get_device_map
@@ -120,12 +130,17 @@ def _load_checkpoint(
     load = _CheckpointLoad(
         model, checkpoint, device_map or {"": "cpu"}, dtype, keep_fp32, offload_buffers
     )
-    files, opened = load.open_files()
-    load.check_keys(files, strict)
-    for path, keys in files.items():
-        handle = opened.pop(path, None) or open_weights(path)
-        load.write_bin_offload(path, load.load_file(path, keys, handle), offload_folder)
-        del handle
+    try:
+        files, opened = load.open_files()
+        load.check_keys(files, strict)
+        for path, keys in files.items():
+            handle = opened.pop(path, None) or open_weights(path)
+            load.write_bin_offload(path, load.load_file(path, keys, handle), offload_folder)
+            del handle
+        load.finish_transfers()
+    except BaseException:
+        load.put_back()  # nothing half-loaded stays in the model
+        raise
     load.record_disk_index(offload_folder)
     return load
 
@@ -171,13 +186,23 @@ class _CheckpointLoad:
         self.unexpected: list[str] = []
         self.disk_index: dict[str, dict] = {}
         self.placed: set[str] = set()
+        self.replaced: dict[tuple[int, str], tuple[nn.Module, str, bool, torch.Tensor]] = {}
+        self.streams: dict[torch.device, HostToDevice] = {}
 
     def open_files(self) -> tuple[dict[str, list[str]], dict[str, SafetensorsFile | Mapping]]:
         """Every file and its keys (files without an index entry are opened to list them)."""
         files = checkpoint_files(self.checkpoint)
         opened: dict[str, SafetensorsFile | Mapping[str, torch.Tensor]] = {}
         for path, keys in files.items():
-            if keys is None:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"Checkpoint {str(self.checkpoint)!r}: its index puts {_fmt(keys or [], 3)} "
+                    f"in {path}, which does not exist (a shard not downloaded or copied?)."
+                )
+            if path.endswith(".safetensors"):
+                opened[path] = open_weights(path)  # every header checked before loading
+                files[path] = keys if keys is not None else list(opened[path].keys())
+            elif keys is None:
                 opened[path] = open_weights(path)
                 files[path] = list(opened[path].keys())
         return files, opened
@@ -233,6 +258,11 @@ class _CheckpointLoad:
         for key in keys:
             if key not in self.owners or key in self.placed:
                 continue
+            if isinstance(handle, SafetensorsFile) and key not in handle.entries:
+                raise CheckpointMismatchError(
+                    f"Cannot load {str(self.checkpoint)!r}: its index puts {key!r} in {path}, "
+                    f"which does not hold it; {self.problem}."
+                )
             try:
                 self._load_tensor(path, key, handle, to_write)
             except CheckpointMismatchError as err:
@@ -243,7 +273,45 @@ class _CheckpointLoad:
                 raise RuntimeError(
                     f"Loading {key!r} from {path} failed ({err}); {self.problem}."
                 ) from err
+        if isinstance(handle, SafetensorsFile):
+            handle.check_unchanged()  # rewritten while read: its views may mix two files
         return to_write
+
+    def _value(self, key: str, handle: Any, device: int | str, target: torch.dtype):
+        """The tensor ``key`` on ``device`` as ``target``: the mapped bytes themselves when they
+        can be used as stored (CPU, same dtype), else a cast or a streamed copy."""
+        torch_device = to_torch_device(device)
+        if not isinstance(handle, SafetensorsFile):
+            src = handle[key]
+            value = src.to(torch_device, dtype=target)
+            if value.data_ptr() == src.data_ptr():
+                value = value.clone()  # do not keep the memory-mapped .bin file alive
+            return value
+        src = handle.view(key)
+        if torch_device.type == "cpu":
+            if src.dtype == target:
+                return src  # zero-copy: the parameter is the mapped file
+            value = src.to(target)
+        else:
+            stream = self.streams.get(torch_device)
+            if stream is None:
+                stream = self.streams[torch_device] = HostToDevice(torch_device)
+            value = stream.copy(src, target)
+        handle.advise(key, populate=False)  # copied: its mapped pages leave this process
+        return value
+
+    def finish_transfers(self) -> None:
+        """Wait for the streamed copies (the model may be used once this returns)."""
+        for stream in self.streams.values():
+            stream.finish()
+        self.streams.clear()
+
+    def put_back(self) -> None:
+        """Restore every tensor this load replaced (after a failure)."""
+        self.finish_transfers()
+        for mod, leaf, is_param, old in self.replaced.values():
+            (mod._parameters if is_param else mod._buffers)[leaf] = old
+        self.replaced.clear()
 
     def _load_tensor(self, path: str, key: str, handle: Any, to_write: dict) -> None:
         mod, leaf, is_param = self.owners[key]
@@ -251,25 +319,28 @@ class _CheckpointLoad:
         stored_shape, stored_dtype = _shape_dtype(handle, key)
         if tuple(stored_shape) != tuple(current.shape):
             raise CheckpointMismatchError(
-                f"{key!r} has shape {list(stored_shape)} in the checkpoint but "
+                f"{key!r} has shape {list(stored_shape)} in {path} but "
                 f"{list(current.shape)} in the model"
             )
         target = _target_dtype(key, stored_dtype, current.dtype, self.dtype, self.keep_fp32)
         group = self.tied.get(key, [key])
-        src = None
         for device, names in self._devices_of(group, is_param).items():
+            self._remember(names)
             if device == "disk":
                 self._map_to_disk(path, key, handle, names, target, list(stored_shape), to_write)
                 meta = current if current.device.type == "meta" else current.to("meta")
                 _assign(self.owners, names, meta)
                 continue
-            if src is None:
-                src = handle.read(key) if isinstance(handle, SafetensorsFile) else handle[key]
-            value = src.to(to_torch_device(device), dtype=target)
-            if not isinstance(handle, SafetensorsFile) and value.data_ptr() == src.data_ptr():
-                value = value.clone()  # do not keep the memory-mapped .bin file alive
-            _assign(self.owners, names, value)
+            _assign(self.owners, names, self._value(key, handle, device, target))
         self.placed.update(group)
+
+    def _remember(self, names: list[str]) -> None:
+        for name in names:
+            mod, leaf, is_param = self.owners[name]
+            slot = (id(mod), leaf)
+            if slot not in self.replaced:
+                old = mod._parameters[leaf] if is_param else mod._buffers[leaf]
+                self.replaced[slot] = (mod, leaf, is_param, old)
 
     def _devices_of(self, group: list[str], is_param: bool) -> dict[int | str, list[str]]:
         """The names of a tied group by device (a user map may split a group across devices)."""

@@ -6,14 +6,19 @@ Order: every check first (config, backend installed and recent enough, checkpoin
 device map a quantized model can follow), then the swap of the linears (bitsandbytes layers on
 ``meta``), then one pass over the checkpoint: each float weight of a quantized layer is cast to
 ``torch_dtype`` and quantized on the device that computes it (or quantized on the CPU and written
-to the offload folder), every other tensor is cast and placed. Peak memory: the quantized model
-plus one float tensor.
+to the offload folder), every other tensor is cast and placed. Tensors are read as views of the
+mapped safetensors files (a tensor kept as stored is the file's bytes, not a copy); weights are
+quantized on several threads at once (bitsandbytes quantizes one tensor on one core) and their
+mapped pages released once quantized. Peak memory: the quantized model plus the few weights in
+flight. A load that fails leaves every tensor it placed on ``meta``: no half-loaded model.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -54,17 +59,49 @@ def _declared_devices(device_map: Any) -> set[Any]:
 
 
 def _tensors(
-    weights_location: Any, in_memory: Mapping[str, torch.Tensor] | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, float tensor) for every tensor of the checkpoint (or the model's own tensors)."""
+    weights_location: Any, in_memory: Mapping[str, torch.Tensor] | None, opened: list
+) -> Iterator[tuple[str, torch.Tensor, str, Callable[[], None] | None]]:
+    """(name, tensor, file, release of its mapped pages) for every tensor of the checkpoint (or
+    the model's own tensors). Safetensors tensors are views of the mapped file (no copy); every
+    file's header is checked before the first tensor is read, and each opened file is appended
+    to ``opened``."""
     if in_memory is not None:
-        yield from in_memory.items()
+        for key, tensor in in_memory.items():
+            yield key, tensor, "the model's own tensors", None
         return
-    for path, keys in checkpoint_files(weights_location).items():
-        handle = open_weights(path)
+    files = checkpoint_files(weights_location)
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"Checkpoint {str(weights_location)!r}: its index names {path}, which does not "
+                "exist (a shard not downloaded or copied?)."
+            )
+        if path.endswith(".safetensors"):
+            opened.append(open_weights(path))  # a truncated or corrupt header fails here
+    safetensors = iter([h for h in opened if isinstance(h, SafetensorsFile)])
+    for path, keys in files.items():
+        handle = next(safetensors) if path.endswith(".safetensors") else open_weights(path)
         for key in keys if keys is not None else list(handle.keys()):
-            yield key, handle.read(key) if isinstance(handle, SafetensorsFile) else handle[key]
-        del handle
+            if isinstance(handle, SafetensorsFile) and key not in handle.entries:
+                raise CheckpointMismatchError(
+                    f"Checkpoint {str(weights_location)!r}: its index puts {key!r} in {path}, "
+                    "which does not hold it."
+                )
+            if isinstance(handle, SafetensorsFile):
+                yield key, handle.view(key), path, _releaser(handle, key)
+            else:
+                yield key, handle[key], path, None
+
+
+def _releaser(handle: SafetensorsFile, key: str) -> Callable[[], None]:
+    """Drops a quantized weight's mapped pages from this process once it is quantized."""
+    return lambda: handle.advise(key, populate=False)
+
+
+def quantize_threads() -> int:
+    """Weights quantized at once: bitsandbytes' CPU quantization runs one core per tensor."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores or 1))
 
 
 class _QuantizedLoad:
@@ -88,19 +125,43 @@ class _QuantizedLoad:
     def _float_dtype(self, owner: str) -> torch.dtype:
         return torch.float32 if matches_module(owner, self.keep_fp32) else self.config.torch_dtype
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
+    def put(
+        self, key: str, tensor: torch.Tensor, path: str, release: Callable[[], None] | None = None
+    ) -> Callable[[], None] | None:
+        """Place ``key``; a weight to quantize is returned as the work to run (on a thread)."""
         if key not in self.owners:
             self.unexpected.append(key)
-            return
+            return None
         if key in self.placed:
-            return
+            return None
+        mod, leaf, is_param = self.owners[key]
+        expected = (mod._parameters[leaf] if is_param else mod._buffers[leaf]).shape
+        if tuple(tensor.shape) != tuple(expected) and not _packed(mod, leaf):
+            raise CheckpointMismatchError(
+                f"{key!r} has shape {list(tensor.shape)} in {path} but {list(expected)} in "
+                f"{type(self.model).__name__}: use the checkpoint saved from this model."
+            )
         names = [n for n in self.ties.get(key, [key]) if n in self.owners]
         self.placed.update(names)
         owner, _, leaf = key.rpartition(".")
         device = _lookup(key, self.device_map)
         if owner in self.quantized and leaf == "weight":
-            self._put_quantized(key, owner, tensor.to(self.config.torch_dtype), device)
-            return
+            value = tensor.to(self.config.torch_dtype)
+            if self.config.backend == "bitsandbytes" and not self._offloaded(device):
+                module = self.model.get_submodule(owner)
+                target = to_torch_device(device)
+
+                def quantize() -> None:
+                    try:
+                        module._parameters["weight"] = quantize_weight(module, value, target)
+                        if release is not None:
+                            release()
+                    except Exception as err:
+                        raise RuntimeError(f"Quantizing {key!r} from {path} failed: {err}") from err
+
+                return quantize
+            self._put_quantized(key, owner, value, device)
+            return None
         if tensor.is_floating_point():
             tensor = tensor.to(self._float_dtype(owner))
         mod, leaf, is_param = self.owners[key]
@@ -114,6 +175,21 @@ class _QuantizedLoad:
             target = self.main if device in ("disk", "cpu") else device
             value = tensor.to(to_torch_device(target))
         self._assign(names, value)
+        return None
+
+    def reset(self) -> None:
+        """After a failure: every tensor this load placed back on ``meta`` (no data), so no
+        half-loaded model can be used."""
+        for name in self.placed:
+            mod, leaf, is_param = self.owners[name]
+            old = mod._parameters[leaf] if is_param else mod._buffers[leaf]
+            if old is None or old.device.type == "meta":
+                continue
+            meta = torch.empty(old.shape, dtype=old.dtype, device="meta")
+            if is_param:
+                mod._parameters[leaf] = nn.Parameter(meta, requires_grad=False)
+            else:
+                mod._buffers[leaf] = meta
 
     def _assign(self, names: list[str], value: torch.Tensor) -> None:
         shared = None
@@ -236,8 +312,11 @@ def load_and_quantize_model(
     )
     check_quantized_placement(config, plan, quantized, offload_folder)
     load = _QuantizedLoad(model, config, plan, quantized, keep_fp32, offload_folder)
-    for key, tensor in _tensors(weights_location, in_memory):
-        load.put(key, tensor)
+    try:
+        _load_all(load, _tensors(weights_location, in_memory, opened := []), opened)
+    except BaseException:
+        load.reset()
+        raise
     del in_memory
     load.check_complete(weights_location or "the model's own tensors")
     _mark(model, config)
@@ -254,6 +333,35 @@ def load_and_quantize_model(
         )
     model.hf_device_map = dict(plan)
     return model
+
+
+def _load_all(load: _QuantizedLoad, tensors: Iterator, opened: list) -> None:
+    """Every tensor placed; the weights to quantize on :func:`quantize_threads` threads, a few
+    in flight each (peak memory: the quantized model plus those weights' temporaries)."""
+    threads = quantize_threads()
+    with ThreadPoolExecutor(threads, thread_name_prefix="nbaccel-quantize") as pool:
+        pending: deque[Future] = deque()
+        try:
+            for key, tensor, path, release in tensors:
+                job = load.put(key, tensor, path, release)
+                if job is None:
+                    continue
+                pending.append(pool.submit(job))
+                while len(pending) > 2 * threads:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+    for handle in opened:
+        handle.check_unchanged()  # rewritten while read: the weights may mix two files
+
+
+def _packed(module: nn.Module, leaf: str) -> bool:
+    """A weight whose placeholder is already quantized (its shape is the packed one)."""
+    weight = module._parameters.get(leaf)
+    return leaf == "weight" and getattr(weight, "quant_state", None) is not None
 
 
 def _mark(model: nn.Module, config: Any) -> None:

@@ -2,27 +2,29 @@
 
 :func:`install_progress_bridge` (run in each worker before the user's code) swaps tqdm's classes
 (``tqdm.tqdm``, ``tqdm.std``, ``tqdm.auto``, ``tqdm.notebook``, ``tqdm.asyncio``, and ``trange``
-through them) for :class:`RankTqdm`. A ``RankTqdm`` writes nothing to the worker's streams (no
-``\\r`` text reaches the notebook); instead it sends ``ProgressUpdate`` events, at most one per
-``MIN_INTERVAL`` per bar. An update skipped by that limit is sent later by a small flusher
-thread, and the final state (exact n, total, elapsed, rate) is always sent when the bar closes.
-Disabled bars send nothing.
+through them) for :class:`RankTqdm`, and the name ``tqdm`` in modules imported earlier (a fork
+server preloads the notebook's libraries before the bridge exists) that bound tqdm's own class
+(``from tqdm.auto import tqdm``: transformers' Trainer progress bar). A ``RankTqdm`` writes
+nothing to the worker's streams (no ``\\r`` text reaches the notebook); instead it sends
+``ProgressUpdate`` events, at most one per ``MIN_INTERVAL`` per bar. An update skipped by that
+limit is sent later by a small flusher thread, and the final state (exact n, total, elapsed,
+rate) is always sent when the bar closes. Disabled bars send nothing.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import itertools
 import sys
 import threading
 import time
+from types import ModuleType
 from typing import Any
 
 from tqdm.asyncio import tqdm_asyncio
 
 from nbaccel.launch.rank.worker import emit
 from nbaccel.notebook.events import PROGRESS, ProgressUpdate
+from nbaccel.notebook.rank.on_import import when_imported
 
 __all__ = ["MIN_INTERVAL", "RankTqdm", "install_progress_bridge"]
 
@@ -205,42 +207,12 @@ _TRANGES = {
 }
 
 
-def _patch(module: Any) -> None:
+def _patch(module: ModuleType) -> None:
     for name in _CLASSES.get(module.__name__, ()):
         setattr(module, name, RankTqdm)
     for name in _TRANGES.get(module.__name__, ()):
         if hasattr(module, name):
             setattr(module, name, _trange)
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        _patch(module)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Bridges tqdm front ends imported later (``tqdm.notebook``'s import is slow: never
-    eagerly)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in _CLASSES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
 
 
 class _Bridge:
@@ -252,6 +224,22 @@ class _Bridge:
 _bridge = _Bridge()
 
 
+def _rebind_imported(originals: set[type]) -> None:
+    """Modules imported before the bridge (preloaded by the fork server: transformers'
+    ``trainer_callback``, peft, datasets...) that bound tqdm's class with ``from tqdm.auto import
+    tqdm`` get the bridged one under that name (a few dict lookups per module)."""
+    for name, module in list(sys.modules.items()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict) or name == "tqdm" or name.startswith("tqdm."):
+            continue
+        bound = names.get("tqdm")
+        if isinstance(bound, type) and bound in originals:
+            names["tqdm"] = RankTqdm
+        bound = names.get("trange")
+        if callable(bound) and str(getattr(bound, "__module__", "")).split(".")[0] == "tqdm":
+            names["trange"] = _trange
+
+
 def install_progress_bridge() -> None:
     """Route every tqdm bar of this process to the notebook (idempotent)."""
     if _bridge.installed:
@@ -259,8 +247,12 @@ def install_progress_bridge() -> None:
     _bridge.installed = True
     import tqdm.std  # noqa: F401  (imported: patch the package and its modules now)
 
-    for name in _CLASSES:
-        module = sys.modules.get(name)
-        if module is not None:
-            _patch(module)
-    sys.meta_path.insert(0, _PatchOnImport())
+    originals = {
+        cls
+        for name in _CLASSES
+        if (module := sys.modules.get(name)) is not None
+        for attr in _CLASSES[name]
+        if isinstance(cls := getattr(module, attr, None), type)
+    }
+    when_imported(dict.fromkeys(_CLASSES, _patch))
+    _rebind_imported(originals)
