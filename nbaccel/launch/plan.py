@@ -56,6 +56,19 @@ CPU_DEFAULT_NUM_PROCESSES = {Front.LAUNCHER: 1, Front.MAGIC: 2, Front.TESTING: 2
 # is run anyway, with a warning naming both).
 
 
+def _contract_request(
+    request: LaunchRequest, remote: RemoteOptions | None, xla: bool, gpus: int
+) -> LaunchRequest:
+    """The request whose settings the ranks' Accelerate variables carry. Local ranks on a machine
+    without a GPU are CPU ranks whether or not ``cpu=True`` was passed, and say so as
+    ``accelerate launch --cpu`` would (``ACCELERATE_USE_CPU``): without it, Accelerate's own
+    ``Accelerator`` and transformers' ``Trainer`` take each rank for a world of one and train
+    independent copies."""
+    if request.cpu or remote is not None or xla or gpus:
+        return request
+    return dataclasses.replace(request, cpu=True)
+
+
 def default_num_processes(front: Front, cpu: bool = False, xla: bool = False) -> int:
     """How many ranks ``front`` starts when ``num_processes`` is not given."""
     if xla:
@@ -206,10 +219,11 @@ class LaunchPlan:
         request = request or LaunchRequest()
         if front == Front.MAGIC and request.mixed_precision != "no":
             request = dataclasses.replace(request, mixed_precision="no")  # a cell's, not the pool's
-        if front != Front.MAGIC:  # a pool's cells each bring theirs
-            extra_env = {**request.rank_environment(), **(extra_env or {})}
         remote = remote or request.remote
         gpus = torch.cuda.device_count()
+        if front != Front.MAGIC:  # a pool's cells each bring theirs
+            extra_env = {**_contract_request(request, remote, xla, gpus).rank_environment(),
+                         **(extra_env or {})}  # fmt: skip
         cpu = request.cpu or (front == Front.MAGIC and gpus == 0)
         if remote is not None:
             return cls._create_remote(front, request, remote, cpu, xla, extra_env)

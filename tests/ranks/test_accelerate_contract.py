@@ -135,6 +135,27 @@ def test_without_config_file_the_one_accelerate_config_wrote_is_read_and_named(
         assert env["RANK"] == str(rank)
 
 
+def test_cpu_ranks_are_cpu_ranks_to_accelerate_without_cpu_true() -> None:
+    """On a machine without a GPU, ``notebook_launcher``'s ranks are CPU ranks whether or not
+    ``cpu=True`` was passed: Accelerate's own ``Accelerator`` (and the Trainer, which reads the
+    same ``ACCELERATE_USE_CPU``) sees one world of 2, not two worlds of 1 training copies."""
+    import torch
+
+    from nbaccel import notebook_launcher
+
+    if torch.cuda.is_available():
+        pytest.skip("GPU ranks here: the case is a machine without a GPU")
+
+    def accelerate_world() -> tuple:
+        from accelerate import Accelerator
+
+        state = Accelerator().state
+        return state.process_index, state.num_processes, str(state.distributed_type)
+
+    got = notebook_launcher(accelerate_world, num_processes=2)
+    assert got == [(0, 2, "DistributedType.MULTI_CPU"), (1, 2, "DistributedType.MULTI_CPU")]
+
+
 # ---------------------------------------------------------------------------- parity
 @pytest.mark.parametrize(
     "config",
@@ -225,6 +246,7 @@ def shared_memory_op(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @lane
+@pytest.mark.timeout(1500)  # the shared-memory op's build, once per extensions folder
 def test_trainer_with_a_deepspeed_config_with_use_cpu_runs_deepspeed(
     configs: Path, shared_memory_op: None
 ) -> None:
