@@ -51,7 +51,8 @@ def test_magics_notebook():
     assert texts[3].strip() == "[rank 1] only rank 1 runs this"
     assert "y from rank 1: [31.0, 31.0, 31.0]" in texts[6]
     errors = [o for o in cells[7].outputs if o.output_type == "error"]
-    assert [(e.ename, e.evalue) for e in errors] == [("KeyError", "[rank 1] 'missing_column'")]
+    assert [(e.ename, e.evalue) for e in errors] == [("KeyError", "'missing_column'")]
+    assert "\nraised on rank 1" in "\n".join(errors[0].traceback)
     assert "still alive on rank 1" in texts[8]
     assert "idle" in texts[9]
     assert "Pool shut down." in texts[10]
