@@ -68,6 +68,8 @@ class Lane:
 #: where CI keeps DeepSpeed's JIT builds between runs on one machine (torch's own default is
 #: ~/.cache/torch_extensions; a fresh clone's .torch-extensions/ would build them every run)
 CI_EXTENSIONS = os.path.expanduser("~/.cache/nbaccel-torch-extensions")
+#: the extras lane's venvs, one per extra (made once per machine; nbaccel reinstalled each run)
+CI_EXTRAS_DIR = os.path.expanduser("~/.cache/nbaccel-extras")
 #: and the torch-xla lane's venv (torch 2.9 with its CUDA libraries: a few GB to download)
 CI_XLA_VENV = os.path.expanduser("~/.cache/nbaccel-xla-venv")
 
@@ -106,6 +108,15 @@ LANES = [
         ),
     ),
     Lane("gpu", "tests marked gpu + offload benchmark", _no_gpu, ci_limit_s=300),
+    Lane(
+        "extras",
+        "each extra in a venv holding only nbaccel[<extra>], with its smoke check",
+        # CI: the Ray extra (its venv made afresh costs about 8 minutes, the four together
+        # about 26, which with the other lanes would come near CI's 90-minute budget); the
+        # others run with `scripts/test-extras` before a release
+        ci_env={"NBACCEL_EXTRAS_DIR": CI_EXTRAS_DIR, "NBACCEL_EXTRAS": "ray"},
+        ci_limit_s=1200,
+    ),
 ]
 
 

@@ -79,16 +79,17 @@ def hangs() -> None:
     time.sleep(3600)
 
 
-# name -> (function, expected exception type name, text the message must contain)
+# name -> (function, expected exception type name, text the notebook shows under the traceback:
+# the message and the notes naming the rank, as traceback.format_exception_only writes them)
 FAULTS = {
-    "raises": (raises, "ValueError", "[rank 1] injected failure"),
+    "raises": (raises, "ValueError", "ValueError: injected failure\nraised on rank 1"),
     "os._exit(3)": (exits, "RankCrashed", "rank 1 exited with code 3"),
     "SIGKILL": (sigkill, "RankCrashed", "rank 1 was killed by SIGKILL"),
     "segfault": (segfault, "RankCrashed", "rank 1 was killed by SIGSEGV"),
     "collective + failing peer": (
         hang_in_collective_while_peer_fails,
         "RuntimeError",
-        "[rank 1] peer failed",
+        "RuntimeError: peer failed\nraised on rank 1",
     ),
     "SIGKILL while the peer is in a collective": (
         sigkill_in_collective,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import os
 import shutil
 import signal
@@ -96,7 +97,9 @@ class RayCluster:
         self.address = f"127.0.0.1:{port}"
         common = ["--block", "--disable-usage-stats", f"--object-store-memory={self.object_store}"]
         head = [*_RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
-        head += [f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}"]
+        head += [f"--dashboard-port={_free_port()}"]
+        if importlib.util.find_spec("grpc") is not None:  # Ray Client's port: ray[client] only
+            head += [f"--ray-client-server-port={_free_port()}"]
         head += [f"--num-gpus={self.gpus}"]
         self._node(head + common, 0)
         self._wait_port(port, timeout)

@@ -291,10 +291,9 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def _report(exc: BaseException) -> None:
-    from nbaccel.launch.wire.errors import remote_traceback
+    from nbaccel.launch.wire.errors import remote_traceback, where_raised
 
-    rank = getattr(exc, "rank", None)
-    where = f"rank {rank}" if rank is not None else "the launch"
+    where = where_raised(exc) or "the launch"
     if isinstance(exc, SystemExit):
         print(f"nbaccel launch: {where} exited with code {_exit_code(exc)}.", file=sys.stderr)
         return

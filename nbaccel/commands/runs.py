@@ -61,7 +61,7 @@ def runs_command(args: argparse.Namespace) -> int:
     """Do what ``args`` asks; the exit code."""
     from nbaccel.launch.detached.folder import remove_runs
     from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
-    from nbaccel.launch.wire.errors import remote_traceback
+    from nbaccel.launch.wire.errors import failure_text, remote_traceback
 
     action = getattr(args, "action", None)
     if action is None:
@@ -98,7 +98,7 @@ def runs_command(args: argparse.Namespace) -> int:
         return 1
     failure = report.exception()
     if failure is not None:
-        print(f"run {run.id} failed: {type(failure).__name__}: {failure}", file=sys.stderr)
+        print(f"run {run.id} failed: {failure_text(failure)}", file=sys.stderr)
         remote = remote_traceback(failure)
         if remote:
             print(remote, file=sys.stderr)

@@ -53,7 +53,7 @@ def get_int_from_env(env_keys: list[str] | tuple[str, ...], default: int) -> int
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:
     """Environment variable ``key`` read as a boolean (``default`` when unset)."""
-    return str_to_bool(os.environ.get(key, str(default)), to_bool=True)
+    return parse_bool(os.environ.get(key, str(default)), key)
 
 
 def parse_choice_from_env(key: str, default: str = "no") -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 from nbaccel.distributed.environment_patch import get_int_from_env
+from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "CPUInformation",
@@ -159,7 +160,7 @@ def fp8_hardware_problem(device_type: str = "cpu", emulate: bool = False) -> str
 def fp8_emulation_requested() -> bool:
     """Whether ``NBACCEL_FP8_EMULATE`` asks torchao to emulate FP8 (the launch check and
     ``AORecipeKwargs``'s default both read it)."""
-    return os.environ.get("NBACCEL_FP8_EMULATE", "").lower() in ("1", "true", "yes", "on")
+    return bool(env_flag("NBACCEL_FP8_EMULATE"))
 
 
 def check_fp8_launch(mixed_precision: str, cpu: bool) -> None:

@@ -13,12 +13,13 @@ import functools
 import importlib.metadata
 import importlib.util
 import operator
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from packaging.version import Version, parse
+
+from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "STR_OPERATION_TO_FUNC",
@@ -39,7 +40,7 @@ STR_OPERATION_TO_FUNC: dict[str, Callable[[Any, Any], bool]] = {
     "<": operator.lt,
 }
 
-USE_TORCH_XLA = os.environ.get("USE_TORCH_XLA", "1").upper() in ("1", "ON", "YES", "TRUE", "Y")
+USE_TORCH_XLA = bool(env_flag("USE_TORCH_XLA", default=True))
 
 
 def _installed(name: str) -> bool:

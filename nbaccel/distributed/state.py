@@ -26,6 +26,7 @@ from nbaccel.distributed.environment import (
     is_torch_xla_available,
     is_tpu_requested,
 )
+from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "AcceleratorState",
@@ -142,8 +143,7 @@ class PartialState:
     def _setup(self, cpu: bool, kwargs: dict[str, Any]) -> None:
         launch = detect_launch_environment()
         self.launch_environment = launch
-        forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-        self.device = _pick_device(cpu or forced, launch)
+        self.device = _pick_device(cpu or bool(env_flag("ACCELERATE_USE_CPU")), launch)
         self.backend = kwargs.pop("backend", None) or _default_backend(self.device)
         timeout = kwargs.pop("timeout", None)
         if self.device.type == "xla":
@@ -160,7 +160,7 @@ class PartialState:
         self.communicator = communicator(self.device, self.backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.fork_launched = os.environ.get("NBACCEL_FORK_LAUNCHED") == "1"
+        self.fork_launched = bool(env_flag("NBACCEL_FORK_LAUNCHED"))
 
     def _init_xla(self) -> None:
         self.backend = "xla"

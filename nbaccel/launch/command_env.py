@@ -23,6 +23,7 @@ from nbaccel.launch.options.accelerate_env import (
     launch_settings,
 )
 from nbaccel.launch.prepare_for_launch import PrepareForLaunch  # accelerate.utils.launch's too
+from nbaccel.values.booleans import literal_bool
 
 __all__ = [
     "PrepareForLaunch",
@@ -175,8 +176,9 @@ def prepare_tpu(
 
 def _typed(text: str) -> Any:
     """``"3"`` -> 3, ``"5e-5"`` -> 5e-05, ``"False"`` -> False; anything else stays a string."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
+    written = literal_bool(text)
+    if written is not None:
+        return written
     for kind in (int, float):
         try:
             return kind(text)

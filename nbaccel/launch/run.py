@@ -27,6 +27,7 @@ from nbaccel.launch.launchers.xla import (
 )
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.request import Front, LaunchRequest
+from nbaccel.launch.wire.errors import failure_text
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import Inline, Mode
 from nbaccel.launch.wire.transport import Packed, pack
@@ -97,8 +98,7 @@ def run_function(
             attempt += 1
             exc = report.exception()
             renderer.notice(
-                f"{type(exc).__name__}: {exc}; restarting all ranks "
-                f"(restart {attempt} of {max_restarts})."
+                f"{failure_text(exc)}; restarting all ranks (restart {attempt} of {max_restarts})."
             )
     except KeyboardInterrupt:
         failed = []  # nobody's failure: every rank was stopped

@@ -138,9 +138,8 @@ _FAIL = textwrap.dedent(
 def test_first_failure_has_its_type_rank_and_host(clean_hosts):
     nb = run_notebook([_FAIL, "print('kernel still usable')"], timeout=240, env=NO_WARMUP)
     errors = cell_errors(nb.cells[0])
-    assert [(e.ename, e.evalue) for e in errors] == [
-        ("ValueError", "[rank 3 @ nbh2] bad shard on the second host")
-    ]
+    assert [(e.ename, e.evalue) for e in errors] == [("ValueError", "bad shard on the second host")]
+    assert "\nraised on rank 3 @ nbh2" in "\n".join(errors[0].traceback)
     assert "kernel still usable" in cell_text(nb.cells[1])
 
 
@@ -321,9 +320,8 @@ def test_magic_pool_across_hosts(clean_hosts):
     assert not cell_errors(nb.cells[7]), texts[7]
     assert "[rank 1 @ nbh2] big 1000000.0 []" in texts[8], texts[8]
     errors = cell_errors(nb.cells[9])
-    assert [(e.ename, e.evalue) for e in errors] == [
-        ("KeyError", "[rank 1 @ nbh2] 'missing on nbh2'")
-    ]
+    assert [(e.ename, e.evalue) for e in errors] == [("KeyError", "'missing on nbh2'")]
+    assert "\nraised on rank 1 @ nbh2" in "\n".join(errors[0].traceback)
     assert [e.ename for e in cell_errors(nb.cells[10])] == ["KeyboardInterrupt"]
     assert "[rank 1 @ nbh2] after interrupt nbh2" in texts[11], texts[10] + texts[11]
     # 2 x 100,001 lines, most of them still in the hosts' relays when the ranks end their
@@ -352,7 +350,9 @@ def test_many_hosts_notebook(clean_hosts, monkeypatch):
     texts = ["".join(output_text(o) for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
     assert "[rank 3 @ nbh2] rank 3 of 4 on nbh2" in texts[1]
     assert "('nbh1', 6.0, 1000000.0), ('nbh1', 6.0, 1000000.0), ('nbh2', 6.0" in texts[1]
-    assert "caught: KeyError [rank 3 @ nbh2] 'a column only the last host lacks'" in texts[2]
+    assert (
+        "caught: KeyError 'a column only the last host lacks' | raised on rank 3 @ nbh2" in texts[2]
+    )
     assert "[rank 2 @ nbh2] ready on nbh2" in texts[4]
     assert "[rank 0 @ nbh1] nbh1 sum of ranks: 6.0" in texts[5]
     assert "hosts of the ranks: ['nbh1', 'nbh1', 'nbh2', 'nbh2']" in texts[6]
@@ -614,7 +614,7 @@ _RAISE_ACROSS_HOSTS = textwrap.dedent(
             notebook_launcher(fail, (kind,), num_processes=4, hosts=["nbh1:2", "nbh2:2"])
         except (OSError, ShardLost) as err:
             print("caught", type(err).__name__, isinstance(err, ShardLost), err.args, err.rank,
-                  getattr(err, "errno", "-"), getattr(err, "shard", "-"), "|", err)
+                  getattr(err, "errno", "-"), getattr(err, "shard", "-"), "|", err, err.__notes__)
     """
 )
 
@@ -626,9 +626,9 @@ def test_exceptions_from_another_host_arrive_whole(clean_hosts):
     text = cell_text(nb.cells[0])
     assert (
         "caught OSError False ('model foo/bar not found',) 3 None - | "
-        "[rank 3 @ nbh2] model foo/bar not found"
+        "model foo/bar not found ['raised on rank 3 @ nbh2']"
     ) in text, text
     assert (
         "caught ShardLost True ('shard 7 lost on the second host',) 3 - 7 | "
-        "[rank 3 @ nbh2] shard 7 lost on the second host"
+        "shard 7 lost on the second host ['raised on rank 3 @ nbh2']"
     ) in text, text

@@ -123,9 +123,8 @@ def test_launcher_through_srun(allocation, slurm_cluster):
     assert f"[rank 1 @ {node}] rank 1 on {node} job {allocation['SLURM_JOB_ID']}" in text
     assert "results [1.0, 1.0]" in text
     errors = cell_errors(nb.cells[1])
-    assert [(e.ename, e.evalue) for e in errors] == [
-        ("ValueError", f"[rank 1 @ {node}] rank one fails")
-    ]
+    assert [(e.ename, e.evalue) for e in errors] == [("ValueError", "rank one fails")]
+    assert f"\nraised on rank 1 @ {node}" in "\n".join(errors[0].traceback)
 
 
 def test_magic_through_srun(allocation, slurm_cluster):

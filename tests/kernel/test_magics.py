@@ -151,8 +151,9 @@ def test_push_compute_pull(nb):
 def test_rank_error_is_original_type_with_cell_traceback(nb):
     (error,) = cell_errors(nb["error"])
     assert error.ename == "ValueError"
-    assert error.evalue == "[rank 1] bad shard on rank 1"
+    assert error.evalue == "bad shard on rank 1"  # as the rank saw it; the rank in a note
     traceback = "\n".join(error.traceback)
+    assert "\nraised on rank 1" in traceback
     assert "Traceback from rank 1" in traceback
     assert re.search(r"<rank-cell-\d+>\", line 4", traceback)
     assert 'raise ValueError(f"bad shard on rank {rank}")' in traceback
@@ -179,7 +180,13 @@ def test_rank_errors_show_bounded_in_the_cell(nb):
 def test_name_error_says_to_push(nb):
     (error,) = cell_errors(nb["name_error_cell"])
     assert error.ename == "NameError"
-    assert "%dist_push only_here" in error.evalue
+    assert error.evalue == "name 'only_here' is not defined"  # as the rank saw it
+    shown = "\n".join(error.traceback)  # the hint and the rank: notes under the message
+    assert (
+        "'only_here' exists in the notebook: send it to the ranks with %dist_push only_here"
+        in shown
+    )
+    assert "\nraised on rank " in shown
 
 
 def test_pool_keeps_working_after_error_and_interrupt(nb):
@@ -255,7 +262,8 @@ def test_mixed_precision_and_timeout(nb):
 
 def test_peer_blocked_in_collective_gets_pool_restarted(nb):
     (error,) = cell_errors(nb["collective_failure"])
-    assert error.ename == "RuntimeError" and error.evalue == "[rank 1] rank 1 gave up"
+    assert error.ename == "RuntimeError" and error.evalue == "rank 1 gave up"
+    assert "\nraised on rank 1" in "\n".join(error.traceback)
     stderr = stream_text(nb["collective_failure"], "stderr")
     assert "rank(s) [0] did not stop" in stderr and "restarting the pool" in stderr
     text = cell_text(nb["after_restart"])

@@ -41,8 +41,9 @@ def test_error_is_original_type_naming_rank_with_cell_traceback(quickstart):
     errors = [o for o in quickstart[3].outputs if o.output_type == "error"]
     assert len(errors) == 1
     assert errors[0].ename == "ValueError"
-    assert errors[0].evalue == "[rank 1] rank 1 could not find its data shard"
+    assert errors[0].evalue == "rank 1 could not find its data shard"
     traceback = "\n".join(errors[0].traceback)
+    assert "\nraised on rank 1" in traceback
     assert "Traceback from rank 1" in traceback
     assert 'raise ValueError("rank 1 could not find its data shard")' in traceback
 

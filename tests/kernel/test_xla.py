@@ -195,8 +195,9 @@ def test_launch_xla_names_a_killed_process_and_the_host_ram_hint():
         launch_xla(_killed, num_processes=None)
     assert "SIGKILL" in str(info.value) and "host RAM" in str(info.value)
     assert info.value.rank == 0
-    with pytest.raises(ValueError, match=r"\[rank \d+\] bad batch"):
+    with pytest.raises(ValueError, match="bad batch") as failed:
         launch_xla(_fails, num_processes=None)
+    assert failed.value.__notes__ == [f"raised on rank {failed.value.rank}"]
 
 
 def test_notebook_launcher_takes_the_xla_path(monkeypatch):

@@ -33,7 +33,8 @@ def test_a_rank_error_is_its_own_type_and_child_failed_error():
         notebook_launcher(_even_ranks_fail, num_processes=2, cpu=True)
     exc = caught.value
     assert isinstance(exc, ValueError) and type(exc).__name__ == "ValueError"
-    assert str(exc) == "[rank 0] I'm an even process. I don't like to sleep."
+    assert str(exc) == "I'm an even process. I don't like to sleep."
+    assert exc.__notes__ == ["raised on rank 0"]
     assert exc.rank == 0 and exc.name == "_even_ranks_fail" and list(exc.failures) == [0]
     again = pickle.loads(pickle.dumps(exc))
     assert isinstance(again, ValueError) and isinstance(again, ChildFailedError)

@@ -20,6 +20,7 @@ from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 
 from nbaccel.launch.detached.pool_folder import list_pools, pools_root
 from nbaccel.launch.detached.pool_link import connect
+from nbaccel.launch.detached.recorder import RelayRenderer
 from nbaccel.launch.host.processes import pid_alive
 from nbaccel.launch.request import Front, LaunchRequest
 from nbaccel.notebook.kernel.detached_pool import (
@@ -96,6 +97,47 @@ def test_attach_takeover_and_the_refusals_that_name_the_fix(detached):
     third = attach_detached_pool(first.id)
     assert third.pull("x")[1].tolist() == [0.0, 1.0, 2.0]
     first.conn, first.closed = third.conn, False  # the fixture's shutdown goes through it
+
+
+def test_a_takeover_mid_cell_stops_that_cell_and_each_cell_gets_the_ranks_labels(
+    detached, tmp_path
+):
+    _, first = detached
+    cells = [[], []]  # the renderer calls of two cells, as records
+    for records, word in zip(cells, ("one", "two")):
+        first.run_cell(f"print('{word}')", renderer=RelayRenderer(records.append))
+    for records, word in zip(cells, ("one", "two")):
+        assert records[0][0] == "labels", records  # each cell's renderer knows the ranks
+        assert records[0][1].prefix(1) == first.labels.prefix(1) != ""
+        lines = sorted((r[1], r[3]) for r in records if r[0] == "line")
+        assert lines == [(0, word), (1, word)], records
+
+    # a kernel taking the pool over while a cell runs stops that cell (the host reads the
+    # takeover while it runs the call) and runs its own cells; the holder is told
+    began = tmp_path / "began"
+    outcome: dict = {}
+
+    def hold() -> None:
+        try:
+            first.run_cell(f"import time\nopen({str(began)!r}, 'w').close()\ntime.sleep(120)")
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    import threading
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    deadline = time.monotonic() + 60
+    while not began.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert began.exists()
+    second = attach_detached_pool(first.id, takeover=True)
+    assert second.run_cell("1 + 1")[0]["data"]["text/plain"] == "2"
+    holder.join(60)
+    assert not holder.is_alive()
+    assert isinstance(outcome.get("exc"), PoolEnded), outcome
+    assert "taken over" in str(outcome["exc"])
+    first.conn, first.closed = second.conn, False  # the fixture's shutdown goes through it
 
 
 def test_a_rank_that_dies_while_detached_is_reported_at_the_next_attach(detached):

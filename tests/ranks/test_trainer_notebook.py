@@ -78,7 +78,7 @@ def test_an_exception_inside_trainer_train_arrives_as_itself(tmp_path):
         )  # fmt: skip
     exc = info.value
     assert type(exc).__name__ == "ValueError" and exc.rank == 1
-    assert str(exc) == "[rank 1] the loss went away at step 3"
+    assert str(exc) == "the loss went away at step 3" and exc.__notes__ == ["raised on rank 1"]
     remote = "".join(traceback.format_exception(exc))
     # the rank's own frames: through the Trainer's loop into the callback that raised
     assert "_inner_training_loop" in remote and "on_step_end" in remote, remote

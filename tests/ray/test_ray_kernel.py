@@ -78,7 +78,7 @@ def refuse():
 try:
     notebook_launcher(refuse, num_processes=4, launcher="ray", timeout=50)
 except ValueError as exc:
-    print("CAUGHT", type(exc).__name__, exc)
+    print("CAUGHT", type(exc).__name__, exc, exc.__notes__)
 
 class ShardLost(Exception):
     def __init__(self, shard, *, host):
@@ -98,7 +98,7 @@ for kind in ("os", "user"):
         notebook_launcher(refuse_with, (kind,), num_processes=4, launcher="ray", timeout=50)
     except (OSError, ShardLost) as exc:
         print("CAUGHT", type(exc).__name__, isinstance(exc, ShardLost), exc.args,
-              getattr(exc, "shard", "-"), "|", exc)
+              getattr(exc, "shard", "-"), "|", exc, exc.__notes__)
 """
 
 TOO_BIG = """
@@ -211,15 +211,15 @@ def test_ranks_on_a_ray_cluster_from_a_kernel(cluster):
 
     # the rank's own exception type, named with its rank and node
     raised = cell_text(nb.cells[3])
-    assert f"CAUGHT ValueError [rank 2 @ {b}] rank two says no" in raised
+    assert f"CAUGHT ValueError rank two says no ['raised on rank 2 @ {b}']" in raised
     # an OSError of one message and a notebook class with a keyword-only argument: whole
     assert (
         "CAUGHT OSError False ('model foo/bar not found',) - | "
-        f"[rank 3 @ {b}] model foo/bar not found"
+        f"model foo/bar not found ['raised on rank 3 @ {b}']"
     ) in raised, raised
     assert (
         "CAUGHT ShardLost True ('shard 7 lost on a ray node',) 7 | "
-        f"[rank 3 @ {b}] shard 7 lost on a ray node"
+        f"shard 7 lost on a ray node ['raised on rank 3 @ {b}']"
     ) in raised, raised
 
     # a cluster that cannot hold the ranks: refused with what it has, before anything starts

@@ -21,6 +21,6 @@ def test_ray_notebook(monkeypatch):
     assert "4 ranks, final loss" in texts[1] and "every rank agrees: True" in texts[1]
     assert "on 2 Ray nodes" in texts[1] and "@ " in texts[1]
     assert "same losses: True" in texts[2]
-    assert "caught: KeyError [rank 3 @ " in texts[3]
+    assert "caught: KeyError 'a column only the last rank lacks' | raised on rank 3 @ " in texts[3]
     assert "sum of ranks: 6.0" in texts[6]
     assert "CPUs free: True" in texts[7]

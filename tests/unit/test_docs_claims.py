@@ -155,3 +155,67 @@ def test_the_checks_see_what_they_forbid():
         re.split(r"\S+\.(?:py|ipynb)\b", "nbaccel launch -n 2 train.py --lr 1")[0].split()[-1]
         == "2"
     )
+
+
+def _user_pages() -> list[Path]:
+    """Home, getting started, install, the tutorials, the how-to guides and the concept pages:
+    the pages a user reads to get work done (benchmarks and development pages hold figures)."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+    def pages(entry: object) -> list[str]:
+        if isinstance(entry, str):
+            return [entry]
+        if isinstance(entry, dict):
+            return [p for value in entry.values() for p in pages(value)]
+        return [p for item in entry for p in pages(item)] if isinstance(entry, list) else []
+
+    sections = {title: pages(body) for e in nav if isinstance(e, dict) for title, body in e.items()}
+    wanted = ["index.md", *sections["Tutorials"], *sections["How-to guides"], *sections["Concepts"]]
+    return [ROOT / "docs" / p for p in wanted if p.endswith(".md")]
+
+
+# What belongs on the benchmark pages, or nowhere a user reads: a commit hash, a load average,
+# a measurement's date, a test lane (how the project tests itself).
+DIARY = {
+    "a commit hash": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
+    "a load average": r"\bload average",
+    "a date": r"\b20\d\d-[01]\d-[0-3]\d\b",
+    "a test lane": r"\blanes?\b",
+}
+
+
+def test_user_pages_carry_no_benchmark_diary_and_no_lane_words():
+    found = [
+        f"{page.relative_to(ROOT)}: {what} ({m.group(0)!r})"
+        for page in _user_pages()
+        for what, pattern in DIARY.items()
+        for m in re.finditer(pattern, page.read_text(), re.I)
+    ]
+    assert not found, found
+
+
+def test_the_notebooks_carry_no_lane_words():
+    found = [
+        f"{path.name}: {m.group(0)!r}"
+        for path in sorted((ROOT / "notebooks").glob("*.ipynb"))
+        for m in re.finditer(DIARY["a test lane"], path.read_text(), re.I)
+    ]
+    assert not found, found
+
+
+def test_every_user_page_shows_code():
+    bare = [str(p.relative_to(ROOT)) for p in _user_pages() if "```" not in p.read_text()]
+    assert not bare, bare
+
+
+def test_the_user_page_checks_see_what_they_forbid():
+    pages = {str(p.relative_to(ROOT / "docs")) for p in _user_pages()}
+    assert {"index.md", "getting-started.md", "install.md", "launching.md"} <= pages
+    assert {"concepts/launch.md", "tutorials/convert-a-loop.md"} <= pages
+    assert "benchmarks.md" not in pages and "development.md" not in pages
+    diary = "2026-11-28, commit `b2b240c` (load average 1.0-2.3) in the hosts lane"
+    assert [w for w, p in DIARY.items() if re.search(p, diary, re.I)] == list(DIARY)
+    plain = "run 20261128-101500-3f2a on cuda:0 with the deadline 2 planes away; see `accelerate`"
+    assert not [w for w, p in DIARY.items() if re.search(p, plain, re.I)]

@@ -1,13 +1,14 @@
 """A rank's exception, described where it was raised and rebuilt in the notebook, arrives whole.
 
 One table of exceptions people meet (the standard library's, torch's, transformers',
-huggingface_hub's, safetensors', DeepSpeed's, and user classes of awkward shapes), each raised
-for real, described as a rank describes it (``describe_exception``), sent through pickle as the
-channel sends it, and rebuilt as the driver rebuilds it (``rebuild_exception``). Each must keep:
-its type (or a stand-in of the same name subclassing the nearest importable base), ``str`` as the
-rank saw it after the rank's label, ``args``, the slot fields of builtin exceptions (``errno``,
-``filename``...), its attributes, ``__notes__``, its chain and its group's members; and it must
-pickle again. The same shapes through real launches: ``tests/ranks/test_exception_fronts.py``.
+huggingface_hub's, safetensors', DeepSpeed's, and user classes of awkward shapes), each raised for
+real, described as a rank describes it (``describe_exception``), sent through pickle as the channel
+sends it, and rebuilt as the driver rebuilds it (``rebuild_exception``). Each must keep: its type
+(or a stand-in of the same name subclassing the nearest importable base), ``str`` exactly as the
+rank saw it, the rank named in a note and in ``rank``/``host``, ``args``, the slot fields of
+builtin exceptions (``errno``, ``filename``...), its attributes, ``__notes__``, its chain and its
+group's members; and it must pickle again. The same shapes through real launches:
+``tests/ranks/test_exception_fronts.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import builtins
 import errno
 import pickle
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -51,17 +53,23 @@ def _importable(cls: type) -> type:
     return next(c for c in cls.__mro__ if "<locals>" not in c.__qualname__)
 
 
-def _same(original: BaseException, rebuilt: BaseException, label: str = "") -> None:
+def _same(original: BaseException, rebuilt: BaseException, added: tuple[str, ...] = ()) -> None:
+    """``rebuilt`` is ``original`` as the notebook holds it; ``added``: the notes the notebook
+    added after the rank's own."""
     cls = type(original)
     assert type(rebuilt).__name__ == cls.__name__
     assert type(rebuilt).__module__ == cls.__module__
     assert type(rebuilt).__qualname__ == cls.__qualname__
     assert isinstance(rebuilt, _importable(cls))  # the class itself, or a stand-in's base
-    assert str(rebuilt) == f"{label}{str(original)}"
+    assert str(rebuilt) == str(original)
     assert repr(rebuilt.args) == repr(original.args)
     for name in _FIELDS:
         assert repr(_field(rebuilt, name)) == repr(_field(original, name)), name
-    assert getattr(rebuilt, "__notes__", None) == getattr(original, "__notes__", None)
+    notes = getattr(original, "__notes__", None)
+    if added:
+        assert rebuilt.__notes__ == [*(notes or ()), *added]
+    else:
+        assert getattr(rebuilt, "__notes__", None) == notes
     for name, value in vars(original).items():
         if name != "__notes__" and name != "lock":
             assert repr(getattr(rebuilt, name)) == repr(value), name
@@ -82,16 +90,17 @@ def test_the_table_is_wide():
 def test_an_exception_arrives_whole(kind):
     original = raised(kind)
     rebuilt = _travel(original)
-    _same(original, rebuilt, "[rank 1] ")
-    assert rebuilt.rank == 1
+    _same(original, rebuilt, ("raised on rank 1",))
+    assert rebuilt.rank == 1 and rebuilt.host is None
     remote = remote_traceback(rebuilt)
     assert remote and "Traceback from rank 1" in remote
-    # what the notebook prints: the rank's frames, then the exception with its label and message
+    # what the notebook prints: the rank's frames, then the exception, its message, the rank
     shown = "".join(traceback.format_exception(rebuilt))
     if isinstance(original, SyntaxError):  # Python shows its fields (file, line, caret, msg)
         assert f"SyntaxError: {original.msg}" in shown and 'File "cell.py", line 1' in shown
     else:
-        assert f"{type(original).__name__}: [rank 1] {original}" in shown
+        assert f"{type(original).__name__}: {original}\n" in shown
+    assert re.search(r"^[ |]*raised on rank 1$", shown, re.M)  # the note, under the message
     # and it pickles again (a detached run keeps it; the pool hands it on): same text
     again = pickle.loads(pickle.dumps(rebuilt))
     assert type(again).__name__ == type(original).__name__
@@ -101,7 +110,7 @@ def test_an_exception_arrives_whole(kind):
 
 def test_oserror_of_one_message_shows_its_message_not_an_errno_form():
     rebuilt = _travel(raised("oserror_message"))
-    assert str(rebuilt) == "[rank 1] model foo/bar not found"
+    assert str(rebuilt) == "model foo/bar not found"
     assert (rebuilt.errno, rebuilt.strerror, rebuilt.filename, rebuilt.filename2) == (None,) * 4
     assert "Errno" not in "".join(traceback.format_exception(rebuilt))
 
@@ -153,7 +162,8 @@ def test_a_class_the_notebook_cannot_import_arrives_as_a_stand_in(tmp_path: Path
     assert type(rebuilt).__name__ == "ShardLost"
     assert type(rebuilt).__module__ == "rank_only_errors"
     assert isinstance(rebuilt, ConnectionError) and isinstance(rebuilt, OSError)
-    assert str(rebuilt) == "[rank 0] shard 4 lost" and rebuilt.shard == 4
+    assert str(rebuilt) == "shard 4 lost" and rebuilt.shard == 4
+    assert rebuilt.__notes__ == ["raised on rank 0"]
     again = pickle.loads(pickle.dumps(rebuilt))
     assert type(again).__name__ == "ShardLost" and str(again) == str(rebuilt)
 
@@ -164,3 +174,45 @@ def test_what_cannot_travel_is_named():
     assert "not carried to the notebook: lock (lock, cannot be pickled)" in remote_traceback(
         rebuilt
     )
+
+
+def test_a_rank_on_another_host_is_named_with_its_host():
+    from nbaccel.launch.wire.errors import failure_text, where_raised
+    from nbaccel.launch.wire.labels import RankLabels
+
+    info = describe_exception(raised("oserror_message"))
+    rebuilt = rebuild_exception(pickle.loads(pickle.dumps(info)), 5, RankLabels({5: "node2"}))
+    assert str(rebuilt) == "model foo/bar not found"
+    assert (rebuilt.rank, rebuilt.host) == (5, "node2")
+    assert rebuilt.__notes__ == ["raised on rank 5 @ node2"]
+    assert where_raised(rebuilt) == "rank 5 @ node2"
+    assert failure_text(rebuilt) == "OSError: model foo/bar not found (raised on rank 5 @ node2)"
+    assert where_raised(ValueError("not from a rank")) is None
+
+
+def test_a_hint_for_a_rank_reading_stdin_is_a_note_not_part_of_the_message():
+    try:
+        raise EOFError("EOF when reading a line")
+    except EOFError as exc:
+        rebuilt = _travel(exc)
+    assert str(rebuilt) == "EOF when reading a line"
+    assert rebuilt.__notes__[0] == "raised on rank 1"
+    assert "ranks have no stdin" in rebuilt.__notes__[1]
+
+
+class _HostDown(ConnectionError):
+    def __init__(self, host: str) -> None:
+        super().__init__(f"{host} is down")
+        self.host = host
+
+
+def test_an_exceptions_own_host_attribute_is_kept_and_the_note_names_the_rank():
+    from nbaccel.launch.wire.errors import where_raised
+    from nbaccel.launch.wire.labels import RankLabels
+
+    info = describe_exception(_HostDown("db1"))
+    rebuilt = rebuild_exception(pickle.loads(pickle.dumps(info)), 3, RankLabels({3: "nbh2"}))
+    assert (rebuilt.host, rebuilt.rank) == ("db1", 3)  # its own, kept; the rank, added
+    assert rebuilt.__notes__ == ["raised on rank 3 @ nbh2"]
+    assert where_raised(rebuilt) == "rank 3 @ nbh2"
+    assert where_raised(pickle.loads(pickle.dumps(rebuilt))) == "rank 3 @ nbh2"

@@ -17,8 +17,13 @@ import re
 import sys
 from pathlib import Path
 
-import tomllib
+import pytest
 from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same reader, as the dev extra installs it
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml needs tomli before 3.11")
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

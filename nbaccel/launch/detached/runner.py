@@ -70,6 +70,7 @@ def run_attempt(folder: RunFolder, stop: _Stop) -> None:
     from nbaccel.launch.plan import LaunchPlan
     from nbaccel.launch.request import Front
     from nbaccel.launch.run import run_function
+    from nbaccel.launch.wire.errors import failure_text
 
     info = folder.info()
     attempt = info.attempts + 1
@@ -103,7 +104,7 @@ def run_attempt(folder: RunFolder, stop: _Stop) -> None:
         else:
             failure = report.exception()
             state = RunState.FINISHED if failure is None else RunState.FAILED
-            reason = "" if failure is None else f"{type(failure).__name__}: {failure}"
+            reason = "" if failure is None else failure_text(failure)
             result = {"report": report}
     except KeyboardInterrupt:
         state, reason, result = RunState.STOPPED, stop.reason, {"stopped": stop.reason}

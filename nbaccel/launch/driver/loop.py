@@ -25,7 +25,7 @@ from nbaccel.launch.host.processes import describe_exit
 from nbaccel.launch.wire.errors import (
     LaunchTimeout,
     RankCrashed,
-    add_to_message,
+    add_note,
     exit_hint,
     is_peer_loss,
     rebuild_exception,
@@ -191,7 +191,7 @@ class CallReport:
         """What to raise in the notebook, or None when every target returned.
 
         ``what`` names the call in a timeout message; ``others`` adds the other ranks that
-        raised to the message (the pool does: its ranks outlive the call).
+        raised in a note (the pool does: its ranks outlive the call).
         """
         if self.state == CallState.INTERRUPTED:
             return KeyboardInterrupt()
@@ -215,7 +215,7 @@ class CallReport:
             if r != rank and o.kind == OutcomeKind.ERROR and not _interrupted(o)
         )
         if others and also:
-            add_to_message(exc, f" (rank(s) {also} failed too)")
+            add_note(exc, f"rank(s) {also} failed too")
         exc.rank_results = self.results()  # type: ignore[attr-defined]
         return exc
 

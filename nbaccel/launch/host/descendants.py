@@ -22,6 +22,8 @@ import signal
 import time
 from typing import Any
 
+from nbaccel.values.booleans import parse_bool
+
 __all__ = [
     "DETACH_ENV",
     "KILL_AFTER",
@@ -75,12 +77,21 @@ def children(pid: int | str = "self") -> set[int]:
 
 
 def detached(pid: int) -> bool:
-    """``pid`` was executed with ``NBACCEL_DETACH=1``: meant to outlive its launch."""
+    """``pid`` was executed with ``NBACCEL_DETACH`` set to a true word (``1``, ``yes``...):
+    meant to outlive its launch."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:
-            return f"{DETACH_ENV}=1".encode() in handle.read().split(b"\0")
+            entries = handle.read().split(b"\0")
     except OSError:
         return True  # gone already, or not ours to read: leave it
+    prefix = f"{DETACH_ENV}=".encode()
+    for entry in entries:
+        if entry.startswith(prefix):
+            try:
+                return parse_bool(entry[len(prefix) :].decode(errors="replace"), DETACH_ENV)
+            except ValueError:  # another process's word: not ours to refuse; it is not asked
+                return False
+    return False
 
 
 def descendants(pid: int | str = "self") -> list[int]:

@@ -18,6 +18,7 @@ import time
 from typing import IO
 
 from nbaccel.launch.host.processes import pid_alive
+from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "LOG_BUDGET_VAR",
@@ -54,7 +55,7 @@ def _budget() -> int:
 
 
 def _keep_by_env() -> bool:
-    return os.environ.get(KEEP_LOGS_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(env_flag(KEEP_LOGS_VAR))
 
 
 class LogStore:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbaccel.values.booleans import parse_bool
+
 __all__ = ["OFFLOAD_DEVICES", "yes_no"]
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 def yes_no(text: Any) -> bool:
-    """``true``/``false`` (1/0, yes/no) from a text front or a config file."""
-    value = str(text).strip().lower()
-    if value not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"expected true or false, got {text!r}.")
-    return value in ("true", "1", "yes")
+    """``true``/``false`` (1/0, yes/no, on/off...) from a text front or a config file."""
+    return parse_bool(text)

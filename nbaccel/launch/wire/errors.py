@@ -1,9 +1,12 @@
 """Errors raised in the notebook when ranks fail, carrying the remote traceback.
 
-The original exception type is re-raised (``ValueError`` stays ``ValueError``) with its message
-prefixed by the rank, and a :class:`RemoteTraceback` attached as the cause of the oldest exception
-of its chain, so the notebook shows the rank's own frames (launcher internals trimmed, notebook
-cell lines filled in).
+The original exception type is re-raised (``ValueError`` stays ``ValueError``) with ``str(e)``
+exactly as the rank saw it; the rank is named beside the message, not in it: a note (``raised on
+rank 1``, or ``raised on rank 5 @ node2`` across hosts, shown under the message by Python and
+IPython) and the attributes ``e.rank`` and ``e.host`` (None for a rank on this machine; an
+exception's own attribute of either name is left as it is). A :class:`RemoteTraceback` is attached
+as the cause of the oldest exception of its chain, so the notebook shows the rank's own frames
+(launcher internals trimmed, notebook cell lines filled in).
 
 The traceback's text (frames, chain of causes, bounds) is ``nbaccel.launch.wire.tracebacks``'s;
 how an exception travels whole (type, args, attributes, notes, chain) is
@@ -34,7 +37,7 @@ from nbaccel.launch.wire.tracebacks import (
 )
 
 __all__ = [
-    "add_to_message",
+    "add_note",
     "exit_hint",
     "LaunchTimeout",
     "RankCrashed",
@@ -48,7 +51,11 @@ __all__ = [
     "result_not_loadable",
     "shown_message",
     "unlabelled",
+    "where_raised",
+    "failure_text",
 ]
+
+_RAISED_ON = "_nbaccel_raised_on"  # the label of the rank that raised, in a rebuilt __dict__
 
 # What a rank's error says when it is only the echo of a peer that died or failed first: its
 # collective lost the connection. Such an error never names the root cause of a launch.
@@ -63,13 +70,15 @@ _PEER_LOSS_TEXT = (
 
 
 class RankError(RuntimeError):
-    """A rank raised an exception that could not be rebuilt in the notebook."""
+    """A rank raised an exception that could not be rebuilt in the notebook: its type's name
+    and message (``ValueError: ...``), the rank in ``rank``/``host`` and a note."""
 
     def __init__(
         self, rank: int, type_name: str, message: str, labels: RankLabels = LOCAL_LABELS
     ) -> None:
-        super().__init__(f"[{labels.label(rank)}] {type_name}: {bounded_message(message)}")
+        super().__init__(f"{type_name}: {bounded_message(message)}")
         self.rank = rank
+        self.host = labels.hosts.get(rank)
         self.type_name = type_name
         self.remote_message = message
 
@@ -140,17 +149,21 @@ def exit_hint(info: dict[str, Any]) -> str:
     return ""
 
 
-def _with_hint(exc: BaseException, message: str) -> str:
-    """``message``, with what to do when it is a rank reading its empty stdin."""
-    return message + _NO_STDIN.get((type(exc).__name__, message), "")
+def _hint(exc: BaseException, message: str) -> str | None:
+    """What to do when ``exc`` is a rank reading its empty stdin, else None."""
+    hint = _NO_STDIN.get((type(exc).__name__, message))
+    return None if hint is None else hint.strip().removeprefix("(").removesuffix(")")
 
 
 def describe_exception(exc: BaseException) -> dict[str, Any]:
-    """What a worker sends about an exception: type, message, frames, and the pickled object."""
+    """What a worker sends about an exception: type, message (exactly its ``str``), a hint
+    where one helps, frames, and the exception itself as data."""
+    message = safe_message(exc)
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "name": type(exc).__name__,
-        "message": _with_hint(exc, safe_message(exc)),
+        "message": message,
+        "hint": _hint(exc, message),
         "frames": user_frames(exc.__traceback__),
         "chain": chain(exc),
         "exception": exception_state(exc),
@@ -169,8 +182,8 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def shown_message(exc: BaseException, own_str: Any) -> str:
-    """What ``exc`` shows: the text :func:`rebuild_exception` gave it (the rank's, labelled),
-    else ``own_str(exc)`` (its class's own ``__str__``)."""
+    """What ``exc`` shows: the text :func:`rebuild_exception` gave it (the rank's), else
+    ``own_str(exc)`` (its class's own ``__str__``)."""
     text = getattr(exc, "__dict__", {}).get("_nbaccel_text")
     return text if text is not None else own_str(exc)
 
@@ -180,29 +193,49 @@ def rebuild_exception(
 ) -> BaseException:
     """The exception to raise in the notebook for a rank's error (``describe_exception``'s
     dict): the rank's exception rebuilt whole (``exception_state``: its type or a stand-in of
-    the same name, args, attributes, notes, group members, chain), showing the rank's message
-    prefixed with the rank as ``labels`` (its worker group's) name it, with the rank's traceback
-    as the cause of the oldest exception of its chain. The one place a rank's exception becomes
-    the notebook's."""
+    the same name, args, attributes, notes, group members, chain) whose ``str`` is the rank's
+    own (cut with a notice past ``MESSAGE_SHOWN_CHARS``); the rank named by a note
+    (``raised on rank 1``, ``raised on rank 5 @ node2`` as ``labels``, its worker group's, name
+    it) and by ``rank``/``host`` (where the exception has no attribute of that name of its own);
+    the rank's traceback as the cause of the oldest exception of
+    its chain. The one place a rank's exception becomes the notebook's."""
     message = str(info.get("message", ""))
-    text = f"[{labels.label(rank)}] {bounded_message(message)}".rstrip()
     exc: BaseException | None = None
     state = info.get("exception")
     if state is not None:
         try:
-            exc = rebuilt_exception(state, text)
+            exc = rebuilt_exception(state, bounded_message(state["text"]))
             str(exc)  # the report must never fail on the way to the notebook
         except Exception:
             exc = None
     if exc is None:
         exc = RankError(rank, info["name"], message, labels)
-    exc.rank = rank  # type: ignore[attr-defined]
+    own = vars(exc)  # an attribute the rank's exception has of its own is kept as it is
+    own.setdefault("rank", rank)
+    own.setdefault("host", labels.hosts.get(rank))
+    own[_RAISED_ON] = labels.label(rank)
+    add_note(exc, f"raised on {own[_RAISED_ON]}")
+    if info.get("hint"):
+        add_note(exc, info["hint"])
     remote = format_frames(info, rank)
     dropped = (state or {}).get("dropped") or ()
     if dropped:
         remote += f"\n(not carried to the notebook: {', '.join(dropped)})"
     oldest(exc).__cause__ = RemoteTraceback(remote)
     return exc
+
+
+def where_raised(exc: BaseException) -> str | None:
+    """The rank that raised ``exc`` (one :func:`rebuild_exception` made), as output labels name
+    it: ``rank 1``, ``rank 5 @ node2``; None for any other exception."""
+    return getattr(exc, "__dict__", {}).get(_RAISED_ON)
+
+
+def failure_text(exc: BaseException) -> str:
+    """One line for a failure in a log or a terminal: ``ValueError: bad shard (raised on rank
+    1)``, the rank's name where :func:`where_raised` finds one."""
+    where = where_raised(exc)
+    return f"{type(exc).__name__}: {exc}" + (f" (raised on {where})" if where else "")
 
 
 def result_not_loadable(rank: int, exc: BaseException) -> dict[str, Any]:
@@ -242,9 +275,17 @@ def unlabelled(cls: type) -> type:
     return plain_class(cls)
 
 
-def add_to_message(exc: BaseException, extra: str) -> None:
-    """Append ``extra`` to the message ``exc`` shows (the text the rebuild gave it)."""
-    if "_nbaccel_text" in getattr(exc, "__dict__", {}):
-        exc.__dict__["_nbaccel_text"] += extra
-    elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}{extra}", *exc.args[1:])
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc``'s notes (``BaseException.add_note``; the same list on Python
+    3.10, where notes are kept but not shown), leaving its message as it is."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        try:
+            exc.__notes__ = notes  # type: ignore[attr-defined]
+        except Exception:
+            return
+    notes.append(note)

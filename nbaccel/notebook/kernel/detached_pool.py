@@ -98,6 +98,7 @@ class DetachedPool:
         self.cpu = bool(welcome.get("cpu"))
         self.welcome = welcome
         self.closed = False
+        self.labels: Any = None  # the ranks' labels, sent by the host when they change
 
     # ------------------------------------------------------------------ what the magics read
     @property
@@ -138,6 +139,8 @@ class DetachedPool:
         if self.closed:
             raise PoolEnded(f"this kernel no longer holds the detached pool {self.id}.")
         renderer = renderer or CellRenderer()
+        if self.labels is not None:  # as a pool gives its group's labels to each renderer
+            renderer.use_labels(self.labels)
         try:
             self.conn.send(message)
         except OSError as exc:
@@ -160,6 +163,8 @@ class DetachedPool:
                 except (EOFError, OSError) as exc:
                     raise self._lost() from exc
                 if answer[0] == "record":
+                    if answer[1][0] == "labels":
+                        self.labels = answer[1][1]
                     apply_record(renderer, answer[1])
                 elif answer[0] == "done":
                     return answer[1]

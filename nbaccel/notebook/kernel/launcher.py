@@ -26,6 +26,7 @@ from nbaccel.notebook.kernel.detached import Run
 from nbaccel.notebook.kernel.widget_renderer import choose_renderer
 from nbaccel.notebook.preload import WORKER_PRELOAD
 from nbaccel.notebook.rank.instrumentation import worker_setup
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["debug_launcher", "launch_request", "notebook_launcher", "start_detached"]
 
@@ -34,7 +35,7 @@ def _tpu_requested() -> bool:
     """True on a TPU host with torch-xla, or when NBACCEL_XLA_LAUNCH=1 asks for the XLA path
     explicitly (the torch-xla lane uses it with PJRT_DEVICE=CPU). The environment is read
     first: looking for torch-xla lists every ``sys.path`` folder that changed, per launch."""
-    if os.environ.get("NBACCEL_XLA_LAUNCH") == "1":
+    if env_flag("NBACCEL_XLA_LAUNCH"):
         return is_torch_xla_available()
     tpu = is_tpu_requested() and os.environ.get("PJRT_DEVICE", "TPU") != "CPU"
     return tpu and is_torch_xla_available()

@@ -26,12 +26,13 @@ from nbaccel.distributed.host_info import check_fp8_launch
 from nbaccel.launch.launchers.forkserver.launcher import warm_up
 from nbaccel.launch.options.accelerate_env import accelerate_environment
 from nbaccel.launch.request import Front, LaunchRequest
-from nbaccel.launch.wire.errors import LaunchTimeout, add_to_message
+from nbaccel.launch.wire.errors import LaunchTimeout, add_note
 from nbaccel.notebook.kernel import pool as pool_module
 from nbaccel.notebook.kernel.cell_renderer import CellRenderer, status_bundle
 from nbaccel.notebook.kernel.detached_pool import pools
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
 from nbaccel.notebook.preload import POOL_PRELOAD
+from nbaccel.values.booleans import parse_bool
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -238,9 +239,9 @@ class DistributedMagics(Magics):
         match = _NAME_ERROR.search(str(exc))
         if match and match.group(1) in self.shell.user_ns:
             name = match.group(1)
-            add_to_message(
+            add_note(
                 exc,
-                f". It exists in the notebook: send it to the ranks with %dist_push {name} (or "
+                f"{name!r} exists in the notebook: send it to the ranks with %dist_push {name} (or "
                 f"--push {name} on this cell).",
             )
 
@@ -359,7 +360,7 @@ class DistributedMagics(Magics):
 
     # ------------------------------------------------------------------ auto mode
     @magic_arguments()
-    @argument("mode", nargs="?", choices=("on", "off"), help="on: every cell runs distributed.")
+    @argument("mode", nargs="?", metavar="on|off", help="on: every cell runs distributed.")
     @argument("-h", "--help", action="store_true", help="show this help.")
     @line_magic
     def dist_mode(self, line: str) -> None:
@@ -369,7 +370,8 @@ class DistributedMagics(Magics):
         if args is None:
             return
         if args.mode is not None:
-            DistributedMagics.auto = args.mode == "on"
+            with _bad_input_is_usage():
+                DistributedMagics.auto = parse_bool(args.mode, "%dist_mode")
         print(f"Auto mode is {'on' if DistributedMagics.auto else 'off'}.")
 
     @magic_arguments()

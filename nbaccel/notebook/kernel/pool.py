@@ -259,16 +259,14 @@ class Pool:
         try:
             targets = self.ranks if ranks is None else sorted(set(ranks))
             with DeferredInterrupt() as interrupt:
-                call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
                 try:
-                    report = run_call(
-                        group,
-                        call_id,
-                        targets,
-                        timeout,
-                        POOL,
-                        lambda: interrupt.count > 0 or self._ended_by is not None,
-                    )
+                    call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
+                except (BrokenPipeError, ConnectionResetError):
+                    group = self._lost_before_call(group)
+                    call_id, targets = group.send_call(function, args, kwargs, ranks=targets)
+                try:
+                    stop = lambda: interrupt.count > 0 or self._ended_by is not None  # noqa: E731
+                    report = run_call(group, call_id, targets, timeout, POOL, stop)
                 finally:
                     group.release_shared()
             ended = self._ended_by
@@ -311,6 +309,14 @@ class Pool:
             self._ended_by = None
             return group
 
+    def _lost_before_call(self, group: WorkerGroup) -> WorkerGroup:
+        """A rank ended just before the cell (its connection closed, its launcher has not said
+        so yet): restart the pool, as for a rank that exited while idle; the new group."""
+        group.release_shared()
+        dead = [r for r in self.ranks if r not in pool_status.alive_ranks(group)]
+        self.restart(reason=f"rank(s) {dead or 'of the pool'} ended before this cell")
+        return self.group  # type: ignore[return-value]
+
     def _recover(self, report: Any, renderer: Renderer) -> None:
         """After an unfinished call: restart the pool when ranks are stuck or gone."""
         if report.stuck or report.crashed:
@@ -346,15 +352,9 @@ class Pool:
         __tracebackhide__ = True
         if push:
             self.push(push, ranks=ranks, renderer=renderer)
+        cell = (source, filename, first_line, env)
         return self.call(
-            pool_worker.run_cell,
-            source,
-            filename,
-            first_line,
-            env,
-            ranks=ranks,
-            timeout=timeout,
-            renderer=renderer,
+            pool_worker.run_cell, *cell, ranks=ranks, timeout=timeout, renderer=renderer
         )
 
     def push(

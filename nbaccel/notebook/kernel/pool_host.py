@@ -9,13 +9,16 @@ anything is read): the kernel sends calls, the host runs them on the pool and se
 renderer call as it happens (:class:`~nbaccel.launch.detached.recorder.RelayRenderer`), then the
 values by rank or the exception.
 
-A reader thread accepts kernels and reads what they send (a second kernel is refused, naming
-the one attached, unless it takes over); the main thread runs the calls, one at a time. The stop
-button in the kernel reaches the call as it reaches a kernel's own pool (SIGINT, counted by the
-call). A kernel that goes away mid-call has that call interrupted. With no kernel attached for
-the pool's idle time (``--detach_idle``), on SIGTERM (``nbaccel pools stop``), on
-``%dist_shutdown``, or when the supervisor's pipe (stdin) closes, the host ends its ranks,
-removes the pool's folder and exits. A rank that ends while no kernel is attached is written
+The main thread accepts kernels, reads what they send (a second kernel is refused, naming the
+one attached, unless it takes over) and runs each call as soon as it has read it: no hand-off
+between threads on a cell's path. While a call runs, a watcher thread reads in its place (the
+stop button, a kernel that goes away or takes over); the two share one selector and read under
+one lock, each reading only what is there to read. The stop button in the kernel reaches the
+call as it reaches a kernel's own pool (SIGINT, counted by the call). A kernel that goes away
+mid-call has that call interrupted. With no kernel attached for the pool's idle time
+(``--detach_idle``), on SIGTERM (``nbaccel pools stop``), on ``%dist_shutdown``, or when the
+supervisor's pipe (stdin) closes, the host ends its ranks, removes the pool's folder and exits.
+A rank that ends while no kernel is attached is written
 into ``pool.json`` and said to the next kernel that attaches.
 """
 
@@ -23,20 +26,23 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
+import select
 import selectors
 import signal
 import socket
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from nbaccel.launch.detached.folder import RunFolder
 from nbaccel.launch.detached.pool_folder import PoolFolder
 from nbaccel.launch.detached.pool_link import accept, listen
 from nbaccel.launch.detached.recorder import RelayRenderer
+from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.launch.wire.channel import Connection
+from nbaccel.launch.wire.labels import RankLabels
 from nbaccel.launch.wire.protocol import EventKind
 from nbaccel.notebook.kernel import pool_status
 from nbaccel.notebook.kernel.detached_pool import running_versions, versions_differ
@@ -55,6 +61,7 @@ class _Kernel:
         self.who = who
         self.lock = threading.Lock()
         self.closed = False
+        self.labels: Any = None  # the rank labels this kernel has (sent again only when changed)
 
     def send(self, message: tuple) -> None:
         """Send ``message``; nothing when the kernel is gone (its output is lost, not the pool)."""
@@ -77,7 +84,19 @@ class _Kernel:
 
 class _KernelRelay(RelayRenderer):
     """The pool's renderer while a kernel is attached: its calls go to that kernel, display
-    bundles as display events (the kernel shows them as its own pool's cell would)."""
+    bundles as display events (the kernel shows them as its own pool's cell would). The rank
+    labels, given at every call, go only when they changed: the kernel keeps them and gives
+    them to each cell's renderer, so an empty cell's whole answer is one message."""
+
+    def __init__(self, kernel: _Kernel) -> None:
+        super().__init__(lambda record: kernel.send(("record", record)))
+        self.kernel = kernel
+
+    def use_labels(self, labels: RankLabels) -> None:
+        Renderer.use_labels(self, labels)
+        if labels != self.kernel.labels:
+            self.kernel.labels = labels
+            self.write(("labels", labels))
 
     def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         self.write(("event", rank, str(EventKind.DISPLAY), {"data": data, "metadata": metadata}))
@@ -94,7 +113,9 @@ class PoolHost:
         self.lock = threading.Lock()  # the attached kernel, pool.json
         self.kernel: _Kernel | None = None
         self.calling: _Kernel | None = None  # whose call runs now
-        self.requests: queue.Queue[tuple[_Kernel, tuple]] = queue.Queue()
+        self.calls: deque[tuple[_Kernel, tuple]] = deque()  # read, not yet run (main thread's)
+        self.read_lock = threading.Lock()  # held while a thread reads a socket or (un)registers
+        self.watching = threading.Event()  # set while a call runs: the watcher reads
         self.ending: str | None = None
         self.detached_since = time.time()
         self.lost = ""  # said to the next kernel that attaches; pool.json has it too
@@ -102,7 +123,8 @@ class PoolHost:
         self.state = "starting"
         self.later: dict[str, Any] = {}  # pool.json changes written at the next tick
         self.listener = listen(folder.socket)
-        self.selector = selectors.DefaultSelector()  # the reader thread's
+        self.selector = selectors.DefaultSelector()  # the listener and the kernels
+        self.selector.register(self.listener, selectors.EVENT_READ, None)
         self._update(
             host_pid=os.getpid(), versions=self.versions, idle=self.request.detach_idle,
             num_processes=self.pool.num_processes, describe=self.pool.describe(),
@@ -118,42 +140,62 @@ class PoolHost:
         if self.calling is not None:
             os.kill(os.getpid(), signal.SIGINT)
 
-    # ------------------------------------------------------------------ the reader thread
-    def read(self) -> None:
-        """Accept kernels and read their messages (runs on its own thread)."""
-        selector = self.selector
-        selector.register(self.listener, selectors.EVENT_READ, None)
-        while self.ending is None:
-            for key, _ in selector.select(timeout=_TICK):
-                if key.data is None:
-                    try:
-                        conn = accept(self.listener)
-                    except OSError:  # another user (refused unread), or gone already
-                        continue
-                    selector.register(conn.sock, selectors.EVENT_READ, _Kernel(conn, {}))
-                    continue
-                kernel: _Kernel = key.data
+    # ------------------------------------------------------------------ reading
+    def _read(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """Handle what the sockets of ``ready`` hold now (the caller holds ``read_lock``):
+        accept a kernel, or read its messages; calls go to ``calls`` for the main thread. The
+        other thread may have read a socket since the selector said so: only what is there is
+        read."""
+        for key, _ in ready:
+            if key.data is None:
+                if _waiting(self.listener):
+                    self._accept()
+                continue
+            kernel: _Kernel = key.data
+            while not kernel.closed and (kernel.conn.buffered() or _waiting(kernel.conn.sock)):
                 try:
                     message = kernel.conn.recv()
                 except (EOFError, OSError, pickle.UnpicklingError):
                     message = ("detach",)
-                if message[0] == "detach" or kernel.closed:
-                    self._forget(kernel)
-                    self._drop(kernel)
-                elif message[0] == "hello":
-                    self._hello(kernel, message[1])
-                elif message[0] == "interrupt":
-                    if self.calling is kernel:
-                        os.kill(os.getpid(), signal.SIGINT)
-                elif kernel is not self.kernel:
-                    taken = RuntimeError(
-                        "this kernel no longer holds the pool (another took it "
-                        "over): %dist_attach --takeover to take it back"
-                    )
-                    kernel.send(("raised", taken, None))
-                else:
-                    self.requests.put((kernel, message))
-        selector.close()
+                self._handle(kernel, message)
+
+    def _accept(self) -> None:
+        try:
+            conn = accept(self.listener)
+        except OSError:  # another user (refused unread), or gone already
+            return
+        self.selector.register(conn.sock, selectors.EVENT_READ, _Kernel(conn, {}))
+
+    def _handle(self, kernel: _Kernel, message: tuple) -> None:
+        if message[0] == "detach" or kernel.closed:
+            self._forget(kernel)
+            self._drop(kernel)
+        elif message[0] == "hello":
+            self._hello(kernel, message[1])
+        elif message[0] == "interrupt":
+            if self.calling is kernel:
+                os.kill(os.getpid(), signal.SIGINT)
+        elif kernel is not self.kernel:
+            taken = RuntimeError(
+                "this kernel no longer holds the pool (another took it "
+                "over): %dist_attach --takeover to take it back"
+            )
+            kernel.send(("raised", taken, None))
+        else:
+            self.calls.append((kernel, message))
+
+    def watch(self) -> None:
+        """While a call runs, read in the main thread's place (runs on its own thread)."""
+        try:
+            while self.ending is None:
+                if not self.watching.wait(_TICK):
+                    continue
+                ready = self.selector.select(timeout=_TICK)
+                with self.read_lock:
+                    if ready and self.watching.is_set():
+                        self._read(ready)
+        except (OSError, ValueError):  # the selector was closed: the pool ended
+            return
 
     def _forget(self, kernel: _Kernel) -> None:
         """Stop reading ``kernel`` and close its connection."""
@@ -217,21 +259,31 @@ class PoolHost:
 
     # ------------------------------------------------------------------ the main thread
     def serve(self) -> None:
-        """Run the kernels' calls until the pool ends; then end the ranks and tidy up."""
-        reader = threading.Thread(target=self.read, name="nbaccel-pool-reader", daemon=True)
-        reader.start()
+        """Read the kernels and run their calls until the pool ends; then end the ranks and
+        tidy up."""
+        watcher = threading.Thread(target=self.watch, name="nbaccel-pool-watcher", daemon=True)
+        watcher.start()
+        ticked = time.monotonic()
         try:
             while self.ending is None:
-                try:
-                    kernel, message = self.requests.get(timeout=_TICK)
-                except queue.Empty:
-                    self._tick()
+                if self.calls:
+                    self._run(*self.calls.popleft())
                     continue
-                self._run(kernel, message)
+                ready = self.selector.select(timeout=_TICK)
+                if ready:
+                    with self.read_lock:
+                        self._read(ready)
+                if time.monotonic() - ticked >= _TICK:
+                    ticked = time.monotonic()
+                    self._tick()
         finally:
+            self.ending = self.ending or "its host ended"
+            self.watching.set()  # the watcher sees the end
             self.pool.shutdown()
             if self.kernel is not None:
                 self.kernel.close()
+            with self.read_lock:
+                self.selector.close()
             self.listener.close()
             self.folder.remove()
 
@@ -258,8 +310,9 @@ class PoolHost:
 
     def _run(self, kernel: _Kernel, message: tuple) -> None:
         kind = message[0]
-        relay = _KernelRelay(lambda record: kernel.send(("record", record)))
+        relay = _KernelRelay(kernel)
         self.calling = kernel
+        self.watching.set()
         try:
             if kind == "start":
                 self.pool.start(relay)
@@ -286,10 +339,12 @@ class PoolHost:
                 raise ValueError(f"a detached pool does not know {kind!r}")
         except BaseException as exc:  # the rank's exception, or the pool's: to the kernel
             self.calling = None
+            self.watching.clear()
             kernel.send(("raised", _sendable(exc), _sendable(exc.__cause__)))
             self._after_call()
             return
         self.calling = None
+        self.watching.clear()
         self._after_call()
         try:
             kernel.send(("done", answer))
@@ -305,6 +360,11 @@ class PoolHost:
         if pids != self.rank_pids or state != self.state:  # a restart replaced any lost rank
             self.rank_pids, self.state, self.lost = pids, state, ""
             self._update(rank_pids=pids, state=state, lost="")
+
+
+def _waiting(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read now (a message, a connection, its end)."""
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def _sendable(exc: BaseException | None) -> BaseException | None:

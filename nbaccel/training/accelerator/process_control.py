@@ -19,6 +19,7 @@ from nbaccel.distributed.state import AcceleratorState, GradientState
 from nbaccel.training.config.kwargs_handlers import ProfileKwargs
 from nbaccel.training.constants import PROFILE_PATTERN_NAME
 from nbaccel.training.tracking.tracker_set import TrackerSet
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["ProcessControl"]
 
@@ -145,7 +146,7 @@ class ProcessControl:
         cells)."""
         self.trackers.finish()
         self.wait_for_everyone()
-        if os.environ.get("NBACCEL_PERSISTENT_GROUP") != "1":  # a %%distributed pool keeps it
+        if not env_flag("NBACCEL_PERSISTENT_GROUP"):  # a %%distributed pool keeps it
             self.state.destroy_process_group()
 
     @contextlib.contextmanager

@@ -102,7 +102,7 @@ class TorchDynamoPlugin:
     use_regional_compilation: bool | None = None
 
     def __post_init__(self) -> None:
-        from nbaccel.distributed.environment_patch import str_to_bool
+        from nbaccel.values.booleans import parse_bool
 
         self.backend = DynamoBackend(str(self.backend or _env("DYNAMO_BACKEND") or "no").upper())
         self.mode = self.mode or _env("DYNAMO_MODE") or "default"
@@ -114,7 +114,10 @@ class TorchDynamoPlugin:
         for field, (variable, default) in flags.items():
             if getattr(self, field) is None:
                 raw = _env(variable)
-                setattr(self, field, bool(str_to_bool(raw)) if raw is not None else default)
+                ours = f"NBACCEL_{variable}"
+                named = ours if ours in os.environ else f"ACCELERATE_{variable}"
+                flag = default if raw is None else parse_bool(raw, named)
+                setattr(self, field, flag)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``torch.compile`` keyword arguments (``backend`` lower-cased)."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nbaccel.training.step.compile_regions import compile_regions, compile_regions_fsdp2
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["Compilation", "describe_run"]
 
@@ -40,8 +41,7 @@ class Compilation:
         )
         regional = get("use_regional_compilation") if plugin is not None else None
         if regional is None:
-            word = env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "")
-            regional = word.lower() in ("1", "true")
+            regional = env_flag("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
         self.regional = bool(regional)
         self.options: dict[str, Any] = {}
         if plugin is not None:

@@ -47,6 +47,7 @@ from nbaccel.launch.launchers.forkserver.loop import (
 from nbaccel.launch.wire.protocol import LaunchKind
 from nbaccel.launch.wire.spec import WorkerSpec
 from nbaccel.launch.wire.transport import sweep_segments
+from nbaccel.values.booleans import env_flag
 
 __all__ = [
     "ENGINE_PRELOAD",
@@ -240,7 +241,7 @@ def warm_up(preload: Iterable[str] = (), setting: PreloadSetting | None = None) 
 
 def warm_up_if_in_kernel(preload: Iterable[str] = ()) -> None:
     """Warm the fork server when nbaccel is imported in a Jupyter kernel (not in workers)."""
-    if os.environ.get("NBACCEL_NO_WARMUP") or not hasattr(os, "fork"):
+    if env_flag("NBACCEL_NO_WARMUP") or not hasattr(os, "fork"):
         return
     if in_kernel():
         warm_up(preload, preload_setting())

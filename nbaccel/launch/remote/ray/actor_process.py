@@ -14,6 +14,8 @@ import threading
 from collections import deque
 from typing import Any
 
+from nbaccel.launch.wire.tracebacks import safe_message
+
 __all__ = ["ActorPopen"]
 
 
@@ -34,16 +36,18 @@ class ActorPopen:
         self._thread.start()
 
     def _wait(self) -> None:
+        code = -int(signal.SIGKILL)  # unless the agent's own exit code comes back
         try:
             code, lines = self._ray.get(self._ended)
             self.tail.extend(lines)
-        except Exception as exc:  # the actor is gone: with it, the agent and its ranks
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        except BaseException as exc:  # the actor is gone (or Ray was shut down in this process)
+            text = safe_message(exc).strip()
+            first = text.splitlines()[0] if text else ""
             self.tail.append(
                 f"its Ray actor on {self.node} is gone ({type(exc).__name__}: {first[:200]})"
             )
-            code = -int(signal.SIGKILL)
-        self.returncode = code
+        finally:  # whatever ended the wait, the handle reads as ended: wait() relies on it
+            self.returncode = code
 
     def poll(self) -> int | None:
         return self.returncode

@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from nbaccel.values.booleans import env_flag
+
 __all__ = [
     "deepspeed_environment",
     "plugin_from_environment",
@@ -36,7 +38,7 @@ _VARIABLES = {
 
 
 def _on(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+    return bool(env_flag(name))
 
 
 def plugin_from_environment() -> Any:

@@ -31,6 +31,7 @@ from nbaccel.training.strategies.deepspeed.config import (
     get_value,
     unfilled,
 )
+from nbaccel.values.booleans import parse_bool
 
 __all__ = ["DeepSpeedPlugin", "get_active_deepspeed_plugin"]
 
@@ -45,7 +46,7 @@ def _env(name: str, default: Any = None) -> Any:
 
 def _env_flag(name: str) -> bool | None:
     value = _env(name)
-    return None if value is None else value.lower() in ("1", "true", "yes")
+    return None if value is None else parse_bool(value, name)
 
 
 def _number(text: Any, kind: type) -> Any:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from nbaccel.values.booleans import env_flag
+
 __all__ = ["deepspeed_missing", "import_deepspeed", "is_deepspeed_available"]
 
 _SHM_OP = "deepspeed_shm_comm"
@@ -55,7 +57,7 @@ def import_deepspeed(device: torch.device | str | None = None) -> ModuleType:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
-    if kind == "cpu" and os.environ.get("NBACCEL_DEEPSPEED_SHM", "0") != "1":
+    if kind == "cpu" and not env_flag("NBACCEL_DEEPSPEED_SHM"):
         _without_shm_op()
     # DeepSpeed calls torch's older collective names at every step; the warning is not the user's
     warnings.filterwarnings(

@@ -15,6 +15,7 @@ from typing import Any
 
 from nbaccel.distributed.state import DistributedType
 from nbaccel.training.strategies.megatron.plugin import MegatronLMPlugin
+from nbaccel.values.booleans import env_flag
 
 __all__ = ["attach", "megatron_check", "requested"]
 
@@ -23,7 +24,7 @@ def requested(plugin: Any, other_engine: Any, partial_state: Any) -> MegatronLMP
     """The run's plugin: ``plugin``, else the launch's (``ACCELERATE_USE_MEGATRON_LM``) when no
     other engine was asked for; checked against the run's ranks before the shared state takes
     it."""
-    flag = os.environ.get("ACCELERATE_USE_MEGATRON_LM", "").lower() in ("1", "true", "yes")
+    flag = env_flag("ACCELERATE_USE_MEGATRON_LM")
     if plugin is None and other_engine is None and flag:
         plugin = MegatronLMPlugin()
     if plugin is not None:

@@ -7,13 +7,13 @@ import json
 import os
 from typing import Any
 
-from nbaccel.distributed.environment_patch import str_to_bool
 from nbaccel.training.tracking.trackers import (
     GeneralTracker,
     on_main_process,
     plain_values,
     require,
 )
+from nbaccel.values.booleans import parse_bool
 
 _MAX_PARAM = 500  # MLflow's limit on a parameter value's length when mlflow does not say
 
@@ -43,7 +43,9 @@ class MLflowTracker(GeneralTracker):
         tags = os.environ.get("MLFLOW_TAGS", tags)
         self.tags = json.loads(tags) if isinstance(tags, str) else tags
         nested = os.environ.get("MLFLOW_NESTED_RUN")
-        self.nested_run = bool(str_to_bool(nested)) if nested is not None else bool(nested_run)
+        self.nested_run = (
+            parse_bool(nested, "MLFLOW_NESTED_RUN") if nested is not None else bool(nested_run)
+        )
         self.description = description
         uri = os.environ.get("MLFLOW_TRACKING_URI", logging_dir)
         self.logging_dir = None if uri is None else os.fspath(uri)
