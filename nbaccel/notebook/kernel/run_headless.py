@@ -10,6 +10,7 @@ unexpected error. The README's main command uses it.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,21 @@ def output_text(output: dict[str, Any]) -> str:
             return data["text/plain"] + "\n"
         return f"<{', '.join(sorted(data))}>\n"
     if kind == "error":
-        return f"{output.get('ename')}: {output.get('evalue')}\n"
+        notes = "".join(f"{note}\n" for note in _error_notes(output))
+        return f"{output.get('ename')}: {output.get('evalue')}\n{notes}"
     return ""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _error_notes(output: dict[str, Any]) -> list[str]:
+    """The notes IPython prints under an error's last line (``add_note``: the rank a launch's
+    failure came from, a hint), which the error's ``evalue`` does not hold."""
+    lines = [_ANSI.sub("", line) for line in output.get("traceback", [])]
+    head = f"{output.get('ename')}:"
+    last = max((i for i, line in enumerate(lines) if line.startswith(head)), default=None)
+    return [] if last is None else [line for line in lines[last + 1 :] if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
