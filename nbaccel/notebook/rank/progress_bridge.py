@@ -14,6 +14,7 @@ rate) is always sent when the bar closes. Disabled bars send nothing.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -224,20 +225,64 @@ class _Bridge:
 _bridge = _Bridge()
 
 
-def _rebind_imported(originals: set[type]) -> None:
-    """Modules imported before the bridge (preloaded by the fork server: transformers'
-    ``trainer_callback``, peft, datasets...) that bound tqdm's class with ``from tqdm.auto import
-    tqdm`` get the bridged one under that name (a few dict lookups per module)."""
+def _originals() -> set[type]:
+    """tqdm's own classes as imported here (nothing is imported to find them)."""
+    return {
+        cls
+        for name in _CLASSES
+        if (module := sys.modules.get(name)) is not None
+        for attr in _CLASSES[name]
+        if isinstance(cls := getattr(module, attr, None), type)
+    }
+
+
+def _tqdm_bindings(originals: set[type]) -> list[tuple[str, str]]:
+    """Where modules outside tqdm bound its names: ``(module, "tqdm" | "trange")`` pairs."""
+    found = []
     for name, module in list(sys.modules.items()):
         names = getattr(module, "__dict__", None)
         if not isinstance(names, dict) or name == "tqdm" or name.startswith("tqdm."):
             continue
-        bound = names.get("tqdm")
-        if isinstance(bound, type) and bound in originals:
-            names["tqdm"] = RankTqdm
+        if names.get("tqdm") in originals:
+            found.append((name, "tqdm"))
         bound = names.get("trange")
         if callable(bound) and str(getattr(bound, "__module__", "")).split(".")[0] == "tqdm":
-            names["trange"] = _trange
+            found.append((name, "trange"))
+    return found
+
+
+class _ForkedBindings:
+    """The bindings, found in the parent just before it forks (again only when its modules
+    changed), so that a forked rank rebinds those few names instead of walking every module:
+    that walk writes reference counts into thousands of pages the rank shares copy-on-write with
+    its parent (the fork server or the kernel), a cost paid again by every rank of every launch."""
+
+    def __init__(self) -> None:
+        self.modules = -1
+        self.found: list[tuple[str, str]] | None = None
+
+    def before_fork(self) -> None:
+        if len(sys.modules) != self.modules:
+            originals = _originals()
+            self.found = _tqdm_bindings(originals) if originals else []
+            self.modules = len(sys.modules)
+
+
+_forked = _ForkedBindings()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_forked.before_fork)
+
+
+def _rebind_imported(originals: set[type]) -> None:
+    """Modules imported before the bridge (preloaded by the fork server: transformers'
+    ``trainer_callback``, peft, datasets...) that bound tqdm's class with ``from tqdm.auto import
+    tqdm`` get the bridged one under that name; a forked rank takes the places its parent found
+    before the fork, any other process looks for them."""
+    found = _forked.found if _forked.found is not None else _tqdm_bindings(originals)
+    for name, attr in found:
+        module = sys.modules.get(name)
+        if module is not None:
+            setattr(module, attr, RankTqdm if attr == "tqdm" else _trange)
 
 
 def install_progress_bridge() -> None:
@@ -247,12 +292,6 @@ def install_progress_bridge() -> None:
     _bridge.installed = True
     import tqdm.std  # noqa: F401  (imported: patch the package and its modules now)
 
-    originals = {
-        cls
-        for name in _CLASSES
-        if (module := sys.modules.get(name)) is not None
-        for attr in _CLASSES[name]
-        if isinstance(cls := getattr(module, attr, None), type)
-    }
+    originals = _originals()
     when_imported(dict.fromkeys(_CLASSES, _patch))
     _rebind_imported(originals)
