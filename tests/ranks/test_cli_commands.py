@@ -406,7 +406,7 @@ def test_launch_options_reach_the_accelerator(tmp_path):
     assert "precision=bf16 steps=4 device=cpu dynamo=EAGER" in done.stdout
 
 
-def test_an_fsdp1_config_launches_with_fsdp2_only_variables(tmp_path):
+def test_an_fsdp1_config_gives_accelerates_variables_and_says_nbaccel_runs_fsdp2(tmp_path):
     (tmp_path / "fsdp.py").write_text(
         "import os\nprint('fsdp', os.environ.get('ACCELERATE_USE_FSDP'), "
         "os.environ.get('FSDP_VERSION'), os.environ.get('FSDP_STATE_DICT_TYPE'))\n"
@@ -421,10 +421,11 @@ def test_an_fsdp1_config_launches_with_fsdp2_only_variables(tmp_path):
     """)  # fmt: skip
     done = _cli(tmp_path, "launch", "--config_file", str(config), "fsdp.py")
     assert done.returncode == 0, done.stderr
-    assert "fsdp true None SHARDED_STATE_DICT" in done.stdout
-    assert "nbaccel runs FSDP2 only" in done.stderr
+    # as under accelerate launch (Accelerate's own Accelerator reads FSDP_VERSION=1), and said
+    assert "fsdp true 1 SHARDED_STATE_DICT" in done.stdout
+    assert "gets FSDP_VERSION=1" in done.stderr and "runs FSDP2 instead" in done.stderr
     two = _cli(tmp_path, "launch", "--config_file", str(config), "--fsdp_version", "2", "fsdp.py")
-    assert "fsdp true 2 SHARDED_STATE_DICT" in two.stdout and "FSDP2 only" not in two.stderr
+    assert "fsdp true 2 SHARDED_STATE_DICT" in two.stdout and "FSDP_VERSION=1" not in two.stderr
 
 
 @pytest.mark.parametrize(
