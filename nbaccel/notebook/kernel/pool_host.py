@@ -232,15 +232,17 @@ class PoolHost:
                 )
             )
             return  # fmt: skip
+        kernel.who = {**who, "since": time.time()}
+        self.kernel = kernel
+        # the new holder is on record before the old kernel's connection closes: the old kernel
+        # reads it to say who took the pool over
+        self._update(attached={k: kernel.who.get(k) for k in ("pid", "host", "kernel", "since")},
+                     detached_since=None)  # fmt: skip
         if old is not None:
             if self.calling is old:
                 os.kill(os.getpid(), signal.SIGINT)  # its running cell stops: the pool is taken
             self._forget(old)
-        kernel.who = {**who, "since": time.time()}
-        self.kernel = kernel
         info = self.folder.info()
-        self._update(attached={k: kernel.who.get(k) for k in ("pid", "host", "kernel", "since")},
-                     detached_since=None)  # fmt: skip
         kernel.send(("welcome", {
             "id": pool_id, "num_processes": self.pool.num_processes, "describe": info.describe,
             "backend": self.pool.backend, "cpu": self.pool.cpu, "started": info.started,
