@@ -297,7 +297,7 @@ def test_private_folders_of_dead_processes_are_swept(monkeypatch):
 
     tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="sweep-"))  # short: it holds a socket
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(channel, "_swept_roots", set())
+    monkeypatch.setattr(channel, "_sweeps", channel._Sweeps())  # this test's root is new
     try:
         _sweep_check(tmp_path)
     finally:
