@@ -87,7 +87,7 @@ def run_script(
 
 def _apply_config(args: argparse.Namespace, config: Any) -> bool:
     """Fill the options not given on the command line from ``config``; True when the
-    precision came from it."""
+    precision came from the file (one that names none gives "no", and False)."""
     from nbaccel.distributed.state import DistributedType
 
     kind = config.distributed_type
@@ -122,7 +122,7 @@ def _apply_config(args: argparse.Namespace, config: Any) -> bool:
     args.debug = bool(args.debug or config.debug)
     if args.mixed_precision is None:
         args.mixed_precision = config.mixed_precision or "no"
-        return True
+        return getattr(config, "precision_in_file", True)
     return False
 
 

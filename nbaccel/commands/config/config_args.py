@@ -163,6 +163,9 @@ class BaseConfig:
         data.setdefault("use_cpu", False)
         data.setdefault("debug", False)
         data["distributed_type"] = _no_string(data["distributed_type"])
+        # a file that names no precision leaves it to the command line (Accelerate's rule:
+        # a DeepSpeed config then lists no mixed_precision among the fields it set)
+        precision_in_file = "mixed_precision" in data or bool(data.get("fp16", False))
         if "mixed_precision" not in data:  # files from before mixed_precision: fp16: true
             data["mixed_precision"] = "fp16" if data.pop("fp16", False) else "no"
         else:
@@ -178,7 +181,9 @@ class BaseConfig:
                 f"The config file at {source!r} had unknown keys ({', '.join(unknown)}). Remove "
                 "or rename them: nbaccel reads the keys Accelerate 1.15 writes."
             )
-        return cls(**data)
+        config = cls(**data)
+        config.precision_in_file = precision_in_file  # not a field: never written back
+        return config
 
     @classmethod
     def from_yaml_file(cls, yaml_file: str | os.PathLike) -> BaseConfig:
