@@ -8,6 +8,7 @@ in-memory logits. The 1B-parameter check is ``scripts/test-lowbit``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -246,3 +247,74 @@ def test_device_map_view_shows_quantized_bytes_and_formats(saved) -> None:
     text = view.text()
     assert "holds: " in text and "4-bit nf4" in text and "float16" in text  # head in fp16
     assert "4-bit nf4" in view._repr_html_()
+
+
+# -- quantizing on threads -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _one_core():
+    """This thread limited to one core: ``load_threads()`` is 1, the load runs sequentially."""
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+def _bits(model) -> dict[str, torch.Tensor]:
+    """Every plain tensor behind the model's state (torchao's quantized tensors unpacked)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+            for inner in t.__tensor_flatten__()[0]:
+                out[f"{name}.{inner}"] = getattr(t, inner)
+        else:
+            out[name] = t
+    return out
+
+
+THREADED = {
+    "torchao-int8": (lambda: TorchAoConfig("int8_weight_only"), "cpu"),
+    "bnb-int8-disk": (
+        lambda: BnbQuantizationConfig(load_in_8bit=True, torch_dtype=torch.float32),
+        {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+         "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"},
+    ),
+    "nf4": (
+        lambda: BnbQuantizationConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+            torch_dtype=torch.float32,
+        ),
+        "cpu",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(THREADED))
+def test_threaded_quantizing_is_bitwise_the_sequential_load(saved, prompts, tmp_path, case):
+    from nbaccel.bigmodel.loading.tensor_copies import load_threads
+
+    config, device_map = THREADED[case]
+    if load_threads() < 2:
+        pytest.skip("one core: the threaded and sequential loads are the same run")
+    loads = {}
+    for run in ("threaded", "sequential"):
+        folder = tmp_path / run
+        with _one_core() if run == "sequential" else contextlib.nullcontext():
+            loads[run] = load_and_quantize_model(
+                empty_llama(saved), config(), saved, device_map=device_map, offload_folder=folder
+            ).eval()
+    threaded, sequential = _bits(loads["threaded"]), _bits(loads["sequential"])
+    assert threaded.keys() == sequential.keys()
+    for name, t in threaded.items():
+        if t.device.type != "meta":
+            assert torch.equal(t, sequential[name]), name
+    written = sorted(os.listdir(tmp_path / "threaded")) if isinstance(device_map, dict) else []
+    for name in written:  # the 8-bit weights and scales offloaded to disk
+        a, b = (tmp_path / run / name for run in ("threaded", "sequential"))
+        assert a.read_bytes() == b.read_bytes(), name
+    if written:
+        assert "model.layers.0.mlp.up_proj.SCB.dat" in written
+    assert torch.equal(logits(loads["threaded"], prompts), logits(loads["sequential"], prompts))

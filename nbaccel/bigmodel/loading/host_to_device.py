@@ -10,16 +10,23 @@ ordinary buffers: the dry run of the path, which the tests exercise where no GPU
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 __all__ = ["HostToDevice"]
+
+logger = logging.getLogger(__name__)
 
 
 class HostToDevice:
     """Streams host tensors to ``device`` through ``buffers`` staging buffers of ``buffer_bytes``.
 
     Call :meth:`copy` per tensor, then :meth:`finish` before the copies are used (it makes the
-    device's current stream wait for the transfers) and to release the buffers.
+    device's current stream wait for the transfers) and to release the buffers; :meth:`ready`
+    lets work on the current stream use the copies so far while streaming goes on.
+    ``tensors`` and ``bytes`` count what went through the staging buffers (``pinned`` says
+    whether they are page-locked); :meth:`finish` logs them at debug level.
     """
 
     def __init__(
@@ -35,6 +42,9 @@ class HostToDevice:
         self._done: list[torch.cuda.Event | None] = [None] * buffers
         self._turn = 0
         self._stream = torch.cuda.Stream(self.device) if self.accelerated else None
+        self.pinned = self.accelerated
+        self.tensors = 0
+        self.bytes = 0
 
     def copy(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``src`` (on the host, e.g. a view of a mapped file) on the device, as ``dtype``."""
@@ -49,6 +59,8 @@ class HostToDevice:
             staged = self._take()[: (stop - start) * dtype.itemsize].view(dtype)
             staged.copy_(flat_src[start:stop])  # the read of the file (and the cast) happens here
             self._send(flat_dst[start:stop], staged)
+        self.tensors += 1
+        self.bytes += dst.numel() * dtype.itemsize
         return dst
 
     def _take(self) -> torch.Tensor:
@@ -71,8 +83,18 @@ class HostToDevice:
             event.record(self._stream)
         self._done[self._current] = event
 
+    def ready(self) -> None:
+        """Make the device's current stream wait for the transfers issued so far (the host does
+        not wait): work queued on it next may use every tensor :meth:`copy` returned."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
     def finish(self) -> None:
         """Make the device's current stream wait for every transfer; release the buffers."""
+        logger.debug(
+            "%d tensors (%.1f MiB) staged to %s through %s buffers",
+            self.tensors, self.bytes / 2**20, self.device, "pinned" if self.pinned else "host",
+        )  # fmt: skip
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             self._stream.synchronize()  # the pinned buffers are freed next

@@ -15,7 +15,9 @@ flight. A load that fails leaves every tensor it placed on ``meta``: no half-loa
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +28,7 @@ from torch import nn
 
 from nbaccel.bigmodel.dispatch import OFFLOAD_INDEX_ATTR, dispatch_model
 from nbaccel.bigmodel.loading.checkpoint import CheckpointMismatchError, _expected_tensors
-from nbaccel.bigmodel.loading.tensor_copies import load_threads
+from nbaccel.bigmodel.loading.tensor_copies import TensorCopies, load_threads
 from nbaccel.bigmodel.loading.weight_files import offload_weight
 from nbaccel.bigmodel.placement import _new_param, to_torch_device
 from nbaccel.bigmodel.planning.device_map import _lookup
@@ -113,6 +115,8 @@ class _QuantizedLoad:
         self.cpu_state: dict[str, torch.Tensor] = {}
         self.placed: set[str] = set()
         self.unexpected: list[str] = []
+        self.copies = TensorCopies()  # pinned streams to the GPUs that quantize
+        self.lock = threading.Lock()
 
     def _offloaded(self, device: Any) -> bool:
         return device == "disk" or (device == "cpu" and self.main != "cpu")
@@ -141,40 +145,28 @@ class _QuantizedLoad:
         owner, _, leaf = key.rpartition(".")
         device = _lookup(key, self.device_map)
         if owner in self.quantized and leaf == "weight":
-            value = tensor.to(self.config.torch_dtype)
-            if self.config.backend == "bitsandbytes" and not self._offloaded(device):
-                module = self.model.get_submodule(owner)
-                target = to_torch_device(device)
-
-                def quantize() -> None:
-                    try:
-                        module._parameters["weight"] = quantize_weight(module, value, target)
-                        if release is not None:
-                            release()
-                    except Exception as err:
-                        raise RuntimeError(f"Quantizing {key!r} from {path} failed: {err}") from err
-
-                return quantize
-            self._put_quantized(key, owner, value, device)
-            return None
-        if tensor.is_floating_point():
-            tensor = tensor.to(self._float_dtype(owner))
-        mod, leaf, is_param = self.owners[key]
+            return self._quantize_job(key, owner, tensor, path, release, device)
+        dtype = self._float_dtype(owner) if tensor.is_floating_point() else tensor.dtype
         if self._offloaded(device) and is_param:  # buffers stay with the computing device
-            if device == "disk":
-                offload_weight(tensor, key, self.offload_folder, index=self.disk_index)
-            else:
-                self.cpu_state[key] = tensor.contiguous()
+            tensor = tensor.to(dtype)
+            with self.lock:
+                if device == "disk":
+                    offload_weight(tensor, key, self.offload_folder, index=self.disk_index)
+                else:
+                    self.cpu_state[key] = tensor.contiguous()
             value = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        else:
-            target = self.main if device in ("disk", "cpu") else device
-            value = tensor.to(to_torch_device(target))
+        else:  # the mapped view on the CPU, a cast, or a copy streamed to the GPU
+            value = self.copies.place(
+                tensor, self.main if device in ("disk", "cpu") else device, dtype
+            )
         self._assign(names, value)
         return None
 
     def reset(self) -> None:
         """After a failure: every tensor this load placed back on ``meta`` (no data), so no
         half-loaded model can be used."""
+        with contextlib.suppress(Exception):
+            self.copies.finish()
         for name in self.placed:
             mod, leaf, is_param = self.owners[name]
             old = mod._parameters[leaf] if is_param else mod._buffers[leaf]
@@ -197,30 +189,67 @@ class _QuantizedLoad:
             else:
                 mod._buffers[leaf] = value
 
-    def _put_quantized(self, key: str, owner: str, value: torch.Tensor, device: Any) -> None:
+    def _quantize_job(
+        self,
+        key: str,
+        owner: str,
+        tensor: torch.Tensor,
+        path: str,
+        release: Callable[[], None] | None,
+        device: Any,
+    ) -> Callable[[], None]:
+        """The work that quantizes ``key`` (run on a thread; every backend and placement): the
+        float weight cast to ``torch_dtype`` and quantized where it will be used, its mapped
+        pages released. A weight quantized on an accelerator is streamed there first, here, on
+        the loading thread, through this load's pinned staging buffers; one offloaded is
+        quantized on the CPU and handed over under the lock."""
+        module = self.model.get_submodule(owner)
+        dtype = self.config.torch_dtype
+        offloaded = self.config.backend == "bitsandbytes" and self._offloaded(device)
+        target = torch.device("cpu") if offloaded else to_torch_device(device)
+        source = tensor
+        if target.type != "cpu":
+            source = self.copies.place(tensor, target, dtype)
+            self.copies.stream(target).ready()  # quantizing on the device waits for its copy
+
+        def quantize() -> None:
+            try:
+                value = source.to(dtype)  # the mapped view itself when the dtype matches
+                if self.config.backend == "torchao":
+                    from nbaccel.bigmodel.quantization.torchao_weights import (
+                        quantize_linear_torchao,
+                    )
+
+                    module._parameters["weight"] = nn.Parameter(value, requires_grad=False)
+                    quantize_linear_torchao(module, self.config)
+                elif offloaded:
+                    self._offload_8bit(key, module, quantize_weight(module, value, target), device)
+                else:
+                    module._parameters["weight"] = quantize_weight(module, value, target)
+                if release is not None:
+                    release()
+            except Exception as err:
+                raise RuntimeError(f"Quantizing {key!r} from {path} failed: {err}") from err
+
+        return quantize
+
+    def _offload_8bit(self, key: str, module: nn.Module, param: Any, device: Any) -> None:
+        """An 8-bit weight quantized on the CPU, kept off the computing device: written to the
+        offload folder (``"disk"``) or kept in CPU memory, a placeholder left in the layer."""
         from nbaccel.bigmodel.quantization.quantized_offload import (
             offloaded_int8_placeholder,
             quantize_and_offload_8bit,
         )
 
-        module = self.model.get_submodule(owner)
-        if self.config.backend == "torchao":
-            from nbaccel.bigmodel.quantization.torchao_weights import quantize_linear_torchao
-
-            module._parameters["weight"] = nn.Parameter(
-                value.to(to_torch_device(device)), requires_grad=False
-            )
-            quantize_linear_torchao(module, self.config)
-        elif device == "disk":
-            quantize_and_offload_8bit(
-                self.model, value, key, None, self.offload_folder, self.disk_index
-            )
-        elif self._offloaded(device):  # 8-bit weights kept in CPU memory, run on the GPU
-            param = quantize_weight(module, value, torch.device("cpu"))
-            self.cpu_state[key] = param.data
-            module._parameters["weight"] = offloaded_int8_placeholder(param.shape, param.SCB)
-        else:
-            module._parameters["weight"] = quantize_weight(module, value, to_torch_device(device))
+        with self.lock:  # the index and the CPU state dict are shared by the threads
+            if device == "disk":
+                quantize_and_offload_8bit(
+                    self.model, param.data, key, None, self.offload_folder, self.disk_index,
+                    fp16_statistics=param.SCB,
+                )  # fmt: skip
+            else:
+                self.cpu_state[key] = param.data
+                module._parameters["weight"] = offloaded_int8_placeholder(param.shape, param.SCB)
 
     def check_complete(self, weights_location: Any) -> None:
         missing = [
@@ -346,6 +375,7 @@ def _load_all(load: _QuantizedLoad, tensors: Iterator, opened: list) -> None:
                     pending.popleft().result()
             while pending:
                 pending.popleft().result()
+            load.copies.finish()  # every streamed copy in place before the model is used
         finally:
             for future in pending:
                 future.cancel()
