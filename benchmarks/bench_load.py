@@ -8,7 +8,9 @@ safetensors shards. It is read once before the runs, so every run finds it in th
 
 Modes: ``fp32`` and ``bf16`` (the fp32 files cast while loading), ``nf4`` and ``int8``
 (bitsandbytes on the CPU, fp32 compute: transformers' ``BitsAndBytesConfig`` path beside
-``nbaccel.load_and_quantize_model``) and ``disk`` (half the decoder layers mapped to disk).
+``nbaccel.load_and_quantize_model``), ``int8-torchao`` (torchao int8 weight-only:
+transformers' ``TorchAoConfig`` beside nbaccel's) and ``disk`` (half the decoder layers mapped
+to disk).
 Every run's logits (and, quantized, a digest of every quantized weight) are compared with
 transformers' in the same run. ``--gpu`` loads onto ``cuda:0`` (fp32 and bf16) and adds the
 peak host RSS of the streamed load.
@@ -43,8 +45,8 @@ SIZES = {
     "tiny": (256, 2, "4MB"),
 }
 LIBS = ("transformers", "accelerate", "nbaccel")
-MODES = ("fp32", "bf16", "nf4", "int8", "disk")
-QUANTIZED = ("nf4", "int8")
+MODES = ("fp32", "bf16", "nf4", "int8", "int8-torchao", "disk")
+QUANTIZED = ("nf4", "int8", "int8-torchao")
 PROMPT = [[1, 306, 4658, 278, 6593, 310, 2834, 338, 263, 1243, 29889, 13, 450, 1234, 338, 29871]]
 
 
@@ -105,7 +107,11 @@ def _load(lib: str, mode: str, folder: Path, device: str, offload: str):
     device_map = _disk_map(config.num_hidden_layers) if mode == "disk" else device
     if lib == "transformers":
         kwargs: dict = {"dtype": dtype, "device_map": device_map}
-        if mode in QUANTIZED:
+        if mode == "int8-torchao":
+            from torchao.quantization import Int8WeightOnlyConfig
+
+            kwargs["quantization_config"] = transformers.TorchAoConfig(Int8WeightOnlyConfig())
+        elif mode in QUANTIZED:
             options = (
                 {"load_in_8bit": True}
                 if mode == "int8"
@@ -121,6 +127,14 @@ def _load(lib: str, mode: str, folder: Path, device: str, offload: str):
         import accelerate as front
     else:
         import nbaccel as front
+    if mode == "int8-torchao":
+        from nbaccel.bigmodel.quantization import TorchAoConfig, load_and_quantize_model
+
+        with front.init_empty_weights():
+            empty = transformers.LlamaForCausalLM(config)
+        return load_and_quantize_model(
+            empty, TorchAoConfig("int8_weight_only"), str(folder), device_map=device
+        )
     if mode in QUANTIZED:
         if lib == "accelerate":
             from accelerate.utils import BnbQuantizationConfig, load_and_quantize_model
@@ -156,6 +170,13 @@ def _quantized_digest(model) -> dict[str, str]:
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         kind = type(module).__name__
+        if hasattr(weight, "__tensor_flatten__") and type(weight.data).__name__ != "Tensor":
+            h = hashlib.sha256()  # torchao: its quantized data and scales
+            for inner in weight.__tensor_flatten__()[0]:
+                part = getattr(weight, inner).contiguous().view(-1).view(dtype=_u8())
+                h.update(part.numpy().tobytes())
+            out[name] = h.hexdigest()[:16]
+            continue
         if kind not in ("Linear4bit", "Linear8bitLt") or weight is None:
             continue
         h = hashlib.sha256(weight.data.contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
@@ -187,7 +208,9 @@ def child(lib: str, mode: str, folder: Path, device: str, out: Path) -> None:
         import accelerate  # noqa: F401
     elif lib == "nbaccel":
         import nbaccel  # noqa: F401
-    if mode in QUANTIZED:
+    if mode == "int8-torchao":
+        import torchao.quantization  # noqa: F401
+    elif mode in QUANTIZED:
         import bitsandbytes.nn  # noqa: F401
     rss_before = _memory_kb("VmRSS")
     offload = tempfile.mkdtemp(prefix="bench-load-")

@@ -1,9 +1,10 @@
 """GPU lane: quantized loading on CUDA and FP8 training on the GPU. bitsandbytes' CUDA 8-bit and
 4-bit kernels through ``load_and_quantize_model`` against transformers' ``BitsAndBytesConfig``
-path on cuda:0 (bitwise equal logits); 8-bit weights offloaded to cpu and disk beside cuda:0
-give the in-memory logits; ``mixed_precision="fp8"`` with torchao on a GPU of compute
-capability 8.9+ tracks the bf16 loss within 5% at every step; below 8.9 the launch is refused
-before any rank starts, naming the hardware, and the emulation trains."""
+path on cuda:0 (bitwise equal logits and quantized weights, every tensor streamed through the
+load's pinned staging buffers: ``scripts/test-gpu -k pinned``); 8-bit weights offloaded to cpu
+and disk beside cuda:0 give the in-memory logits; ``mixed_precision="fp8"`` with torchao on a
+GPU of compute capability 8.9+ tracks the bf16 loss within 5% at every step; below 8.9 the
+launch is refused before any rank starts, naming the hardware, and the emulation trains."""
 
 from __future__ import annotations
 
@@ -77,6 +78,49 @@ def test_8bit_offloaded_beside_cuda_gives_in_memory_logits(saved, tmp_path) -> N
     ).eval()
     assert offloaded.model.layers[0].mlp.up_proj.weight.device.type == "meta"
     assert torch.equal(logits(offloaded, PROMPTS), logits(in_memory, PROMPTS))
+
+
+def _quantized_bits(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every quantized layer's weight bytes and scales (absmax for 4-bit, SCB for 8-bit)."""
+    out = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            weight = module.weight
+            state = getattr(weight, "quant_state", None)
+            scales = state.absmax if state is not None else weight.SCB
+            out[name] = (weight.data.cpu(), scales.cpu())
+    return out
+
+
+@pytest.mark.parametrize("mode", list(OPTIONS))
+def test_quantized_load_streams_through_pinned_staging_bitwise_as_transformers(
+    saved, mode, caplog
+) -> None:
+    """Every tensor reaches cuda:0 through the load's pinned HostToDevice stream (its counter,
+    logged when the stream finishes, names each tensor of the checkpoint), and the weights
+    quantized there are transformers' bit for bit."""
+    from nbaccel.storage.safetensors_file import SafetensorsFile
+
+    options = OPTIONS[mode]
+    caplog.set_level(logging.DEBUG, logger="nbaccel.bigmodel.loading.host_to_device")
+    ours = load_and_quantize_model(
+        empty(saved), BnbQuantizationConfig(**options, torch_dtype=torch.float16), saved,
+        device_map={"": 0},
+    ).eval()  # fmt: skip
+    theirs = transformers.LlamaForCausalLM.from_pretrained(
+        saved, quantization_config=transformers.BitsAndBytesConfig(**options),
+        device_map={"": 0}, dtype=torch.float16,
+    ).eval()  # fmt: skip
+    staged = [r.getMessage() for r in caplog.records if "through pinned buffers" in r.getMessage()]
+    assert len(staged) == 1 and "staged to cuda:0" in staged[0], staged
+    in_file = len(SafetensorsFile(f"{saved}/model.safetensors").entries)
+    assert int(staged[0].split()[0]) == in_file  # every tensor took the pinned path
+    mine, peer = _quantized_bits(ours), _quantized_bits(theirs)
+    assert mine.keys() == peer.keys() and mine
+    assert ours.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
+    for name, (data, scales) in mine.items():
+        assert torch.equal(data, peer[name][0]) and torch.equal(scales, peer[name][1]), name
+    assert torch.equal(logits(ours, PROMPTS), logits(theirs, PROMPTS))
 
 
 def _fp8_losses(emulate):

@@ -318,3 +318,37 @@ def test_threaded_quantizing_is_bitwise_the_sequential_load(saved, prompts, tmp_
     if written:
         assert "model.layers.0.mlp.up_proj.SCB.dat" in written
     assert torch.equal(logits(loads["threaded"], prompts), logits(loads["sequential"], prompts))
+
+
+@pytest.mark.parametrize("case", ["int8", "nf4-double-quant"])
+def test_quantizing_from_the_staging_dry_run_gives_the_direct_bits(saved, case) -> None:
+    """The GPU path's steps on the CPU: each weight streamed through the load's staging buffers
+    (the dry run of the pinned path: ordinary buffers, no streams), then quantized from the
+    staged copy, gives the bits of quantizing the mapped tensor directly."""
+    from nbaccel.bigmodel.loading.tensor_copies import TensorCopies
+    from nbaccel.bigmodel.quantization.bnb_layers import (
+        is_quantized_layer,
+        quantize_weight,
+        replace_with_bnb_layers,
+    )
+    from nbaccel.storage.safetensors_file import SafetensorsFile
+
+    config = BnbQuantizationConfig(**CASES[case][1])
+    model = replace_with_bnb_layers(empty_llama(saved), config, ["lm_head"])
+    handle = SafetensorsFile(os.path.join(saved, "model.safetensors"))
+    copies, cpu = TensorCopies(), torch.device("cpu")
+    stream = copies.stream(cpu)
+    layers = [(n, m) for n, m in model.named_modules() if is_quantized_layer(m)]
+    for name, module in layers:
+        view = handle.view(f"{name}.weight")
+        staged = stream.copy(view, config.torch_dtype)
+        stream.ready()
+        ours, direct = quantize_weight(module, staged, cpu), quantize_weight(module, view, cpu)
+        assert torch.equal(ours.data, direct.data), name
+        state = getattr(ours, "quant_state", None)
+        if state is not None:
+            assert torch.equal(state.absmax, direct.quant_state.absmax), name
+        else:
+            assert torch.equal(ours.SCB, direct.SCB), name
+    assert stream.tensors == len(layers) > 0 and not stream.pinned
+    copies.finish()

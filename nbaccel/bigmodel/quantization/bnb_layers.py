@@ -129,11 +129,12 @@ def quantize_weight(module: nn.Module, value: torch.Tensor, device: torch.device
     on ``device`` (quantized there, as bitsandbytes does when a float weight reaches a device)."""
     bnb = _bnb()
     if type(module).__name__ == "Linear8bitLt":
-        if device.type != "cpu" and value.device == device:  # streamed there already:
-            param = bnb.nn.Int8Params(value, requires_grad=False, has_fp16_weights=False)
-            return param._quantize(device)  # (``.to`` quantizes only what comes from the CPU)
-        param = bnb.nn.Int8Params(value.to("cpu"), requires_grad=False, has_fp16_weights=False)
-        return param.to(device)
+        if value.device != device:
+            value = value.to("cpu")  # bitsandbytes quantizes what comes from the CPU
+        param = bnb.nn.Int8Params(value, requires_grad=False, has_fp16_weights=False)
+        # on its device already (streamed to a GPU, or the CPU): ``.to`` would not quantize a
+        # tensor already on a GPU, so quantize it where it is, as ``.to`` does from the CPU
+        return param._quantize(device) if value.device == device else param.to(device)
     old = module.weight
     param = bnb.nn.Params4bit(
         value,

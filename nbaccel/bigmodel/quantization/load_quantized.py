@@ -7,10 +7,14 @@ device map a quantized model can follow), then the swap of the linears (bitsandb
 ``meta``), then one pass over the checkpoint: each float weight of a quantized layer is cast to
 ``torch_dtype`` and quantized on the device that computes it (or quantized on the CPU and written
 to the offload folder), every other tensor is cast and placed. Tensors are read as views of the
-mapped safetensors files (a tensor kept as stored is the file's bytes, not a copy); weights are
-quantized on several threads at once (bitsandbytes quantizes one tensor on one core) and their
-mapped pages released once quantized. Peak memory: the quantized model plus the few weights in
-flight. A load that fails leaves every tensor it placed on ``meta``: no half-loaded model.
+mapped checkpoint files (a tensor kept as stored is the file's bytes, not a copy). Every
+quantized weight -- bitsandbytes 4-bit and 8-bit, in memory or offloaded, and torchao -- is
+quantized on several threads at once (a backend quantizes one tensor on one core), and its
+mapped pages released once quantized. A tensor bound for a GPU (a weight quantized there, or
+one kept in float) is streamed through the load's pinned staging buffers
+(:class:`~nbaccel.bigmodel.loading.host_to_device.HostToDevice`), never copied whole on the
+host. Peak memory: the quantized model plus the few weights in flight. A load that fails leaves
+every tensor it placed on ``meta``: no half-loaded model.
 """
 
 from __future__ import annotations
