@@ -51,7 +51,16 @@ class TensorCopies:
         torch_device = to_torch_device(device)
         if torch_device.type == "cpu":
             return src if src.dtype == target else src.to(target)
+        if src.device.type != "cpu":  # not on the host (a model's own tensors): no staging
+            return src.to(torch_device, target)
         return self.stream(torch_device).copy(src, target)
+
+    def ready(self, device: int | str | torch.device) -> None:
+        """Work queued next on ``device``'s current stream may use every copy streamed there
+        so far (the host does not wait)."""
+        stream = self.streams.get(to_torch_device(device))
+        if stream is not None:
+            stream.ready()
 
     def stream(self, device: torch.device) -> HostToDevice:
         """This load's pinned stream to ``device`` (made on first use)."""

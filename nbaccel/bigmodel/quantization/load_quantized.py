@@ -214,7 +214,7 @@ class _QuantizedLoad:
         source = tensor
         if target.type != "cpu":
             source = self.copies.place(tensor, target, dtype)
-            self.copies.stream(target).ready()  # quantizing on the device waits for its copy
+            self.copies.ready(target)  # quantizing on the device waits for its copy
 
         def quantize() -> None:
             try:
