@@ -12,8 +12,10 @@ Modes: ``fp32`` and ``bf16`` (the fp32 files cast while loading), ``nf4`` and ``
 transformers' ``TorchAoConfig`` beside nbaccel's) and ``disk`` (half the decoder layers mapped
 to disk).
 Every run's logits (and, quantized, a digest of every quantized weight) are compared with
-transformers' in the same run. ``--gpu`` loads onto ``cuda:0`` (fp32 and bf16) and adds the
-peak host RSS of the streamed load.
+transformers' in the same run. ``--gpu`` loads onto ``cuda:0`` (fp32, bf16, and nf4 / int8
+quantized there, every tensor streamed through pinned staging) and adds the peak host RSS of the
+streamed load; without CUDA it is a dry run of the staging path on the CPU, which also quantizes
+nf4 from the staged copies and checks the bits against quantizing the mapped tensors.
 
     python benchmarks/bench_load.py --size 0.25b --modes fp32,nf4      # a quick look
     python benchmarks/bench_load.py                                     # 1B, every mode
@@ -47,6 +49,7 @@ SIZES = {
 LIBS = ("transformers", "accelerate", "nbaccel")
 MODES = ("fp32", "bf16", "nf4", "int8", "int8-torchao", "disk")
 QUANTIZED = ("nf4", "int8", "int8-torchao")
+GPU_MODES = ("fp32", "bf16", "nf4", "int8")  # bitsandbytes quantizes on the GPU
 PROMPT = [[1, 306, 4658, 278, 6593, 310, 2834, 338, 263, 1243, 29889, 13, 450, 1234, 338, 29871]]
 
 
@@ -312,7 +315,57 @@ def dry_run(cache: Path, size: str) -> dict:
             moved += src.numel() * src.element_size()
     stream.finish()
     seconds = time.perf_counter() - start
-    return {"dry_run": True, "bytes": moved, "seconds": round(seconds, 3)}
+    return {
+        "dry_run": True,
+        "bytes": moved,
+        "seconds": round(seconds, 3),
+        "nf4_from_staging_bitwise_equal": _nf4_dry_run(folder),
+    }
+
+
+def _nf4_dry_run(folder: Path) -> bool:
+    """The quantized GPU path's steps on the CPU: each linear weight staged through the load's
+    stream, then quantized to nf4 from the staged copy; True when every weight has the bits of
+    quantizing the mapped tensor directly."""
+    import torch
+    import transformers
+
+    from nbaccel import init_empty_weights
+    from nbaccel.bigmodel.loading.tensor_copies import TensorCopies
+    from nbaccel.bigmodel.quantization import BnbQuantizationConfig
+    from nbaccel.bigmodel.quantization.bnb_layers import (
+        is_quantized_layer,
+        quantize_weight,
+        replace_with_bnb_layers,
+    )
+    from nbaccel.storage.safetensors_file import SafetensorsFile
+
+    config = BnbQuantizationConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+    replace_with_bnb_layers(model, config, ["lm_head"])
+    where = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        handle = SafetensorsFile(path)
+        where.update(dict.fromkeys(handle.entries, handle))
+    copies, cpu = TensorCopies(), torch.device("cpu")
+    stream = copies.stream(cpu)
+    for name, module in model.named_modules():
+        if not is_quantized_layer(module):
+            continue
+        view = where[f"{name}.weight"].view(f"{name}.weight")
+        staged = stream.copy(view, torch.float32)
+        stream.ready()
+        ours, direct = quantize_weight(module, staged, cpu), quantize_weight(module, view, cpu)
+        if not (
+            torch.equal(ours.data, direct.data)
+            and torch.equal(ours.quant_state.absmax, direct.quant_state.absmax)
+        ):
+            return False
+    copies.finish()
+    return True
 
 
 def main() -> None:
@@ -325,7 +378,9 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "nbaccel-bench"))
-    parser.add_argument("--gpu", action="store_true", help="load onto cuda:0 (fp32, bf16)")
+    parser.add_argument(
+        "--gpu", action="store_true", help=f"load onto cuda:0 ({', '.join(GPU_MODES)})"
+    )
     parser.add_argument("--out", help="the results file (default benchmarks/results/load.json)")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -340,7 +395,7 @@ def main() -> None:
             print("no CUDA device: a dry run of the staging path on the CPU (nothing written)")
             print(json.dumps(dry_run(Path(args.cache_dir), args.size)))
             return
-        modes = [m for m in modes if m in ("fp32", "bf16")] or ["fp32"]
+        modes = [m for m in modes if m in GPU_MODES] or ["fp32"]
     result = measure(args.size, modes, args.repeats, Path(args.cache_dir), device)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from provenance import stamp

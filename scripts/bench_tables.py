@@ -114,6 +114,14 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "The fp32 and bf16 rows of the run above, measured again once nbaccel's casts onto the "
         "CPU ran on one thread per core.",
     ),
+    "load_quantized_threads.json": (
+        "Quantized loading on threads: torchao int8 and bitsandbytes int8, 0.25B",
+        "python benchmarks/bench_load.py --size 0.25b --modes int8-torchao,int8",
+        "A 0.25B Llama quantized while loading onto the CPU, fresh processes, medians of 3, "
+        "beside transformers' `TorchAoConfig` / `BitsAndBytesConfig` path in the same run; "
+        "every weight quantized on one thread per core. `before_threading` is the torchao row "
+        "measured in a separate run while nbaccel quantized torchao weights one at a time.",
+    ),
     "load_gpu.json": (
         "Loading a checkpoint onto a GPU",
         "python benchmarks/bench_load.py --gpu --size 0.5b --modes fp32,bf16",
