@@ -1,7 +1,7 @@
 """Time to the first step of real work, in real kernels: nbaccel vs its peers.
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/bench_first_step.py [--kernels 3] [--later 2]
-     [--workload a,b,c,d] [--order first|after]
+     [--workload a,b,c,d,trainer] [--order first|after] [--steps N] [--quick]
 
 Each library runs in its own fresh Jupyter kernel (``tests/kernel.py``), ``--kernels`` kernels
 per library, alternating; in each kernel the work is launched once and then ``--later`` more
@@ -59,6 +59,21 @@ processes by name pattern, ``pkill -f worker.py``, across the machine).
 ``--order after``: the launcher is imported after the notebook's libraries (nbaccel's fork
 server then starts only when nbaccel is imported, and imports them from there); workloads
 (a)-(c), written to ``first_step_after.json``.
+
+Workload (trainer): transformers' ``Trainer`` on the tiny Llama of ``tests/_llama.py``
+(``benchmarks/trainer_steps.py``: 200 optimizer steps, ``--quick`` 40, 4 sequences per rank and
+step) on 2 CPU ranks under four fronts, one launch each per round, the order reversed every other
+round: nbaccel's ``notebook_launcher(train, num_processes=2, cpu=True)`` and Accelerate's
+``notebook_launcher`` (each in a fresh kernel that imported torch and transformers; ``Trainer`` is
+imported inside the function, since Accelerate's launcher refuses to start once bitsandbytes,
+which importing ``Trainer`` loads, is imported), ``nbaccel launch --cpu --num_processes 2
+trainer_steps.py`` and ``accelerate launch --multi_gpu --num_processes 2 trainer_steps.py`` (its
+``--cpu`` starts one process, several only under ``mpirun``; with ``--multi_gpu`` torchrun starts
+2, which train on the CPU as ``use_cpu=True`` asks). Figures: the time from the launch call (the
+parent's ``time.time()``) to the last rank's first ``on_step_end`` (a ``TrainerCallback``, same
+clock), and ``train_runtime`` per step of the slower rank; medians over ``--kernels`` rounds,
+ratios nbaccel / Accelerate for the notebook pair and the script pair; every front's losses must
+agree within 1e-4. Written to ``first_step_trainer.json``.
 
 Workload (e), ranks on 2 Ray nodes against Ray Train's ``TorchTrainer.fit``, is
 ``bench_ray.py --first-step``; the same ranks on ssh hosts, ``bench_hosts.py --first-step`` (both
