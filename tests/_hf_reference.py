@@ -16,10 +16,15 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["TRAINER", "accelerate_records", "records", "same_training"]
+__all__ = ["TRAINER", "accelerate_records", "hf_lane", "records", "same_training"]
 
 TRAINER = Path(__file__).resolve().with_name("_hf_trainer.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
+#: the hf lane's cases (``scripts/test-hf`` sets NBACCEL_HF_FULL=1); the default suite skips them
+hf_lane = pytest.mark.skipif(
+    os.environ.get("NBACCEL_HF_FULL") != "1",
+    reason="long: pairs of transformers launches (run scripts/test-hf)",
+)
 
 
 def records(prefix: Path, ranks: int = 2) -> list[dict]:
