@@ -1,4 +1,4 @@
-"""The one listing of detached runs and pools: ``nbaccel runs``/``pools``, ``runs()``/``pools()``."""
+"""The one listing of detached runs and pools (the runs and pools commands, runs(), pools())."""
 
 from nbaccel.launch.detached.listing import MAX_WIDTH, listing_text
 
