@@ -88,13 +88,6 @@ LANES = [
         "Accelerate's launch contract and Trainer/PEFT/TRL vs accelerate launch",
         ci_env={"TORCH_EXTENSIONS_DIR": CI_EXTENSIONS},
         ci_limit_s=1200,
-        ci_deselect={
-            "tests/ranks/test_accelerate_contract.py::"
-            "test_trainer_with_a_deepspeed_config_with_use_cpu_runs_deepspeed": (
-                "Accelerate's ranks JIT-build DeepSpeed's shared-memory op first (minutes on "
-                "2 cores); run it with scripts/test-hf -k deepspeed"
-            ),
-        },
     ),
     Lane(
         "lowbit",
