@@ -18,6 +18,7 @@ Writes go through a staging directory (:mod:`nbaccel.storage.atomic`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -27,9 +28,11 @@ from typing import Any
 import torch
 
 from nbaccel.storage.atomic import begin_staging, commit_staging, recover
-from nbaccel.storage.safetensors_file import SafetensorsFile
+from nbaccel.storage.safetensors_file import CorruptCheckpointError, SafetensorsFile
 from nbaccel.storage.ties import tie_groups, tied_twins
 from nbaccel.values.sizes import parse_size
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -238,11 +241,27 @@ def _from_index(index_path: Path) -> dict[str, list[str]]:
     return files
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6; older files are a bare pickle
+
+
 def _load_torch_file(path: str) -> Mapping[str, torch.Tensor]:
+    """A torch checkpoint file as name -> tensor. A zip file (every ``torch.save`` since torch
+    1.6) is memory-mapped: its tensors are views of the file's private mapping, not copies. A
+    legacy (pre-zip) file cannot be mapped and is read into memory. A file that cannot be read
+    raises :class:`CorruptCheckpointError` naming it."""
+    with open(path, "rb") as f:
+        zipped = f.read(4) == _ZIP_MAGIC
+    if not zipped:
+        logger.debug("%s is a legacy (non-zip) torch file: read into memory, not mapped", path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CorruptCheckpointError(
+            f"{path} cannot be read as a torch checkpoint ({type(err).__name__}: {reason}): "
+            "the file is truncated or corrupt, or holds objects other than tensors. Download "
+            "or save it again (as safetensors where possible)."
+        ) from err
     if (
         isinstance(state, Mapping)
         and "state_dict" in state
@@ -256,7 +275,8 @@ def _load_torch_file(path: str) -> Mapping[str, torch.Tensor]:
 
 def open_weights(path: str | os.PathLike) -> SafetensorsFile | Mapping[str, torch.Tensor]:
     """One weight file, opened: safetensors in place (header only, :class:`SafetensorsFile`),
-    torch files memory-mapped when they can be (a mapping name -> tensor)."""
+    torch files memory-mapped unless they predate torch's zip format (a mapping name ->
+    tensor)."""
     path = str(path)
     return SafetensorsFile(path) if path.endswith(".safetensors") else _load_torch_file(path)
 

@@ -279,3 +279,86 @@ def test_quantized_load_failing_midway_leaves_no_half_loaded_model(tmp_path):
         load_and_quantize_model(model, config, folder, device_map="cpu")
     assert ".safetensors" in str(err.value)
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+# -- torch (.bin) checkpoints ----------------------------------------------------------------
+
+
+def _save_bin(tmp_path, legacy: bool = False) -> tuple[Net, str]:
+    torch.manual_seed(0)
+    net = Net().eval()
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    if legacy:  # torch's pre-1.6 format: a bare pickle, which cannot be mapped
+        torch.save(
+            net.state_dict(), folder / "pytorch_model.bin", _use_new_zipfile_serialization=False
+        )
+    else:
+        write_weights(net.state_dict(), folder, max_shard_size="40KB", safe_serialization=False)
+    return net, str(folder)
+
+
+def test_bin_cpu_load_uses_the_mapped_bytes_and_gives_the_copied_loads_logits(tmp_path):
+    net, folder = _save_bin(tmp_path)
+    assert any(n.endswith(".bin") for n in os.listdir(folder))
+    model = load_checkpoint_and_dispatch(_empty(), folder, device_map={"": "cpu"})
+    ranges = _mapped_ranges(folder)
+    assert ranges, "the .bin shards are mapped"
+    for name, p in model.named_parameters():
+        assert _is_mapped(p, ranges), f"{name} was copied"
+    assert model.head.weight is model.embed.weight
+    copied = Net().eval()  # the same checkpoint read into memory
+    for path in sorted(os.listdir(folder)):
+        if path.endswith(".bin"):
+            copied.load_state_dict(
+                torch.load(os.path.join(folder, path), weights_only=True), strict=False
+            )
+    with torch.no_grad():
+        assert torch.equal(model(IDS), copied(IDS))
+        assert torch.equal(model(IDS), net(IDS))
+    cast = _empty()
+    load_checkpoint_in_model(cast, folder, dtype=torch.bfloat16)  # a cast is a copy
+    for name, p in cast.named_parameters():
+        assert p.dtype == torch.bfloat16 and not _is_mapped(p, ranges), name
+        assert torch.equal(p, net.get_parameter(name).to(torch.bfloat16))
+
+
+def test_bin_load_does_not_grow_anonymous_memory_by_the_model(tmp_path):
+    torch.manual_seed(0)
+    big = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(16)))  # 64 MiB of fp32
+    folder = tmp_path / "bigbin"
+    folder.mkdir()
+    write_weights(big.state_dict(), folder, max_shard_size="16MB", safe_serialization=False)
+    with init_empty_weights():
+        empty = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(16)))
+
+    def anon_kb() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:"))
+
+    before = anon_kb()
+    load_checkpoint_in_model(empty, str(folder))
+    assert torch.isfinite(sum(p.float().sum() for p in empty.parameters()))
+    assert anon_kb() - before < 16 * 1024  # the 64 MiB model is the files' pages, not copies
+    for (name, p), q in zip(empty.named_parameters(), big.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_legacy_bin_is_read_into_memory(tmp_path):
+    net, folder = _save_bin(tmp_path, legacy=True)
+    model = load_checkpoint_and_dispatch(_empty(), folder, device_map={"": "cpu"})
+    assert not _mapped_ranges(folder)  # cannot be mapped: read, and no error
+    with torch.no_grad():
+        assert torch.equal(model(IDS), net(IDS))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_truncated_bin_is_refused_naming_the_file(tmp_path, legacy):
+    _, folder = _save_bin(tmp_path, legacy=legacy)
+    shard = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".bin"))[-1]
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    model, originals = _real_model()
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt") as err:
+        load_checkpoint_in_model(model, folder)
+    assert shard in str(err.value)
+    _assert_untouched(model, originals)

@@ -9,14 +9,16 @@ are filled from whichever name the checkpoint has and stay tied. Disk-mapped ten
 safetensors are indexed in place, not copied; from ``.bin`` they are written once as safetensors
 into ``offload_folder``.
 
-What is mapped and what is copied: a safetensors tensor bound for the CPU in the dtype it is
-stored in becomes the parameter as it is, a view of the file's private memory map (its pages are
-read when first touched, shared with the page cache, copied only if written to). A tensor whose
-dtype changes is cast from the mapping into new memory and its mapped pages are released. A
-tensor bound for a GPU is streamed through pinned staging buffers, its mapped pages released
-after (:mod:`~nbaccel.bigmodel.loading.tensor_copies`). A load that fails (a corrupt or
-truncated file, a shape that does not fit, a file changed while it was read) puts back every
-tensor it had replaced, so no half-loaded model is left in use.
+What is mapped and what is copied: a tensor bound for the CPU in the dtype it is stored in
+becomes the parameter as it is, a view of the file's private memory map (its pages are read when
+first touched, shared with the page cache, copied only if written to): safetensors files, and
+``.bin`` files saved by ``torch.save`` since torch 1.6 (zip files, loaded with ``mmap=True``); a
+legacy pre-zip ``.bin`` cannot be mapped and is read into memory. A tensor whose dtype changes is
+cast from the mapping into new memory (safetensors pages are released after). A tensor bound
+for a GPU is streamed through pinned staging buffers
+(:mod:`~nbaccel.bigmodel.loading.tensor_copies`). A load that fails (a corrupt or truncated file,
+a shape that does not fit, a file changed while it was read) puts back every tensor it had
+replaced, so no half-loaded model is left in use.
 """
 
 from __future__ import annotations
@@ -306,7 +308,7 @@ class _CheckpointLoad:
                 meta = current if current.device.type == "meta" else current.to("meta")
                 _assign(self.owners, names, meta)
                 continue
-            if device == "cpu" and isinstance(handle, SafetensorsFile) and stored_dtype != target:
+            if device == "cpu" and stored_dtype != target:
                 put = partial(_assign, self.owners, names)
                 self.copies.cast_later(path, key, handle, target, put)
                 continue

@@ -35,26 +35,30 @@ class TensorCopies:
 
     def value(self, key: str, handle: Any, device: int | str, target: torch.dtype):
         """The tensor ``key`` on ``device`` as ``target``: the mapped bytes themselves when they
-        can be used as stored (CPU, same dtype), else a cast or a streamed copy."""
-        torch_device = to_torch_device(device)
-        if not isinstance(handle, SafetensorsFile):
-            src = handle[key]
-            value = src.to(torch_device, dtype=target)
-            if value.data_ptr() == src.data_ptr():
-                value = value.clone()  # do not keep the memory-mapped .bin file alive
-            return value
-        src = handle.view(key)
-        if torch_device.type == "cpu":
-            if src.dtype == target:
-                return src  # zero-copy: the parameter is the mapped file
-            value = src.to(target)  # (the file loop casts on threads: see cast_later)
-        else:
-            stream = self.streams.get(torch_device)
-            if stream is None:
-                stream = self.streams[torch_device] = HostToDevice(torch_device)
-            value = stream.copy(src, target)
-        handle.advise(key, populate=False)  # copied: its mapped pages leave this process
+        can be used as stored (CPU, same dtype), else a cast or a streamed copy. ``handle`` is a
+        :class:`SafetensorsFile` or a memory-mapped torch file (name -> tensor)."""
+        mapped = isinstance(handle, SafetensorsFile)
+        src = handle.view(key) if mapped else handle[key]
+        value = self.place(src, device, target)
+        if mapped and value is not src:
+            handle.advise(key, populate=False)  # copied: its mapped pages leave this process
         return value
+
+    def place(self, src: torch.Tensor, device: int | str | torch.device, target: torch.dtype):
+        """``src`` (a host tensor, e.g. a view of a mapped file) on ``device`` as ``target``:
+        ``src`` itself on the CPU in its own dtype, a cast onto the CPU, or a copy streamed to
+        an accelerator through its :class:`HostToDevice` (one per device, kept for the load)."""
+        torch_device = to_torch_device(device)
+        if torch_device.type == "cpu":
+            return src if src.dtype == target else src.to(target)
+        return self.stream(torch_device).copy(src, target)
+
+    def stream(self, device: torch.device) -> HostToDevice:
+        """This load's pinned stream to ``device`` (made on first use)."""
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = HostToDevice(device)
+        return stream
 
     def cast_later(
         self, path: str, key: str, handle: Any, target: torch.dtype, put: Callable[[Any], None]
