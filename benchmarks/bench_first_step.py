@@ -1,7 +1,7 @@
 """Time to the first step of real work, in real kernels: nbaccel vs its peers.
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/bench_first_step.py [--kernels 3] [--later 2]
-     [--workload a,b,c,d] [--order first|after]
+     [--workload a,b,c,d,trainer] [--order first|after] [--steps N] [--quick]
 
 Each library runs in its own fresh Jupyter kernel (``tests/kernel.py``), ``--kernels`` kernels
 per library, alternating; in each kernel the work is launched once and then ``--later`` more
@@ -60,6 +60,21 @@ processes by name pattern, ``pkill -f worker.py``, across the machine).
 server then starts only when nbaccel is imported, and imports them from there); workloads
 (a)-(c), written to ``first_step_after.json``.
 
+Workload (trainer): transformers' ``Trainer`` on the tiny Llama of ``tests/_llama.py``
+(``benchmarks/trainer_steps.py``: 200 optimizer steps, ``--quick`` 40, 4 sequences per rank and
+step) on 2 CPU ranks under four fronts, one launch each per round, the order reversed every other
+round: nbaccel's ``notebook_launcher(train, num_processes=2, cpu=True)`` and Accelerate's
+``notebook_launcher`` (each in a fresh kernel that imported torch and transformers; ``Trainer`` is
+imported inside the function, since Accelerate's launcher refuses to start once bitsandbytes,
+which importing ``Trainer`` loads, is imported), ``nbaccel launch --cpu --num_processes 2
+trainer_steps.py`` and ``accelerate launch --multi_gpu --num_processes 2 trainer_steps.py`` (its
+``--cpu`` starts one process, several only under ``mpirun``; with ``--multi_gpu`` torchrun starts
+2, which train on the CPU as ``use_cpu=True`` asks). Figures: the time from the launch call (the
+parent's ``time.time()``) to the last rank's first ``on_step_end`` (a ``TrainerCallback``, same
+clock), and ``train_runtime`` per step of the slower rank; medians over ``--kernels`` rounds,
+ratios nbaccel / Accelerate for the notebook pair and the script pair; every front's losses must
+agree within 1e-4. Written to ``first_step_trainer.json``.
+
 Workload (e), ranks on 2 Ray nodes against Ray Train's ``TorchTrainer.fit``, is
 ``bench_ray.py --first-step``; the same ranks on ssh hosts, ``bench_hosts.py --first-step`` (both
 reuse this workload's function).
@@ -77,6 +92,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -250,12 +266,14 @@ WORKLOADS = {
 }
 
 SHORT = {"a": "Llama, Accelerator", "b": "DeepSpeed ZeRO-3", "c": "4-bit model", "d": "new pool"}
+SHORT["trainer"] = "Trainer"
 
 TITLES = {
     "a": "small Llama, Accelerator, first AdamW step",
     "b": "DeepSpeed ZeRO-3 engine, first step",
     "c": "4-bit (nf4) Llama loaded, first forward",
     "d": "new %%distributed pool + first cell (imports, builds, steps)",
+    "trainer": "transformers Trainer: first optimizer step, then steps/s",
 }
 
 LAUNCH = """
@@ -643,6 +661,195 @@ def measure_pool(kernels: int = 3, later: int = 2) -> dict:
     return result
 
 
+#: the Trainer workload's four fronts, in the order of a round (every other round reversed)
+TRAINER_FRONTS = ("nbaccel_notebook", "nbaccel_launch", "accelerate_launch", "accelerate_notebook")
+#: gate pairs: (nbaccel's front, Accelerate's front of the same kind)
+TRAINER_PAIRS = {
+    "notebook": ("nbaccel_notebook", "accelerate_notebook"),
+    "script": ("nbaccel_launch", "accelerate_launch"),
+}
+#: the gate's figures: key -> (pair, figure); each is nbaccel's median over the peer's
+TRAINER_GATE = {
+    "trainer_first_step_notebook": ("notebook", "first_step_s"),
+    "trainer_first_step_script": ("script", "first_step_s"),
+    "trainer_step_notebook": ("notebook", "step_s"),
+    "trainer_step_script": ("script", "step_s"),
+}
+#: flags both command lines give, so that no default config file changes the run
+_SCRIPT_FLAGS = ("--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                 "--dynamo_backend", "no")  # fmt: skip
+
+TRAINER_CELLS = (
+    """
+import contextlib, io, json, sys, tempfile, time
+sys.path[:0] = [BENCHMARKS, TESTS]
+from {lib} import notebook_launcher
+import torch, transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from trainer_steps import train  # Trainer is imported inside: it imports bitsandbytes, after
+# which Accelerate's notebook_launcher refuses to start
+""",
+    """
+folder = tempfile.mkdtemp(prefix="first-step-trainer-")
+buffer = io.StringIO()
+with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+    called = time.time()
+    notebook_launcher(train, args=(folder, {steps}), num_processes=2{extra})
+print("RESULT " + json.dumps({{"called": called, "folder": folder}}))
+""",
+)
+
+
+def _trainer_command(front: str, folder: str, steps: int) -> list[str]:
+    """The command line of a script front: Accelerate's ``accelerate launch --cpu`` starts one
+    process (several only under ``mpirun``), so its 2 ranks come from ``--multi_gpu`` (torchrun),
+    whose ranks train on the CPU as the Trainer's ``use_cpu=True`` asks."""
+    script = str(ROOT / "benchmarks" / "trainer_steps.py")
+    if front == "nbaccel_launch":
+        program, fallback, paradigm = "nbaccel", ["-m", "nbaccel"], "--cpu"
+    else:
+        program, fallback, paradigm = (
+            "accelerate",
+            ["-m", "accelerate.commands.accelerate_cli"],
+            "--multi_gpu",
+        )
+    path = Path(sys.executable).with_name(program)  # the console script, as people type it
+    head = [str(path)] if path.exists() else [sys.executable, *fallback]
+    return [*head, "launch", paradigm, *_SCRIPT_FLAGS, script, folder, str(steps)]
+
+
+def trainer_once(front: str, steps: int) -> dict:
+    """One launch of the Trainer workload under ``front``: the time from the launch call to the
+    last rank's first optimizer step, seconds per step (``train_runtime`` / steps, the slower
+    rank), each rank's loss and what it ran with."""
+    from kernel import cell_errors, cell_text, run_notebook
+
+    if front.endswith("_notebook"):
+        lib = front.split("_")[0]
+        extra = (
+            ", cpu=True"
+            + (
+                ", renderer=__import__('nbaccel.launch.driver.renderer').launch.driver.renderer"
+                ".Renderer()"
+            )
+            if lib == "nbaccel"
+            else ""
+        )
+        top, launch = TRAINER_CELLS
+        top = top.replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
+        top = top.replace("TESTS", repr(str(ROOT / "tests"))).format(lib=lib)
+        nb = run_notebook([top, launch.format(steps=steps, extra=extra)], timeout=900,
+                          shutdown=True)  # fmt: skip
+        for cell in nb.cells:
+            if cell_errors(cell):
+                raise RuntimeError(f"(trainer) {front}: {cell_text(cell)[-3000:]}")
+        line = next(x for x in cell_text(nb.cells[-1]).splitlines() if x.startswith("RESULT "))
+        record = json.loads(line[len("RESULT ") :])
+        called, folder = record["called"], record["folder"]
+    else:
+        folder = tempfile.mkdtemp(prefix="first-step-trainer-")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+        command = _trainer_command(front, folder, steps)
+        called = time.time()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"(trainer) {front}: {done.stdout[-2000:]}{done.stderr[-3000:]}")
+    try:
+        ranks = [json.loads((Path(folder) / f"rank{i}.json").read_text()) for i in range(2)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if any(r["world_size"] != 2 or r["steps"] != steps for r in ranks):
+        raise RuntimeError(f"(trainer) {front}: not 2 ranks of {steps} steps: {ranks}")
+    runtime = max(r["train_runtime"] for r in ranks)
+    return {
+        "first_step_s": max(r["first_step"] for r in ranks) - called,
+        "step_s": runtime / steps,
+        "steps_per_s": steps / runtime,
+        "losses": [r["training_loss"] for r in ranks],
+        "threads": [r["threads"] for r in ranks],
+        "interop_threads": [r["interop_threads"] for r in ranks],
+        "affinity": [r["affinity"] for r in ranks],
+        "omp_num_threads": [r["omp_num_threads"] for r in ranks],
+    }
+
+
+def measure_trainer(repeats: int = 3, steps: int = 200) -> dict:
+    """The Trainer workload: ``repeats`` rounds of one launch per front, alternating the order;
+    medians per front and the ratios nbaccel / Accelerate of each pair."""
+    runs: dict[str, list[dict]] = {front: [] for front in TRAINER_FRONTS}
+    loads = [os.getloadavg()[0]]
+    for round_ in range(repeats):
+        for front in TRAINER_FRONTS if round_ % 2 == 0 else TRAINER_FRONTS[::-1]:
+            runs[front].append(trainer_once(front, steps))
+            loads.append(os.getloadavg()[0])
+            run = runs[front][-1]
+            print(f"[first_step] (trainer) {front:19s} round {round_ + 1}: first step "
+                  f"{run['first_step_s']:.2f} s, {run['steps_per_s']:.1f} steps/s, "
+                  f"load {loads[-1]:.1f}", flush=True)  # fmt: skip
+    result: dict = {
+        "workload": "trainer",
+        "figure": TITLES["trainer"],
+        "peer": "accelerate",
+        "repeats": repeats,
+        "steps": steps,
+        "runs": runs,
+    }
+    for front, reports in runs.items():
+        result[front] = {
+            "first_step_s": statistics.median(r["first_step_s"] for r in reports),
+            "step_s": statistics.median(r["step_s"] for r in reports),
+            "steps_per_s": statistics.median(r["steps_per_s"] for r in reports),
+        }
+    for pair, (ours, peer) in TRAINER_PAIRS.items():
+        for key in ("first_step_s", "step_s"):
+            result[f"ratio_{pair}_{key}"] = result[ours][key] / result[peer][key]
+    losses = [loss for reports in runs.values() for r in reports for loss in r["losses"]]
+    reference = runs[TRAINER_FRONTS[0]][0]["losses"]
+    result["same_losses"] = all(
+        abs(a - b) <= 1e-4
+        for reports in runs.values()
+        for r in reports
+        for a, b in zip(r["losses"], reference)
+    )
+    result["load_average"] = {"start": loads[0], "max": max(loads), "end": loads[-1]}
+    if not result["same_losses"]:
+        raise RuntimeError(f"(trainer) the fronts' losses differ: {losses}")
+    return result
+
+
+def trainer_figures(result: dict) -> dict[str, tuple[float, float]]:
+    """The gate's figures of a :func:`measure_trainer` result: key -> (nbaccel's median, the
+    peer's), both in seconds (lower is better)."""
+    figures = {}
+    for key, (pair, figure) in TRAINER_GATE.items():
+        ours, peer = TRAINER_PAIRS[pair]
+        figures[key] = (result[ours][figure], result[peer][figure])
+    return figures
+
+
+def write_trainer(result: dict, started: float) -> Path:
+    """Stamp the Trainer workload's figures, write them to ``first_step_trainer.json`` and
+    print its table."""
+    from provenance import stamp
+
+    result["provenance"] = stamp()
+    result["seconds"] = round(time.perf_counter() - started)
+    out = ROOT / "benchmarks" / "results" / "first_step_trainer.json"
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"\n(trainer) {result['steps']} steps, medians of {result['repeats']}")
+    print(f"{'':22s} {'first step':>10s} {'steps/s':>8s}")
+    for front in TRAINER_FRONTS:
+        row = result[front]
+        print(f"{front:22s} {row['first_step_s']:>8.2f} s {row['steps_per_s']:>8.1f}")
+    for pair, (ours, peer) in TRAINER_PAIRS.items():
+        print(f"{pair:8s} {ours} / {peer}: first step "
+              f"{result[f'ratio_{pair}_first_step_s']:.2f}x, time per step "
+              f"{result[f'ratio_{pair}_step_s']:.2f}x")  # fmt: skip
+    print(f"same losses on every front; load {result['load_average']}; wrote {out}")
+    return out
+
+
 def runnable() -> dict[str, str | None]:
     """Workload -> None where it can run here, else why not."""
     missing = {
@@ -650,6 +857,7 @@ def runnable() -> dict[str, str | None]:
         "b": ("transformers", "accelerate", "deepspeed"),
         "c": ("transformers", "accelerate", "bitsandbytes"),
         "d": ("transformers", "accelerate"),
+        "trainer": ("transformers", "accelerate"),
     }
     return {
         workload: next(
@@ -675,6 +883,26 @@ def _row(result: dict) -> dict:
     }
 
 
+def _chosen(
+    parser: argparse.ArgumentParser, asked: str | None, order: str, reasons: dict
+) -> list[str]:
+    """The workloads to run: those asked for (each must be able to run here), else all that
+    can; with ``--order after``, only those the import order applies to."""
+    if asked:
+        chosen = [w.strip() for w in asked.split(",") if w.strip()]
+        unknown = [w for w in chosen if w not in reasons]
+        if unknown:
+            parser.error(f"unknown workloads: {unknown} (a, b, c, d or trainer)")
+        for workload in chosen:
+            if reasons[workload]:
+                parser.error(f"workload ({workload}) cannot run here: {reasons[workload]}")
+    else:
+        chosen = [w for w, why in reasons.items() if why is None]
+    if order == "after":
+        chosen = [w for w in chosen if w not in ("d", "trainer")]
+    return chosen
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=int, default=3, help="fresh kernels per library")
@@ -688,26 +916,30 @@ def main() -> int:
     parser.add_argument(
         "--workload",
         default=None,
-        help="comma-separated workloads among a,b,c,d (default: all that can run here)",
+        help="comma-separated workloads among a,b,c,d,trainer (default: all that can run here)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps of each Trainer run (default 200; --quick: 40)",
+    )
+    parser.add_argument("--quick", action="store_true", help="the Trainer: 40 steps a run")
     args = parser.parse_args()
+    steps = args.steps or (40 if args.quick else 200)
+    if steps < 2:
+        parser.error(f"--steps {steps}: give at least 2 steps (the first is timed apart)")
     reasons = runnable()
-    if args.workload:
-        chosen = [w.strip() for w in args.workload.split(",") if w.strip()]
-        unknown = [w for w in chosen if w not in reasons]
-        if unknown:
-            parser.error(f"unknown workloads: {unknown} (a, b, c or d)")
-        for workload in chosen:
-            if reasons[workload]:
-                parser.error(f"workload ({workload}) cannot run here: {reasons[workload]}")
-    else:
-        chosen = [w for w, why in reasons.items() if why is None]
-    if args.order == "after":
-        chosen = [w for w in chosen if w != "d"]
+    chosen = _chosen(parser, args.workload, args.order, reasons)
     started = time.perf_counter()
     import torch  # noqa: F401  (the stamp names torch's version)
 
     workloads: dict = {}
+    if "trainer" in chosen:
+        write_trainer(measure_trainer(args.kernels, steps), started)
+        chosen.remove("trainer")
+        if not chosen:
+            return 0
     for workload in chosen:
         if workload == "d":
             workloads[workload] = measure_pool(args.kernels, args.later)

@@ -49,6 +49,15 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "Accelerate's `notebook_launcher`; (d) a new `%%distributed` pool and its first cell, "
         "beside nbdistributed.",
     ),
+    "first_step_trainer.json": (
+        "transformers' Trainer: first optimizer step and time per step",
+        "python benchmarks/bench_first_step.py --workload trainer",
+        "`Trainer` on a small Llama (built from its config), 2 CPU ranks, 200 steps a run: the "
+        "time from the launch call to the last rank's first optimizer step, and "
+        "`train_runtime` per step, under nbaccel's `notebook_launcher` (a fresh kernel) and "
+        "`nbaccel launch --cpu`, beside Accelerate's `notebook_launcher` and `accelerate launch "
+        "--multi_gpu` (its `--cpu` starts one process); medians of alternating rounds.",
+    ),
     "launcher.json": (
         "Launch cost against Accelerate's notebook_launcher",
         "python benchmarks/bench_launcher.py",

@@ -74,9 +74,18 @@ CI_EXTRAS_DIR = os.path.expanduser("~/.cache/nbaccel-extras")
 CI_XLA_VENV = os.path.expanduser("~/.cache/nbaccel-xla-venv")
 
 LANES = [
-    Lane("hosts", "ssh hosts in network namespaces", _not_root, ci_limit_s=900),
+    Lane(
+        "hosts",
+        "ssh hosts in network namespaces (the Trainer in bf16 vs accelerate launch included)",
+        _not_root,
+        ci_limit_s=900,
+    ),
     Lane("slurm", "one-node SLURM cluster", _not_root, ci_limit_s=420),
-    Lane("ray", "2-node Ray cluster on this machine", ci_limit_s=900),
+    Lane(
+        "ray",
+        "2-node Ray cluster on this machine (the Trainer in bf16 vs accelerate launch included)",
+        ci_limit_s=900,
+    ),
     Lane(
         "deepspeed",
         "DeepSpeed on 2 CPU ranks, long tests (JIT-built ops) included",
@@ -85,7 +94,7 @@ LANES = [
     ),
     Lane(
         "hf",
-        "Accelerate's launch contract and Trainer/PEFT/TRL vs accelerate launch",
+        "Accelerate's launch contract; Trainer/PEFT/TRL vs accelerate launch; a detached Trainer",
         ci_env={"TORCH_EXTENSIONS_DIR": CI_EXTENSIONS},
         ci_limit_s=1200,
     ),

@@ -87,6 +87,8 @@ def _run_case(case: str, output: str) -> dict:
 
 def train(out: str, cases: str = "plain") -> dict:
     """Train each case (comma-separated: plain, peft, trl) and write ``out.<rank>.json``."""
+    import socket
+
     import accelerate
     from accelerate.state import AcceleratorState, PartialState
 
@@ -98,6 +100,7 @@ def train(out: str, cases: str = "plain") -> dict:
     rank = PartialState().process_index
     record["environ"] = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
     record["accelerate"] = accelerate.__version__
+    record["host"] = socket.gethostname()
     with open(f"{out}.{rank}.json", "w") as handle:
         json.dump(record, handle)
     return record

@@ -40,18 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def pools_command(args: argparse.Namespace) -> int:
     """Do what ``args`` asks; the exit code."""
+    from nbaccel.launch.detached.listing import listing_text
     from nbaccel.launch.detached.pool_folder import list_pools
 
     if getattr(args, "action", None) is None:
-        rows = [info.row() for info in list_pools()]
-        if not rows:
-            print("no detached pools")
-            return 0
-        columns = list(rows[0])
-        widths = {c: min(60, max(len(c), *(len(r[c]) for r in rows))) for c in columns}
-        print("  ".join(c.ljust(widths[c]) for c in columns).rstrip())
-        for row in rows:
-            print("  ".join(row[c][: widths[c]].ljust(widths[c]) for c in columns).rstrip())
+        print(listing_text([info.row() for info in list_pools()], "no detached pools"))
         return 0
     from nbaccel.notebook.kernel.detached_pool import stop_detached_pool
 

@@ -61,11 +61,12 @@ def runs_command(args: argparse.Namespace) -> int:
     """Do what ``args`` asks; the exit code."""
     from nbaccel.launch.detached.folder import remove_runs
     from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
+    from nbaccel.launch.detached.listing import listing_text
     from nbaccel.launch.wire.errors import failure_text, remote_traceback
 
     action = getattr(args, "action", None)
     if action is None:
-        _print_table([info.row() for info in current_runs()])
+        print(listing_text([info.row() for info in current_runs()], "no detached runs"))
         return 0
     if action == "rm":
         if not args.run_ids and args.older_than is None:
@@ -106,14 +107,3 @@ def runs_command(args: argparse.Namespace) -> int:
     for rank, value in enumerate(report.values()):
         print(f"[rank {rank}] {value!r}")
     return 0
-
-
-def _print_table(rows: list[dict[str, str]]) -> None:
-    if not rows:
-        print("no detached runs")
-        return
-    columns = list(rows[0])
-    widths = {c: min(60, max(len(c), *(len(r[c]) for r in rows))) for c in columns}
-    print("  ".join(c.ljust(widths[c]) for c in columns).rstrip())
-    for row in rows:
-        print("  ".join(row[c][: widths[c]].ljust(widths[c]) for c in columns).rstrip())

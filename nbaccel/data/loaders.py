@@ -93,6 +93,10 @@ class _PreparedLoader:
         self._epoch_generator_state: torch.Tensor | None = None
         self._parent: _PreparedLoader | None = None
 
+    def __len__(self) -> int:
+        """The DataLoader's batches less those skipped at the start of each iteration."""
+        return max(super().__len__() - self.skip_batches, 0)  # type: ignore[misc]
+
     # -- reading ------------------------------------------------------------------------------
     def _raw_batches(self) -> Iterator[Any]:
         """The batches before placement: from the inner torchdata loader when stateful."""
@@ -284,9 +288,6 @@ class DataLoaderShard(_PreparedLoader, DataLoader):
         finally:
             self._end_epoch(finished)
 
-    def __len__(self) -> int:
-        return max(super().__len__() - self.skip_batches, 0)
-
     def _read_iterable_remainder(self) -> None:
         real = getattr(self.dataset, "last_batch_real_samples", None)
         if real is not None and self.num_workers == 0:
@@ -375,9 +376,6 @@ class DataLoaderDispatcher(_PreparedLoader, DataLoader):
             finished = True
         finally:
             self._end_epoch(finished)
-
-    def __len__(self) -> int:
-        return max(super().__len__() - self.skip_batches, 0)
 
 
 def _pad_batch(batch: Any, first: Any, size: int) -> Any:

@@ -2,7 +2,9 @@
 checkpoint at step 4, ``run.resume()`` relaunches the same function, which continues from
 ``output_dir``'s last ``checkpoint-N`` (``get_last_checkpoint`` passed to
 ``resume_from_checkpoint``) and ends with the losses of an uninterrupted run; a second kernel
-re-attaches and sees the bar, the metrics and the result."""
+re-attaches and sees the bar, the metrics and the result. And Accelerate's launch contract holds
+from a detached run: its ranks see the ``ACCELERATE_*`` variables an attached launch of the same
+request gives (the hf lane, ``scripts/test-hf``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _hf_reference import hf_lane
 from detached import runs_fixture  # noqa: F401 (the fixture `runs`)
 from kernel import cell_errors, cell_text, run_notebook
 
@@ -82,3 +85,35 @@ def test_a_killed_trainer_run_resumes_from_its_last_checkpoint(runs, tmp_path):
     for step, loss in uninterrupted.items():
         assert abs(resumed[step] - loss) < 1e-4, (step, resumed[step], loss)
     assert RunFolder(root / run_id).info().state == RunState.FINISHED
+
+
+@hf_lane
+def test_a_detached_trainer_rank_sees_the_contract_an_attached_launch_gives(
+    runs, tmp_path, monkeypatch
+):
+    """``notebook_launcher(train, detach=True, mixed_precision="bf16")``: its ranks, started by
+    the supervisor, see the ``ACCELERATE_*`` variables the same launch attached gives them, and
+    the Trainer's Accelerate ``Accelerator`` runs bf16 with the same losses."""
+    import _hf_trainer
+
+    _, _, env = runs
+    attached = notebook_launcher(
+        _hf_trainer.train, (str(tmp_path / "attached"), "plain"), num_processes=2,
+        mixed_precision="bf16", renderer=Renderer(), memory=False,
+    )  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = notebook_launcher(
+        _hf_trainer.train, (str(tmp_path / "detached"), "plain"), num_processes=2,
+        mixed_precision="bf16", detach=True,
+    )  # fmt: skip
+    detached = run.result(timeout=600)
+    assert len(detached) == len(attached) == 2
+    for ours, theirs in zip(detached, attached, strict=True):
+        assert ours["environ"] == theirs["environ"], (ours["environ"], theirs["environ"])
+        assert ours["environ"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
+        trained, reference = ours["plain"], theirs["plain"]
+        assert trained["mixed_precision"] == reference["mixed_precision"] == "bf16"
+        assert trained["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert trained["num_processes"] == 2
+        assert trained["losses"] == pytest.approx(reference["losses"], abs=1e-4)

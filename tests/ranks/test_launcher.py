@@ -75,10 +75,9 @@ def _fail_on_one():
 
 
 def test_error_keeps_type_and_names_rank_while_peer_blocked(no_leaks):
-    start = time.monotonic()
+    # no launch timeout: rank 0 waits for rank 1 forever unless the failure stops it
     with pytest.raises(ValueError, match="bad shard") as info:
         notebook_launcher(_fail_on_one, num_processes=2, renderer=Recorder())
-    assert time.monotonic() - start < 15
     assert str(info.value) == "bad shard" and info.value.rank == 1
     assert info.value.__notes__ == ["raised on rank 1"]
     cause = str(info.value.__cause__)
@@ -88,16 +87,24 @@ def test_error_keeps_type_and_names_rank_while_peer_blocked(no_leaks):
     assert notebook_launcher(lambda: "ok", num_processes=2, renderer=Recorder()) == ["ok", "ok"]
 
 
+_SLEPT = "slept through"  # what a rank prints if nothing stops its long sleep
+
+
+def _sleep_long(seconds: float = 30) -> None:
+    time.sleep(seconds)
+    print(_SLEPT, flush=True)
+
+
 def _exit_code():
     if int(os.environ["RANK"]) == 1:
         os._exit(3)
-    time.sleep(30)
+    _sleep_long()
 
 
 def _sigkill():
     if int(os.environ["RANK"]) == 0:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(30)
+    _sleep_long()
 
 
 def _segfault():
@@ -105,7 +112,7 @@ def _segfault():
 
     if int(os.environ["RANK"]) == 1:
         ctypes.string_at(0)
-    time.sleep(30)
+    _sleep_long()
 
 
 @pytest.mark.parametrize(
@@ -117,18 +124,18 @@ def _segfault():
     ],
 )
 def test_dead_rank_is_named(no_leaks, target, rank, pattern):
-    start = time.monotonic()
+    rec = Recorder()
     with pytest.raises(RankCrashed, match=pattern) as info:
-        notebook_launcher(target, num_processes=2, renderer=Recorder())
+        notebook_launcher(target, num_processes=2, renderer=rec)
     assert info.value.rank == rank
-    assert time.monotonic() - start < 10
+    assert _SLEPT not in rec.text(), "the surviving rank was left to finish its sleep"
 
 
 def test_timeout_stops_every_rank(no_leaks):
-    start = time.monotonic()
+    rec = Recorder()
     with pytest.raises(LaunchTimeout, match=r"rank\(s\) \[0, 1\]"):
-        notebook_launcher(time.sleep, (60,), num_processes=2, timeout=1.5, renderer=Recorder())
-    assert time.monotonic() - start < 8
+        notebook_launcher(_sleep_long, (60,), num_processes=2, timeout=1.5, renderer=rec)
+    assert _SLEPT not in rec.text(), "a rank was left to finish its sleep"
 
 
 def _hang_in_two_places() -> None:
@@ -356,11 +363,13 @@ def test_interrupt_stops_every_rank(tmp_path):
         assert line, "driver ended early"
         if "started" in line:
             pids.append(int(line.split()[-1]))
-    start = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # what Jupyter's stop button does
-    rest = proc.communicate(timeout=30)[0]
+    try:
+        rest = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the interrupted launch did not end within 60 s (its ranks loop forever)")
     assert "INTERRUPTED" in rest and "NEXT [1, 1]" in rest
-    assert time.monotonic() - start < 10
     assert not [
         p
         for p in pids

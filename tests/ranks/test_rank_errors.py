@@ -13,7 +13,6 @@ import pickle
 import re
 import sys
 import threading
-import time
 import traceback
 
 import pytest
@@ -324,10 +323,9 @@ def test_reading_stdin_in_a_rank_ends_at_once_and_says_why(how):
     """Ranks have no keyboard: input() and pdb end at once (no hang) with what to do instead."""
     import bdb
 
-    start = time.monotonic()
+    # a hang would end in the launch's timeout (LaunchTimeout), not in the reader's own error
     with pytest.raises(EOFError if how == "input" else bdb.BdbQuit) as info:
         notebook_launcher(_reads_stdin, (how,), num_processes=2, renderer=Renderer(), timeout=60)
-    assert time.monotonic() - start < 30
     assert str(info.value) == ("EOF when reading a line" if how == "input" else "")
     notes = info.value.__notes__  # either rank may be first
     assert notes[0] == f"raised on rank {info.value.rank}" and "no stdin" in notes[1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import torch
@@ -76,13 +75,12 @@ def _fails_while_peer_waits() -> None:
 
 
 def test_peer_stuck_in_a_collective_does_not_hang_the_test() -> None:
-    start = time.monotonic()
     with pytest.raises(RankFailures) as info:
         run_on_ranks(_fails_while_peer_waits, timeout=120)
-    elapsed = time.monotonic() - start
     message = str(info.value)
     assert "--- rank 1 ---\nRuntimeError: rank 1 gave up before the barrier" in message
-    assert elapsed < 30, f"took {elapsed:.1f} s: the 120 s timeout should not be reached"
+    # rank 0 was stopped for rank 1's failure, not left in the barrier until the timeout
+    assert "timed out" not in message, message
 
 
 def _hangs_on_rank_1() -> str:
@@ -95,12 +93,9 @@ def _hangs_on_rank_1() -> str:
 
 
 def test_hanging_rank_is_killed_at_the_timeout() -> None:
-    start = time.monotonic()
     with pytest.raises(RankFailures) as info:
         run_on_ranks(_hangs_on_rank_1, timeout=4)
-    elapsed = time.monotonic() - start
     assert str(info.value) == "1 of 2 ranks failed:\n--- rank 1 ---\ntimed out after 4 s (killed)"
-    assert elapsed < 15, f"took {elapsed:.1f} s"
 
 
 def _killed_on_rank_0() -> None:

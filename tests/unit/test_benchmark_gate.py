@@ -176,3 +176,27 @@ def test_a_malformed_threshold_is_named_with_the_fix(tmp_path, body, names):
     assert names in str(raised.value) and (
         "use" in str(raised.value) or "give" in str(raised.value)
     )
+
+
+def test_the_trainer_rows_are_nbaccels_medians_over_accelerates_same_kind_of_front():
+    import bench_first_step
+
+    figures = load_thresholds(ROOT / "benchmarks" / "gate.toml")
+    keys = bench_first_step.TRAINER_GATE
+    assert set(keys) == {k for k in figures if k.startswith("trainer_")}
+    medians = {  # seconds: first step, then train_runtime per step
+        "nbaccel_notebook": {"first_step_s": 9.0, "step_s": 0.026},
+        "accelerate_notebook": {"first_step_s": 10.0, "step_s": 0.025},
+        "nbaccel_launch": {"first_step_s": 14.0, "step_s": 0.030},
+        "accelerate_launch": {"first_step_s": 10.0, "step_s": 0.030},
+    }
+    measured = {
+        key: Measured(*pair) for key, pair in bench_first_step.trainer_figures(medians).items()
+    }
+    rows = {r.key: r for r in judge(measured, figures) if r.key in keys}
+    assert rows["trainer_first_step_notebook"].value == pytest.approx(0.9)
+    assert rows["trainer_first_step_notebook"].verdict == "pass"
+    assert rows["trainer_step_notebook"].value == pytest.approx(1.04)
+    assert rows["trainer_step_notebook"].verdict == "pass (noise)"
+    assert rows["trainer_first_step_script"].verdict == "FAIL"  # 1.4 > 1.0 * 1.25
+    assert rows["trainer_step_script"].value == pytest.approx(1.0)

@@ -1,6 +1,6 @@
 """The shape of the code, checked from the source with ``ast``: files past the size to review
-are the ones reviewed, the engine and the notebook layer keep no module state assigned through
-``global``, no module keeps a container it changes at run time (state lives with an owning
+are the ones reviewed, no module keeps state assigned through ``global`` or in a container it
+changes at run time, no function changes a class's attributes (state lives with an owning
 object and its lock), and a class in ``launch/`` holds the objects that do its parts rather
 than being assembled from mixins that share its private state."""
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 import textwrap
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "nbaccel"
 LAUNCH = ROOT / "launch"
@@ -85,6 +83,43 @@ def _changed_module_containers(tree: ast.Module) -> list[str]:
             for choice in choices:
                 if isinstance(choice, ast.Name) and choice.id in containers:
                     changed.add((containers[choice.id], choice.id))
+    return [f"{name}:{line}" for line, name in sorted(changed)]
+
+
+def _changed_class_attributes(tree: ast.Module) -> list[str]:
+    """``Class.attr:line`` where a function changes an attribute of a class the module defines
+    (``DistributedMagics.auto = True``, ``_State.duties.append(d)``): state every instance and
+    the whole process share, which belongs on an instance. Dunder names (class building) are
+    not state."""
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def owner(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in classes
+            and not node.attr.startswith("__")
+        ):
+            return f"{node.value.id}.{node.attr}"
+        return None
+
+    changed = set()
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign | ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                targets = [node.func.value] if node.func.attr in _MUTATORS else []
+            for target in targets:
+                if name := owner(target):
+                    changed.add((node.lineno, name))
     return [f"{name}:{line}" for line, name in sorted(changed)]
 
 
@@ -169,10 +204,9 @@ def test_files_past_the_review_mark_were_reviewed():
     assert sorted(set(REVIEWED) - set(long)) == []
 
 
-@pytest.mark.parametrize("folder", ["launch", "notebook"])
-def test_no_module_state_is_assigned_through_global(folder: str):
-    """State lives with its owner (an object the module holds), as in the engine."""
-    trees = _trees(ROOT / folder)
+def test_no_module_state_is_assigned_through_global():
+    """State lives with its owner (an object the module holds), in every layer."""
+    trees = _trees(ROOT)
     found = {name: lines for name, tree in trees.items() if (lines := _globals(tree))}
     assert found == {}
 
@@ -182,6 +216,25 @@ def test_no_module_keeps_a_container_it_changes_at_run_time():
     object with its lock (``_fleets = _Fleets()``), never a module's dict, list or set."""
     trees = _trees(ROOT)
     found = {name: c for name, tree in trees.items() if (c := _changed_module_containers(tree))}
+    assert found == {}
+
+
+#: class attributes changed at run time by design, with why
+CLASS_STATE_ALLOWED = {
+    # the rank process's one running loop, reached by the functions user code calls on a rank
+    "nbaccel/launch/rank/worker.py": ["RankLoop.current"],
+}
+
+
+def test_no_function_changes_a_class_attribute():
+    """State lives on an instance (``self.auto_mode``), not on the class that every instance
+    and every kernel shares."""
+    found = {}
+    for name, tree in _trees(ROOT).items():
+        allowed = CLASS_STATE_ALLOWED.get(name, [])
+        changed = [c for c in _changed_class_attributes(tree) if c.split(":")[0] not in allowed]
+        if changed:
+            found[name] = changed
     assert found == {}
 
 
@@ -279,3 +332,18 @@ def test_the_checks_see_what_they_forbid():
         )
     )
     assert _changed_module_containers(owned) == []
+    class_state = ast.parse(
+        textwrap.dedent(
+            """
+            class Magics:
+                auto = False
+                duties = []
+                def on(self):
+                    Magics.auto = True
+                    Magics.duties.append(1)
+                    self.mode = True
+                    Magics.__name__ = "M"
+            """
+        )
+    )
+    assert _changed_class_attributes(class_state) == ["Magics.auto:6", "Magics.duties:7"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbaccel.notebook.kernel.magics import auto_mode_transform
+from nbaccel.notebook.kernel.magics import AutoMode
 from nbaccel.notebook.kernel.rank_spec import parse_names, parse_ranks
 
 
@@ -38,14 +38,12 @@ def test_names():
 
 
 def test_auto_mode_transform():
-    from nbaccel.notebook.kernel.magics import DistributedMagics
-
-    assert auto_mode_transform(["%%local\n", "x = 1\n"]) == ["x = 1\n"]
-    assert auto_mode_transform(["x = 1\n"]) == ["x = 1\n"]
-    DistributedMagics.auto = True
-    try:
-        assert auto_mode_transform(["x = 1\n"]) == ["%%distributed\n", "x = 1\n"]
-        assert auto_mode_transform(["%dist_mode off\n"]) == ["%dist_mode off\n"]
-        assert auto_mode_transform(["%%local\n", "y\n"]) == ["y\n"]
-    finally:
-        DistributedMagics.auto = False
+    """Each kernel's magics own their auto mode: turning one on changes no other."""
+    mode, other = AutoMode(), AutoMode()
+    assert mode(["%%local\n", "x = 1\n"]) == ["x = 1\n"]
+    assert mode(["x = 1\n"]) == ["x = 1\n"]
+    mode.on = True
+    assert mode(["x = 1\n"]) == ["%%distributed\n", "x = 1\n"]
+    assert mode(["%dist_mode off\n"]) == ["%dist_mode off\n"]
+    assert mode(["%%local\n", "y\n"]) == ["y\n"]
+    assert other(["x = 1\n"]) == ["x = 1\n"]

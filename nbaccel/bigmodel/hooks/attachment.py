@@ -58,35 +58,29 @@ def attach_align_device_hook(
     """An :class:`AlignDevicesHook` on every submodule that owns tensors (each loads only its own
     weights, so one layer at a time is resident); ``preload_module_classes`` load as a whole."""
     preload = set(preload_module_classes or ())
-    is_preload = type(module).__name__ in preload
-    if is_preload or module._parameters or module._buffers:
-        prefix = f"{module_name}." if module_name else ""
-        hook = AlignDevicesHook(
-            execution_device=execution_device,
-            offload=offload,
-            weights_map=PrefixedDataset(weights_map, prefix) if weights_map is not None else None,
-            offload_buffers=offload_buffers,
-            place_submodules=is_preload,
-            skip_keys=skip_keys,
-            tied_params_map=tied_params_map,
-            prefetcher=prefetcher,
-        )
-        add_hook_to_module(module, hook, append=True)
-    if is_preload:
-        return
-    for name, child in module.named_children():
-        attach_align_device_hook(
-            child,
-            execution_device,
-            offload,
-            weights_map,
-            offload_buffers,
-            f"{module_name}.{name}" if module_name else name,
-            skip_keys,
-            preload_module_classes,
-            tied_params_map,
-            prefetcher,
-        )
+
+    def visit(submodule: nn.Module, name: str) -> None:
+        is_preload = type(submodule).__name__ in preload
+        if is_preload or submodule._parameters or submodule._buffers:
+            own = (
+                None if weights_map is None else PrefixedDataset(weights_map, _child_name(name, ""))
+            )
+            hook = AlignDevicesHook(
+                execution_device=execution_device,
+                offload=offload,
+                weights_map=own,
+                offload_buffers=offload_buffers,
+                place_submodules=is_preload,
+                skip_keys=skip_keys,
+                tied_params_map=tied_params_map,
+                prefetcher=prefetcher,
+            )
+            add_hook_to_module(submodule, hook, append=True)
+        if not is_preload:
+            for child_name, child in submodule.named_children():
+                visit(child, _child_name(name, child_name))
+
+    visit(module, module_name)
 
 
 def attach_align_device_hook_on_blocks(
@@ -107,44 +101,41 @@ def attach_align_device_hook_on_blocks(
         execution_device = {module_name: execution_device}
     if not isinstance(offload, Mapping):
         offload = {module_name: bool(offload)}
-    if module_name in execution_device:
-        device = execution_device[module_name]
-        if not offload.get(module_name, False):
+
+    def visit(block: nn.Module, name: str) -> None:
+        if name not in execution_device:
+            for child_name, child in block.named_children():
+                visit(child, _child_name(name, child_name))
+            return
+        device = execution_device[name]
+        if not offload.get(name, False):
             hook = AlignDevicesHook(
                 device,
-                io_same_device=module_name == "",
+                io_same_device=name == "",
                 place_submodules=True,
                 skip_keys=skip_keys,
                 tied_params_map=tied_params_map,
             )
-            add_hook_to_module(module, hook)
+            add_hook_to_module(block, hook)
             return
         add_hook_to_module(
-            module, AlignDevicesHook(device, io_same_device=module_name == "", skip_keys=skip_keys)
+            block, AlignDevicesHook(device, io_same_device=name == "", skip_keys=skip_keys)
         )
         attach_align_device_hook(
-            module,
+            block,
             device,
             True,
             weights_map,
             offload_buffers,
-            module_name,
+            name,
             skip_keys,
             preload_module_classes,
             tied_params_map,
             prefetcher,
         )
-        return
-    for name, child in module.named_children():
-        attach_align_device_hook_on_blocks(
-            child,
-            execution_device,
-            offload,
-            weights_map,
-            offload_buffers,
-            f"{module_name}.{name}" if module_name else name,
-            skip_keys,
-            preload_module_classes,
-            tied_params_map,
-            prefetcher,
-        )
+
+    visit(module, module_name)
+
+
+def _child_name(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child

@@ -64,6 +64,12 @@ class _Runner:
     stopping_since: float | None = None
     step: int = 0
 
+    def stop(self, first: int) -> None:
+        """Send ``first`` once and count the escalation from now (a repeated stop is a no-op)."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            _signal(self.process, first)
+
 
 class Supervisor:
     """Serves the runs under ``root`` (see the module docstring)."""
@@ -219,28 +225,15 @@ class Supervisor:
             raise ValueError(f"run {run_id} is still running: stop it first")
         launch = folder.read_json("launch.json")
         folder.update(state=RunState.STARTING, reason="", ended=None)
-        log = os.open(folder.file("runner.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            process = subprocess.Popen(
-                [launch["python"], "-m", "nbaccel.launch.detached.runner", str(folder.path)],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=launch["env"],
-                cwd=launch["cwd"] if os.path.isdir(launch["cwd"]) else str(folder.path),
-                start_new_session=True,
-            )
-        finally:
-            os.close(log)
+        process = _start_child(launch, "nbaccel.launch.detached.runner", folder.path,
+                               folder.file("runner.log"))  # fmt: skip
         self.runners[run_id] = _Runner(run_id, process)
 
     def _stop(self, run_id: str, reason: str) -> bool:
         runner = self.runners.get(run_id)
         if runner is None:
             return False
-        if runner.stopping_since is None:
-            runner.stopping_since = time.monotonic()
-            _signal(runner.process, signal.SIGINT)
+        runner.stop(signal.SIGINT)
         return True
 
     def _reap(self) -> None:
@@ -285,28 +278,14 @@ class Supervisor:
             raise ValueError(f"pool {pool_id} already has its host process")
         folder = PoolFolder(pools_root(self.root) / pool_id)
         launch = json.loads(folder.file("launch.json").read_text())
-        log = os.open(folder.file("host.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            process = subprocess.Popen(
-                [launch["python"], "-m", launch["entry"], str(folder.path)],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=launch["env"],
-                cwd=launch["cwd"] if os.path.isdir(launch["cwd"]) else str(folder.path),
-                start_new_session=True,
-            )
-        finally:
-            os.close(log)
+        process = _start_child(launch, launch["entry"], folder.path, folder.file("host.log"))
         self.pools[pool_id] = _Runner(pool_id, process)
 
     def _stop_pool(self, pool_id: str) -> bool:
         host = self.pools.get(pool_id)
         if host is None:
             return False
-        if host.stopping_since is None:
-            host.stopping_since = time.monotonic()
-            _signal(host.process, signal.SIGTERM)
+        host.stop(signal.SIGTERM)
         return True
 
     def _reap_pools(self) -> None:
@@ -327,6 +306,28 @@ class Supervisor:
                 print(f"nbaccel supervisor: pool {pool_id}'s host ended with code "
                       f"{host.process.returncode}:\n{tail}", file=sys.stderr)  # fmt: skip
                 folder.remove()
+
+
+def _start_child(
+    launch: dict[str, Any], module: str, folder: Path, log_file: Path
+) -> subprocess.Popen:
+    """Start ``python -m MODULE FOLDER`` as ``launch.json`` says (interpreter, environment,
+    working folder, the folder itself where that one is gone), in a session of its own, its
+    output appended to ``log_file`` and its stdin a pipe: the pipe closes when the supervisor
+    dies, which is how the child learns to stop itself."""
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return subprocess.Popen(
+            [launch["python"], "-m", module, str(folder)],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=launch["env"],
+            cwd=launch["cwd"] if os.path.isdir(launch["cwd"]) else str(folder),
+            start_new_session=True,
+        )
+    finally:
+        os.close(log)
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:

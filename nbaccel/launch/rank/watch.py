@@ -40,48 +40,53 @@ class _Duty:
 
 
 class _State:
-    """Written by the main thread without waking the watcher (except from its sleep)."""
+    """The watcher's state in this rank process: written by the main thread without waking
+    the watcher (except from its sleep)."""
 
-    started: float | None = None  # the running call's start (None between calls)
-    calls = 0  # calls begun so far: quick ones end before the watcher looks
-    sleeping = False
-    duties: list[_Duty] = []
-    wake_r = wake_w = -1
+    def __init__(self) -> None:
+        self.started: float | None = None  # the running call's start (None between calls)
+        self.calls = 0  # calls begun so far: quick ones end before the watcher looks
+        self.sleeping = False
+        self.duties: list[_Duty] = []
+        self.wake_r = self.wake_w = -1
+
+
+_state = _State()  # the one watcher of this process holds it
 
 
 def every(hook: Callable[[], None], first: float, interval: float) -> None:
     """Run ``hook()`` on the watcher thread while a call runs: ``first`` seconds into it, then
     every ``interval`` seconds. A hook that raises is dropped."""
-    _State.duties.append(_Duty(hook, first, interval))
+    _state.duties.append(_Duty(hook, first, interval))
     _wake()  # a sleeping watcher takes up its new duty
 
 
 def call_started() -> None:
     """The main thread begins a call."""
-    _State.started = time.monotonic()
-    _State.calls += 1
-    if _State.sleeping:
+    _state.started = time.monotonic()
+    _state.calls += 1
+    if _state.sleeping:
         _wake()
 
 
 def call_ended() -> None:
     """The main thread ended its call."""
-    _State.started = None
+    _state.started = None
 
 
 def _wake() -> None:
-    if _State.wake_w >= 0:
+    if _state.wake_w >= 0:
         try:
-            os.write(_State.wake_w, b"\0")
+            os.write(_state.wake_w, b"\0")
         except BlockingIOError:  # already awake or about to be
             pass
 
 
 def start(sock: socket.socket, on_hangup: Callable[[], None]) -> threading.Thread:
     """Start the watcher on the driver's connection ``sock``; ``on_hangup()`` when it closes."""
-    _State.wake_r, _State.wake_w = os.pipe()  # not inherited by what the rank starts
-    os.set_blocking(_State.wake_r, False)
-    os.set_blocking(_State.wake_w, False)
+    _state.wake_r, _state.wake_w = os.pipe()  # not inherited by what the rank starts
+    os.set_blocking(_state.wake_r, False)
+    os.set_blocking(_state.wake_w, False)
     thread = threading.Thread(target=_run, args=(sock, on_hangup), daemon=True, name=WATCHER)
     thread.start()
     return thread
@@ -90,17 +95,17 @@ def start(sock: socket.socket, on_hangup: Callable[[], None]) -> threading.Threa
 def _run(sock: socket.socket, on_hangup: Callable[[], None]) -> None:
     poller = select.poll()
     poller.register(sock.fileno(), _HANGUP)
-    poller.register(_State.wake_r, select.POLLIN)
+    poller.register(_state.wake_r, select.POLLIN)
     last_call, seen = time.monotonic(), 0
     while True:
         timeout = _next_timeout(last_call, seen)
         if timeout is not None and not _RDHUP:
             timeout = min(timeout, 1.0)  # no hang-up report here: look once a second
         for fd, flags in poller.poll(None if timeout is None else timeout * 1000):
-            if fd == _State.wake_r:
+            if fd == _state.wake_r:
                 while True:
                     try:
-                        os.read(_State.wake_r, 64)
+                        os.read(_state.wake_r, 64)
                     except BlockingIOError:
                         break
             elif flags & select.POLLNVAL:
@@ -109,35 +114,35 @@ def _run(sock: socket.socket, on_hangup: Callable[[], None]) -> None:
                 on_hangup()
         if not _RDHUP and _peer_closed(sock):
             on_hangup()
-        _State.sleeping = False
-        if _State.calls != seen:
-            last_call, seen = time.monotonic(), _State.calls
-            for duty in _State.duties:
+        _state.sleeping = False
+        if _state.calls != seen:
+            last_call, seen = time.monotonic(), _state.calls
+            for duty in _state.duties:
                 duty.due = None  # a new call: its own first run
         _run_due()
 
 
 def _next_timeout(last_call: float, seen: int) -> float | None:
     """Seconds until something is due; None to sleep until woken (or the hang-up)."""
-    if not _State.duties:
+    if not _state.duties:
         return None
-    started, now = _State.started, time.monotonic()
+    started, now = _state.started, time.monotonic()
     if started is None:
         if now - last_call < _SLEEP_AFTER:
             return _LOOK
-        _State.sleeping = True
-        if _State.started is None and _State.calls == seen:
+        _state.sleeping = True
+        if _state.started is None and _state.calls == seen:
             return None  # checked after saying so: no call's start goes unseen
         return 0.0
-    dues = [d.due if d.due is not None else started + d.first for d in _State.duties]
+    dues = [d.due if d.due is not None else started + d.first for d in _state.duties]
     return max(0.0, min(dues) - now)
 
 
 def _run_due() -> None:
-    started, now = _State.started, time.monotonic()
+    started, now = _state.started, time.monotonic()
     if started is None:
         return
-    for duty in list(_State.duties):
+    for duty in list(_state.duties):
         if duty.due is None:
             duty.due = started + duty.first
         if now < duty.due:
@@ -145,7 +150,7 @@ def _run_due() -> None:
         try:
             duty.hook()
         except Exception:  # the driver went away or a backend failed: stop this duty quietly
-            _State.duties.remove(duty)
+            _state.duties.remove(duty)
             continue
         duty.due = time.monotonic() + duty.interval
 

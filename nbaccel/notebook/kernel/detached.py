@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from nbaccel.launch.detached.handle import DetachedRun, RunStopped, current_runs
+from nbaccel.launch.detached.listing import listing_text
 from nbaccel.launch.driver.child_failed import as_child_failed
 from nbaccel.launch.driver.renderer import Renderer
 from nbaccel.notebook.kernel.widget_renderer import choose_renderer
@@ -62,21 +63,12 @@ class RunList(list):
     """The runs of :func:`runs`: a list of ``RunInfo``, shown as a table."""
 
     empty = "no detached runs"  # what an empty list says
-    narrow = "last line"  # the column cut to 60 characters
 
     def _rows(self) -> list[dict[str, str]]:
         return [info.row() for info in self]
 
     def __repr__(self) -> str:
-        rows = self._rows()
-        if not rows:
-            return self.empty
-        columns = list(rows[0])
-        widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
-        widths[self.narrow] = min(widths[self.narrow], 60)
-        lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
-        lines += ["  ".join(r[c][: widths[c]].ljust(widths[c]) for c in columns) for r in rows]
-        return "\n".join(lines)
+        return listing_text(self._rows(), self.empty)
 
     def _repr_html_(self) -> str:
         rows = self._rows()

@@ -387,7 +387,6 @@ class PoolList(RunList):
     """The pools of :func:`pools`: a list of ``PoolInfo``, shown as a table."""
 
     empty = "no detached pools"
-    narrow = "last cell"
 
 
 def pools() -> PoolList:

@@ -62,10 +62,10 @@ class DistributedMagics(Magics):
     """``%%distributed``, ``%dist_push``, ``%dist_pull``, ``%dist_status``, ``%dist_restart``,
     ``%dist_shutdown``, ``%dist_attach``, ``%dist_mode`` and ``%%local``."""
 
-    auto = False
-
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell, **kwargs)
+        #: ``%dist_mode``'s state and the input transformer that acts on it
+        self.auto_mode = AutoMode()
         #: %%distributed lines seen lately, parsed: a warm cell parses nothing (see _options)
         self._known_lines: dict[str, tuple[Namespace, LaunchRequest, list[str]]] = {}
 
@@ -371,8 +371,8 @@ class DistributedMagics(Magics):
             return
         if args.mode is not None:
             with _bad_input_is_usage():
-                DistributedMagics.auto = parse_bool(args.mode, "%dist_mode")
-        print(f"Auto mode is {'on' if DistributedMagics.auto else 'off'}.")
+                self.auto_mode.on = parse_bool(args.mode, "%dist_mode")
+        print(f"Auto mode is {'on' if self.auto_mode.on else 'off'}.")
 
     @magic_arguments()
     @argument("-h", "--help", action="store_true", help="show this help.")
@@ -390,20 +390,26 @@ def _show_values(renderer: CellRenderer, values: dict[int, Any]) -> None:
             renderer.show(rank, bundle["data"], bundle["metadata"])
 
 
-def auto_mode_transform(lines: list[str]) -> list[str]:
-    """Input transformer: ``%%local`` cells run as plain code; in auto mode, other cells get
-    ``%%distributed`` prepended (cells that start with ``%`` or ``!`` are left alone)."""
-    first = next((i for i, text in enumerate(lines) if text.strip()), None)
-    if first is None:
-        return lines
-    head = lines[first].lstrip()
-    if head.strip() == "%%local":
-        return lines[first + 1 :]
-    if _help_alone(head, lines[first + 1 :]):  # IPython refuses a cell magic with no body
-        return [head[1:]]
-    if not DistributedMagics.auto or head.startswith(("%", "!")):
-        return lines
-    return ["%%distributed\n", *lines[first:]]
+class AutoMode:
+    """``%dist_mode`` of one kernel's magics, and the input transformer it drives: ``%%local``
+    cells run as plain code; while ``on``, other cells get ``%%distributed`` prepended (cells
+    that start with ``%`` or ``!`` are left alone)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, lines: list[str]) -> list[str]:
+        first = next((i for i, text in enumerate(lines) if text.strip()), None)
+        if first is None:
+            return lines
+        head = lines[first].lstrip()
+        if head.strip() == "%%local":
+            return lines[first + 1 :]
+        if _help_alone(head, lines[first + 1 :]):  # IPython refuses a cell magic with no body
+            return [head[1:]]
+        if not self.on or head.startswith(("%", "!")):
+            return lines
+        return ["%%distributed\n", *lines[first:]]
 
 
 def _help_alone(head: str, rest: list[str]) -> bool:
@@ -427,10 +433,11 @@ _extension = _Extension()
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext nbaccel``: register the magics and the auto-mode transformer."""
-    ipython.register_magics(DistributedMagics)
-    if auto_mode_transform not in ipython.input_transformers_cleanup:
-        ipython.input_transformers_cleanup.append(auto_mode_transform)
+    """``%load_ext nbaccel``: register the magics and their auto-mode transformer."""
+    magics = DistributedMagics(ipython)
+    ipython.register_magics(magics)
+    _drop_auto_modes(ipython)  # a reload's magics replace the earlier ones, mode included
+    ipython.input_transformers_cleanup.append(magics.auto_mode)
     if not _extension.atexit_registered:
         atexit.register(pool_module.release_pool)  # a detached pool goes on
         _extension.atexit_registered = True
@@ -442,7 +449,10 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext nbaccel``: stop the pool (let go of a detached one), leave auto mode."""
-    DistributedMagics.auto = False
-    if auto_mode_transform in ipython.input_transformers_cleanup:
-        ipython.input_transformers_cleanup.remove(auto_mode_transform)
+    _drop_auto_modes(ipython)
     pool_module.release_pool()
+
+
+def _drop_auto_modes(ipython: Any) -> None:
+    transformers = ipython.input_transformers_cleanup
+    transformers[:] = [t for t in transformers if not isinstance(t, AutoMode)]

@@ -190,7 +190,7 @@ class Pool:
         except BaseException:
             self._close_group()
             raise
-        self.started_at = time.time()
+        self.started_at = time.monotonic()  # %dist_status's uptime of remote ranks
 
     def _close_group(self) -> None:
         group, self.group = self.group, None

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 
 from nbaccel.launch.driver.group import WorkerGroup
-from nbaccel.launch.host.processes import pid_alive
+from nbaccel.launch.host.processes import pid_alive, process_age
 from nbaccel.launch.wire.errors import LaunchTimeout
 from nbaccel.notebook.rank import pool_worker
 
@@ -22,7 +22,8 @@ __all__ = ["alive_ranks", "status_rows"]
 
 
 def status_rows(pool: Any, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """One row per rank of ``pool``: pid, device, memory, state (idle/busy/exited), uptime.
+    """One row per rank of ``pool``: pid, device, memory, state (idle/busy/exited), uptime
+    (the rank process's age; on other hosts, the time since the pool started).
 
     Ranks still busy after ``timeout`` seconds show what this kernel knows of them; when the
     ranks could not answer for another reason, each row says why (``problem``)."""
@@ -44,15 +45,15 @@ def status_rows(pool: Any, timeout: float = 5.0) -> list[dict[str, Any]]:
         row["names"] = len(row["names"]) if isinstance(row.get("names"), list) else "-"
         if pool.remote is not None:  # on another host: what its agent reported
             running = group is not None and rank in alive_ranks(group)
-            if pool.started_at is not None:
-                row["uptime"] = time.time() - pool.started_at
+            if pool.started_at is not None:  # this kernel's monotonic clock at the start
+                row["uptime"] = time.monotonic() - pool.started_at
         else:
             try:
                 process = psutil.Process(pid)
-                row["uptime"] = time.time() - process.create_time()
+                row["uptime"] = process_age(process.pid)
                 row.setdefault("rss", process.memory_info().rss)
                 running = process.status() != psutil.STATUS_ZOMBIE
-            except (psutil.Error, TypeError, ValueError):
+            except (psutil.Error, OSError, TypeError, ValueError):
                 running = False
         busy = group is not None and group.busy(rank)
         row["state"] = "exited" if not running else ("busy" if busy else "idle")

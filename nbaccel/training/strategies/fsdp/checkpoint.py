@@ -126,18 +126,12 @@ def load_fsdp_model(
     )
 
     module = _module(model)
-    sharded_path = Path(input_dir) / f"{MODEL_NAME}_{model_index}"
-    full_path = Path(input_dir) / f"{MODEL_NAME}_{model_index}.bin"
-    if sharded_path.is_dir():
+    sharded_path, full_path = _saved(input_dir, MODEL_NAME, model_index, "model checkpoint")
+    if sharded_path is not None:
         state = {"model": get_model_state_dict(module)}
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(sharded_path)))
         set_model_state_dict(module, state["model"])
         return
-    if not full_path.is_file():
-        raise FileNotFoundError(
-            f"No FSDP model checkpoint for model {model_index} in {input_dir}: expected "
-            f"{sharded_path.name}/ (SHARDED_STATE_DICT) or {full_path.name} (FULL_STATE_DICT)."
-        )
     state = torch.load(full_path, map_location="cpu", weights_only=True) if _rank() == 0 else {}
     _check_keys(module, state)
     set_model_state_dict(module, state, options=_options(True, broadcast_from_rank0=True))
@@ -198,18 +192,14 @@ def load_fsdp_optimizer(
     )
 
     module, inner = _module(model), _inner(optimizer)
-    sharded_path = Path(input_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}"
-    full_path = Path(input_dir) / f"{OPTIMIZER_NAME}_{optimizer_index}.bin"
-    if sharded_path.is_dir():
+    sharded_path, full_path = _saved(
+        input_dir, OPTIMIZER_NAME, optimizer_index, "optimizer checkpoint"
+    )
+    if sharded_path is not None:
         state = {"optimizer": get_optimizer_state_dict(module, inner)}
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(sharded_path)))
         set_optimizer_state_dict(module, inner, state["optimizer"])
         return
-    if not full_path.is_file():
-        raise FileNotFoundError(
-            f"No FSDP optimizer checkpoint {optimizer_index} in {input_dir}: expected "
-            f"{sharded_path.name}/ (SHARDED_STATE_DICT) or {full_path.name} (FULL_STATE_DICT)."
-        )
     state = torch.load(full_path, map_location="cpu", weights_only=True) if _rank() == 0 else {}
     set_optimizer_state_dict(
         module, inner, state, options=_options(True, broadcast_from_rank0=True)
@@ -319,3 +309,20 @@ def _save_full_on_rank0(state: dict, path: Path) -> str:
         torch.save(state, path)
     _barrier()
     return str(path)
+
+
+def _saved(
+    input_dir: str | os.PathLike, stem: str, index: int, what: str
+) -> tuple[Path | None, Path]:
+    """Where ``save_fsdp_*`` put item ``index``: its sharded folder (None when it was saved as
+    one file) and its full file; neither there is a FileNotFoundError naming both."""
+    sharded = Path(input_dir) / f"{stem}_{index}"
+    full = Path(input_dir) / f"{stem}_{index}.bin"
+    if sharded.is_dir():
+        return sharded, full
+    if not full.is_file():
+        raise FileNotFoundError(
+            f"No FSDP {what} {index} in {input_dir}: expected {sharded.name}/ "
+            f"(SHARDED_STATE_DICT) or {full.name} (FULL_STATE_DICT)."
+        )
+    return None, full
