@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -236,6 +237,7 @@ def child(lib: str, mode: str, folder: Path, device: str, out: Path) -> None:
         if os.environ.get("BENCH_LOAD_DUMP"):
             torch.save(model.state_dict(), os.environ["BENCH_LOAD_DUMP"])
     print("RESULT " + json.dumps(figures), flush=True)
+    shutil.rmtree(offload, ignore_errors=True)
 
 
 def run_child(lib: str, mode: str, folder: Path, device: str, out: Path) -> dict:
@@ -291,6 +293,7 @@ def measure(size: str, modes: list[str], repeats: int, cache: Path, device: str 
             }
         rows[mode] = row
         print(f"[bench_load] {mode}: {json.dumps(row)}", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"size": size, "device": device, "repeats": repeats, "modes": rows}
 
 

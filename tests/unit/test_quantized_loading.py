@@ -293,19 +293,31 @@ THREADED = {
 
 
 @pytest.mark.parametrize("case", list(THREADED))
-def test_threaded_quantizing_is_bitwise_the_sequential_load(saved, prompts, tmp_path, case):
+def test_threaded_quantizing_is_bitwise_the_sequential_load(saved, prompts, tmp_path, case, caplog):
     from nbaccel.bigmodel.loading.tensor_copies import load_threads
 
     config, device_map = THREADED[case]
     if load_threads() < 2:
         pytest.skip("one core: the threaded and sequential loads are the same run")
-    loads = {}
+    loads, ran_on = {}, {}
+    logger = "nbaccel.bigmodel.quantization.load_quantized"
     for run in ("threaded", "sequential"):
         folder = tmp_path / run
-        with _one_core() if run == "sequential" else contextlib.nullcontext():
+        caplog.clear()
+        cores = _one_core() if run == "sequential" else contextlib.nullcontext()
+        with caplog.at_level(logging.DEBUG, logger=logger), cores:
             loads[run] = load_and_quantize_model(
                 empty_llama(saved), config(), saved, device_map=device_map, offload_folder=folder
             ).eval()
+        ran_on[run] = [
+            r.getMessage() for r in caplog.records if "weights quantized on" in r.message
+        ]
+    # every weight of a quantized layer went through the loading threads (none on this one)
+    quantized = 7 * LLAMA["num_hidden_layers"]
+    assert ran_on["threaded"][0].startswith(f"{quantized} weights quantized on "), ran_on
+    assert f"of {load_threads()} threads" in ran_on["threaded"][0]
+    assert "nbaccel-quantize" in ran_on["threaded"][0] and "MainThread" not in ran_on["threaded"][0]
+    assert "on 1 of 1 threads" in ran_on["sequential"][0]
     threaded, sequential = _bits(loads["threaded"]), _bits(loads["sequential"])
     assert threaded.keys() == sequential.keys()
     for name, t in threaded.items():

@@ -20,6 +20,7 @@ every tensor it placed on ``meta``: no half-loaded model.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import deque
@@ -55,6 +56,8 @@ from nbaccel.storage.safetensors_file import SafetensorsFile
 from nbaccel.storage.weights import checkpoint_files, open_weights
 
 __all__ = ["load_and_quantize_model"]
+
+logger = logging.getLogger(__name__)
 
 
 def _declared_devices(device_map: Any) -> set[Any]:
@@ -121,6 +124,7 @@ class _QuantizedLoad:
         self.unexpected: list[str] = []
         self.copies = TensorCopies()  # pinned streams to the GPUs that quantize
         self.lock = threading.Lock()
+        self.quantized_on: dict[str, int] = {}  # thread name -> weights it quantized
 
     def _offloaded(self, device: Any) -> bool:
         return device == "disk" or (device == "cpu" and self.main != "cpu")
@@ -232,6 +236,9 @@ class _QuantizedLoad:
                     module._parameters["weight"] = quantize_weight(module, value, target)
                 if release is not None:
                     release()
+                with self.lock:
+                    name = threading.current_thread().name
+                    self.quantized_on[name] = self.quantized_on.get(name, 0) + 1
             except Exception as err:
                 raise RuntimeError(f"Quantizing {key!r} from {path} failed: {err}") from err
 
@@ -385,6 +392,10 @@ def _load_all(load: _QuantizedLoad, tensors: Iterator, opened: list) -> None:
                 future.cancel()
     for handle in opened:
         handle.check_unchanged()  # rewritten while read: the weights may mix two files
+    logger.debug(
+        "%d weights quantized on %d of %d threads: %s",
+        sum(load.quantized_on.values()), len(load.quantized_on), threads, load.quantized_on,
+    )  # fmt: skip
 
 
 def _packed(module: nn.Module, leaf: str) -> bool:
