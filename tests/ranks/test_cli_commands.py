@@ -197,7 +197,8 @@ def test_validate_keeps_given_options_and_fills_the_rest(tmp_path):
     assert args.fsdp_sync_module_states is False
     assert args.fsdp_sharding_strategy == "SHARD_GRAD_OP"  # prefixed like its section
     assert args.deepspeed_config_file == "given"
-    assert precision_from_config and args.mixed_precision == "no"
+    # the file names no precision: "no", and not counted as the file's (Accelerate's rule)
+    assert not precision_from_config and args.mixed_precision == "no"
     assert defaults.distributed_type == "FSDP"
 
 
