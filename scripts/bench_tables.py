@@ -38,6 +38,11 @@ KNOWN: dict[str, tuple[str, str, str]] = {
         "Fewer repeats and the small offload model: a check that every section runs, not "
         "figures to quote.",
     ),
+    "gate_launch_magics_repeat3.json": (
+        "The gate's launch and magic rows, median of 3 runs",
+        "benchmarks/gate --repeat 3 --only launch,magics",
+        "The rows nearest their bounds, judged by the median of three whole runs.",
+    ),
     "first_step.json": (
         "Time to the first optimizer step of real work",
         "python benchmarks/bench_first_step.py",
