@@ -48,7 +48,7 @@ def _arguments(kind, output: str, extra: dict):
         seed=0,
         data_seed=0,
         dataloader_num_workers=0,
-        use_cpu=True,
+        use_cpu=os.environ.get("TRAINER_TEST_ON_GPU") != "1",  # the GPU lane's FSDP case
         **extra,
     )
 

@@ -229,6 +229,28 @@ def test_trainer_with_the_fsdp_config_trains_bf16_ddp_and_says_so(configs: Path)
                    "MULTI_CPU")  # fmt: skip
 
 
+@pytest.mark.gpu
+def test_trainer_with_the_fsdp_config_runs_fsdp_on_gpus(configs: Path, monkeypatch) -> None:
+    """Where Accelerate's Accelerator can run FSDP (CUDA ranks), the config's FSDP runs under
+    nbaccel launch as under accelerate launch: no CPU notice, FSDP in bf16, the same losses."""
+    from _gpu import ranks
+
+    n = ranks()
+    monkeypatch.setenv("TRAINER_TEST_ON_GPU", "1")  # _hf_trainer: TrainingArguments(use_cpu=False)
+    config = configs / "fsdp.yaml"
+    config.write_text(config.read_text().replace("num_processes: 2", f"num_processes: {n}"))
+    _accelerate(configs, "--config_file", "fsdp.yaml", str(TRAINER), str(configs / "a"))
+    result = _nbaccel(configs, "--config_file", "fsdp.yaml", str(TRAINER), str(configs / "n"))
+    assert "on CPU ranks" not in result.stdout + result.stderr
+    for rank in range(n):
+        theirs = json.loads(Path(f"{configs / 'a'}.{rank}.json").read_text())["plain"]
+        ours = json.loads(Path(f"{configs / 'n'}.{rank}.json").read_text())["plain"]
+        assert theirs["distributed_type"].endswith("FSDP"), theirs
+        assert ours["distributed_type"].endswith("FSDP") and ours["mixed_precision"] == "bf16"
+        assert ours["num_processes"] == n
+        assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-3)
+
+
 @pytest.fixture(scope="module")
 def shared_memory_op(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Accelerate runs DeepSpeed as it ships: each rank loads DeepSpeed's shared-memory op, a JIT
